@@ -1,0 +1,9 @@
+"""pfa_numba: Ascend's prompt_flash_attention on every machine, as Numba kernels.
+
+``prompt_flash_attention`` follows ``mindspore.ops.prompt_flash_attention`` argument for
+argument; ``pfa_numba.reference`` is the float64 NumPy meaning the kernels are tested against.
+"""
+from .api import prompt_flash_attention
+
+__version__ = "0.1.0"
+__all__ = ["prompt_flash_attention", "__version__"]

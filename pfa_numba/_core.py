@@ -1,0 +1,293 @@
+"""The numerics of prompt flash attention, written once for every target.
+
+Each function here is a small scalar (or row) helper compiled with ``@njit(inline='always')``:
+Numba inlines it at the IR level into whichever kernel calls it, so the same source compiles
+into the CPU kernel (``@njit(parallel=True)``) and into the CUDA kernel (``@cuda.jit``). That is
+also why they use only float32/int32/uint32 arithmetic with ``np.float32`` constants (a bare
+``0.0`` or ``math.inf`` would make GPU code fp64) and no allocation or NumPy array functions.
+
+Contents:
+
+* bit casts (:func:`f32_as_u32`, :func:`u32_as_f32`, and int32 variants) as LLVM intrinsics;
+* storage conversions: float16 / bfloat16 bits <-> float32, round to nearest, ties to even;
+* :func:`exp_f32`: a vectorisable float32 exp (Cephes polynomial) with exact -inf/+inf/NaN;
+* :func:`order_key`: an order-preserving float -> int32 map, so a row max vectorises;
+* the band predicate (:func:`band_lo`, :func:`band_hi`) of SPEC section 4.1;
+* the online-softmax steps in the triton tutorial's order (acc, l, m):
+  :func:`max_nan`, :func:`rescale_factor`, :func:`lse_value`.
+"""
+import math
+
+import numpy as np
+from numba import njit, types
+from numba.extending import intrinsic
+
+# ---------------------------------------------------------------------------------------------
+# constants
+# ---------------------------------------------------------------------------------------------
+
+#: pre/next tokens >= this value mean "no limit" (SPEC 4.1).
+TOKENS_INF = 2147483647
+#: The kernels' representation of an unlimited band side: far beyond any length, and adding
+#: or subtracting a length never overflows int64.
+BAND_INF = 1 << 62
+
+F32_ZERO = np.float32(0.0)
+F32_ONE = np.float32(1.0)
+F32_NEG_INF = np.float32(-np.inf)
+F32_POS_INF = np.float32(np.inf)
+#: The deprecated float16 additive mask adds -10000 * mask (SPEC 4.2).
+F16_MASK_SCALE = np.float32(-10000.0)
+
+# storage codes: how a tensor's elements are stored (plan -> kernels)
+CODE_F32 = 0
+CODE_F16 = 1
+CODE_BF16 = 2
+
+# mask kinds
+MASK_NONE = 0
+MASK_DISCARD = 1  # bool / int8 / uint8: nonzero = discard
+MASK_ADD_F16 = 2  # deprecated float16 mask: s += -10000 * mask
+
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_HI = np.float32(88.72283)   # above: +inf
+_EXP_LO = np.float32(-87.33654)  # below: 0 (float32 normal range)
+_P0 = np.float32(1.9875691500e-4)
+_P1 = np.float32(1.3981999507e-3)
+_P2 = np.float32(8.3334519073e-3)
+_P3 = np.float32(4.1665795894e-2)
+_P4 = np.float32(1.6666665459e-1)
+_P5 = np.float32(5.0000001201e-1)
+_HALF = np.float32(0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# bit casts
+# ---------------------------------------------------------------------------------------------
+
+def _bitcast_intrinsic(src, dst):
+    """An intrinsic reinterpreting the 32 bits of ``src`` as ``dst``.
+
+    Integer arguments of any width are first converted to ``src`` (Numba promotes uint32
+    shifts to 64 bits), so callers need no casts.
+    """
+    @intrinsic
+    def cast(typingctx, x):
+        if isinstance(src, types.Integer):
+            if not isinstance(x, types.Integer):
+                return None
+        elif x != src:
+            return None
+        sig = dst(x)
+
+        def codegen(context, builder, signature, args):
+            val = context.cast(builder, args[0], signature.args[0], src)
+            return builder.bitcast(val, context.get_value_type(dst))
+
+        return sig, codegen
+
+    return cast
+
+
+#: float32 -> its IEEE bits as uint32 (and back; int32 variants for signed tricks).
+f32_as_u32 = _bitcast_intrinsic(types.float32, types.uint32)
+u32_as_f32 = _bitcast_intrinsic(types.uint32, types.float32)
+f32_as_i32 = _bitcast_intrinsic(types.float32, types.int32)
+i32_as_f32 = _bitcast_intrinsic(types.int32, types.float32)
+
+jit = njit(inline="always")
+
+
+# ---------------------------------------------------------------------------------------------
+# storage conversions
+# ---------------------------------------------------------------------------------------------
+
+_F16_SCALE_UP = np.float32(2.0 ** 112)  # 2^(127-15): rebias a half exponent to single
+
+
+@jit
+def f16_to_f32(h):
+    """IEEE binary16 bits (any integer type) -> float32, exact (subnormals, inf, NaN)."""
+    u = np.uint32(h) & np.uint32(0xFFFF)
+    em = u & np.uint32(0x7FFF)
+    sign = (u & np.uint32(0x8000)) << np.uint32(16)
+    # normal and subnormal halves: move the bits into place and scale the exponent bias
+    mag = u32_as_f32(em << np.uint32(13)) * _F16_SCALE_UP
+    bits = f32_as_u32(mag)
+    if em >= np.uint32(0x7C00):  # inf / NaN keep their payload
+        bits = (em << np.uint32(13)) | np.uint32(0x7F800000)
+    return u32_as_f32(bits | sign)
+
+
+@jit
+def bf16_to_f32(h):
+    """bfloat16 bits -> float32 (exact: the top half of a float32)."""
+    return u32_as_f32((np.uint32(h) & np.uint32(0xFFFF)) << np.uint32(16))
+
+
+_F16_MAX_U = np.uint32((127 + 16) << 23)          # 65536.0: rounds to inf in half
+_F32_INF_U = np.uint32(255 << 23)
+_F16_MIN_NORMAL_U = np.uint32(113 << 23)          # 2^-14
+_DENORM_MAGIC_U = np.uint32(((127 - 15) + (23 - 10) + 1) << 23)
+
+
+@jit
+def f32_to_f16(x):
+    """float32 -> IEEE binary16 bits (uint16), round to nearest, ties to even.
+
+    Overflow gives +-inf, NaN stays NaN (quiet), subnormal halves are rounded correctly.
+    """
+    u = f32_as_u32(x)
+    sign = u & np.uint32(0x80000000)
+    u = u ^ sign
+    if u >= _F16_MAX_U:
+        o = np.uint32(0x7E00) if u > _F32_INF_U else np.uint32(0x7C00)
+    elif u < _F16_MIN_NORMAL_U:
+        # subnormal half (or zero): let a float add do the rounding at the right position
+        f = u32_as_f32(u) + u32_as_f32(_DENORM_MAGIC_U)
+        o = f32_as_u32(f) - _DENORM_MAGIC_U
+    else:
+        odd = (u >> np.uint32(13)) & np.uint32(1)
+        u = u + np.uint32((15 - 127) << 23) + np.uint32(0xFFF) + odd
+        o = u >> np.uint32(13)
+    return np.uint16(o | (sign >> np.uint32(16)))
+
+
+@jit
+def f32_to_bf16(x):
+    """float32 -> bfloat16 bits (uint16), round to nearest, ties to even; NaN stays NaN."""
+    u = f32_as_u32(x)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+    u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    return np.uint16(u >> np.uint32(16))
+
+
+@jit
+def widen(raw, code):
+    """One stored element -> float32 (code: CODE_F32, CODE_F16 or CODE_BF16)."""
+    if code == CODE_F16:
+        return f16_to_f32(raw)
+    if code == CODE_BF16:
+        return bf16_to_f32(raw)
+    return np.float32(raw)
+
+
+@jit
+def store(dst, idx, x, code):
+    """Write float32 ``x`` to ``dst[idx]`` in the storage of ``code`` (rounded to nearest even)."""
+    if code == CODE_F16:
+        dst[idx] = f32_to_f16(x)
+    elif code == CODE_BF16:
+        dst[idx] = f32_to_bf16(x)
+    else:
+        dst[idx] = x
+
+
+# ---------------------------------------------------------------------------------------------
+# exp and max
+# ---------------------------------------------------------------------------------------------
+
+@jit
+def exp_f32(x):
+    """float32 exp, Cephes expf polynomial (about 1 ulp): branch-free so loops vectorise.
+
+    exp(-inf) = 0, exp(+inf) = inf, exp(NaN) = NaN; results below float32's normal range are 0.
+    """
+    xc = x
+    if xc > _EXP_HI:
+        xc = _EXP_HI
+    if xc < _EXP_LO:
+        xc = _EXP_LO
+    if xc != xc:
+        xc = F32_ZERO
+    n = math.floor(xc * _LOG2E + _HALF)
+    r = xc - n * _LN2_HI - n * _LN2_LO
+    z = r * r
+    y = (((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5) * z + r + F32_ONE
+    # 2^n as two normal factors, so n = 128 (x near ln(FLT_MAX)) does not overflow early
+    ni = np.int32(n)
+    n1 = ni >> np.int32(1)
+    y = y * u32_as_f32((n1 + np.int32(127)) << np.int32(23))
+    y = y * u32_as_f32((ni - n1 + np.int32(127)) << np.int32(23))
+    if x > _EXP_HI:
+        y = F32_POS_INF
+    if x < _EXP_LO:
+        y = F32_ZERO
+    if x != x:
+        y = x
+    return y
+
+
+@jit
+def order_key(x):
+    """float32 -> int32 with the same order (-inf smallest, +NaN largest).
+
+    An integer max vectorises where a float max does not; the map is its own inverse
+    (see :func:`from_order_key`).
+    """
+    i = f32_as_i32(x)
+    return i ^ ((i >> np.int32(31)) & np.int32(0x7FFFFFFF))
+
+
+@jit
+def from_order_key(k):
+    """Inverse of :func:`order_key`."""
+    return i32_as_f32(k ^ ((k >> np.int32(31)) & np.int32(0x7FFFFFFF)))
+
+
+@jit
+def max_nan(a, b):
+    """max of two float32 that propagates NaN (a NaN running max makes the row NaN)."""
+    if a != a or b != b:
+        return a + b
+    return a if a >= b else b
+
+
+# ---------------------------------------------------------------------------------------------
+# the band (SPEC 4.1) and the online softmax
+# ---------------------------------------------------------------------------------------------
+
+@jit
+def band_lo(i, pre_e):
+    """First kv column kept by the band for query row ``i`` (before clipping to 0)."""
+    return i - pre_e
+
+
+@jit
+def band_hi(i, next_e, kl):
+    """Last kv column (inclusive) kept for row ``i``: ``min(i + nextE, kL - 1)``."""
+    hi = i + next_e
+    if hi > kl - 1:
+        hi = kl - 1
+    return hi
+
+
+@jit
+def row_band(i, pre_e, next_e, kl):
+    """The kept column range [lo, hi] of row ``i``; empty when lo > hi."""
+    lo = band_lo(i, pre_e)
+    if lo < 0:
+        lo = 0
+    return lo, band_hi(i, next_e, kl)
+
+
+@jit
+def rescale_factor(m_old, m_new):
+    """Online-softmax step 'update m/l': the factor exp(m_old - m_new) for acc and l.
+
+    A row that has kept nothing yet (m_new = -inf) keeps factor 1 (its acc and l are 0).
+    """
+    if m_new == F32_NEG_INF:
+        return F32_ONE
+    return exp_f32(m_old - m_new)
+
+
+@jit
+def lse_value(m, l):
+    """softmax_lse of a finished row: m + log(l), -inf when nothing was kept (SPEC 9)."""
+    if m == F32_NEG_INF:
+        return F32_NEG_INF
+    return m + np.float32(math.log(l))

@@ -1,0 +1,137 @@
+"""prompt_flash_attention: validate -> plan -> dispatch -> result in the caller's layout."""
+from . import _validate as V
+from . import dispatch
+from ._plan import plan
+
+
+def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths=None,
+                           actual_seq_lengths_kv=None, pse_shift=None, deq_scale1=None,
+                           quant_scale1=None, deq_scale2=None, quant_scale2=None,
+                           quant_offset2=None, num_heads=1, scale_value=1.0,
+                           pre_tokens=2147483647, next_tokens=0, input_layout='BSH',
+                           num_key_value_heads=0, sparse_mode=0, inner_precise=1, *,
+                           device=None, return_softmax_lse=False):
+    """Fused attention forward for the prompt (prefill) phase, as Ascend's PromptFlashAttention.
+
+    The arguments, their order and defaults are ``mindspore.ops.prompt_flash_attention``'s, so
+    MindSpore code runs unchanged with NumPy arrays in place of Tensors::
+
+        out = prompt_flash_attention(q, k, v, None, None, None, None, None, None, None, None,
+                                     None, num_heads, input_layout='BNSD')
+
+    Letters
+    -------
+    B batch, N query heads (``num_heads``), Nkv key/value heads (``num_key_value_heads``, 0 means
+    N), G = N / Nkv query heads per kv head (GQA; query head n reads kv head n // G), Sq query
+    length, Skv key/value length, D head dim, H = N*D, Hkv = Nkv*D. Per batch b: qL = actual
+    query length (``actual_seq_lengths``), kL = actual kv length (``actual_seq_lengths_kv``).
+
+    What it computes
+    ----------------
+    For each b, n, query row i < qL and kv column j < kL::
+
+        s[i, j] = scale_value * dot(Q[b, n, i, :], K[b, n // G, j, :])  (+ pse_shift[b|0, n, i, j])
+        keep(i, j) = band(i, j) and not attn_mask[b|0, i, j]
+        O[b, n, i, :] = sum over kept j of softmax_j(s[i, :]) * V[b, n // G, j, :]
+
+    computed tile by tile with an online softmax (running max, running sum, one division at
+    the end), in float32 whatever the input dtype; no Sq x Skv matrix is ever formed.
+    ``scale_value`` is used as given (pass 1/sqrt(D) for the usual scaling). Masked scores are
+    removed from the softmax, not added as a large negative: a masked position contributes
+    nothing and masking never produces NaN. A kept score of -inf counts as masked; +inf or NaN
+    scores make their row NaN. K/V columns j >= kL are never read.
+
+    Layouts (``input_layout``)
+    --------------------------
+    ============  ================  ====================  ================
+    layout        query             key / value           output
+    ============  ================  ====================  ================
+    'BSH'         (B, Sq, H)        (B, Skv, Hkv)         (B, Sq, H)
+    'BNSD'        (B, N, Sq, D)     (B, Nkv, Skv, D)      (B, N, Sq, D)
+    'BSND'        (B, Sq, N, D)     (B, Skv, Nkv, D)      (B, Sq, N, D)
+    'BNSD_BSND'   (B, N, Sq, D)     (B, Nkv, Skv, D)      (B, Sq, N, D)
+    'TND'         (T, N, D)         (Tkv, Nkv, D)         (T, N, D)
+    ============  ================  ====================  ================
+
+    BSH head n is columns [n*D, (n+1)*D). TND packs sequences: ``actual_seq_lengths`` and
+    ``actual_seq_lengths_kv`` are then required cumulative ends. Strided views are read in
+    place (a transposed or sliced input is not copied).
+
+    Dtypes: float16 -> float16, bfloat16 (``ml_dtypes.bfloat16``, D % 16 == 0) -> bfloat16,
+    float32 -> float32; results are rounded to nearest, ties to even.
+
+    Sparse modes: the band
+    ----------------------
+    ``band(i, j)`` holds iff ``0 <= j < kL`` and ``i - preE <= j <= i + nextE``; pictures for
+    qL = 4, kL = 6 ('x' kept, '.' dropped)::
+
+        mode 0, no mask     mode 0 + mask,        mode 2 leftUpCausal  mode 3 rightDownCausal
+        (pre/next unused)   pre=1, next=0         (preE=inf, nextE=0)  (nextE = kL - qL)
+        xxxxxx              x.....                x.....               xxx...
+        xxxxxx              xx....                xx....               xxxx..
+        xxxxxx              .xx...                xxx...               xxxxx.
+        xxxxxx              ..xx..                xxxx..               xxxxxx
+        (user mask: none)   (then attn_mask)      (mask not read)      (mask not read)
+
+        mode 1 allMask      mode 4 band, pre=1, next=0 (preE = pre - (kL - qL),
+        (band: everything,   nextE = next + (kL - qL): anchored bottom-right)
+         then attn_mask)    .xx...
+                            ..xx..
+                            ...xx.
+                            ....xx
+
+    Modes 2, 3 and 4 require a (2048, 2048)-class bool/int8/uint8 ``attn_mask`` (Ascend's
+    ``triu(ones, 1)``) and derive the band from the table above without reading it. Modes 3
+    and 4 anchor at each batch's actual (qL, kL). pre/next >= 2147483647 mean unlimited.
+    In modes 0 (with a mask) and 1, ``attn_mask`` is bool/int8/uint8 (nonzero = discard), of
+    shape (Sq, Skv), (B|1, Sq, Skv) or (B|1, 1, Sq, Skv), possibly larger in its last two axes
+    (the window [:Sq, :Skv] is used); a float16 mask (float16 query only, deprecated) is
+    additive: ``s += -10000 * mask``.
+
+    Rows with nothing to attend to
+    ------------------------------
+    Rows i >= qL, and rows whose band is empty (or kL = 0), are exact zeros. A row whose band is
+    non-empty but whose every band column is masked (user mask, or -inf score) is zero with
+    ``inner_precise`` 2 or 3, and the mean of V over its band columns with 0 or 1 (Ascend's
+    behaviour, defined here without reference to tiles).
+
+    Returns
+    -------
+    The attention output, of the query's kind (NumPy in, NumPy out) in the output layout; with
+    ``return_softmax_lse=True`` the pair ``(out, softmax_lse)`` where softmax_lse is float32
+    (B, N, Sq, 1) ((T, N, 1) for TND): ``m + log(l)`` over the kept scores, -inf for rows that
+    kept nothing. Two results over disjoint kv ranges merge exactly with
+    ``lse = logaddexp(lse1, lse2)``, ``o = o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse)``.
+
+    Differences from Ascend
+    -----------------------
+    * float32 inputs are accepted (Ascend rejects them);
+    * ``inner_precise`` 0 and 1 give bit-identical results (always float32 compute), as do 2
+      and 3; bit 1 selects the fully-masked-row rule above;
+    * results do not depend on tile sizes: the fully-masked-row mean covers the whole band;
+    * softmax_lse is -inf (not +inf) for rows with nothing kept, so merging works;
+    * ``device`` ('cpu', 'cuda', None = where the query lives) and ``return_softmax_lse`` are
+      keyword-only extensions.
+
+    Errors
+    ------
+    TypeError for wrong types and dtypes, ValueError for wrong layout names, ranks, lengths and
+    non-finite ``scale_value``, RuntimeError for the shape and argument rules of the Ascend
+    kernel (heads, head dim, masks, sparse_mode, inner_precise, pre/next signs). Every message
+    names the argument and the value received; invalid input never writes into any array.
+    """
+    V.check_device(device)
+    tensors = (query, key, value, attn_mask, pse_shift)
+    on_cuda = any(V.is_cuda_array(x) for x in tensors)
+    if device == "cuda" or (device is None and V.is_cuda_array(query)):
+        dispatch.choose(None, "cuda")  # raises with every backend's reasons until CUDA lands
+    if on_cuda:
+        raise RuntimeError("CUDA arrays as inputs need the CUDA backend, which is not part of "
+                           "this version of pfa_numba; pass NumPy arrays")
+    problem = plan(query, key, value, attn_mask, actual_seq_lengths, actual_seq_lengths_kv,
+                   pse_shift, (deq_scale1, quant_scale1, deq_scale2, quant_scale2, quant_offset2),
+                   num_heads, scale_value, pre_tokens, next_tokens, input_layout,
+                   num_key_value_heads, sparse_mode, inner_precise, return_softmax_lse)
+    backend = dispatch.choose(problem, "cpu")
+    out, lse = backend.run(problem)
+    return (out, lse) if problem.want_lse else out

@@ -1,0 +1,22 @@
+"""Tunables of pfa_numba: data, not literals.
+
+Kernels receive tile sizes as runtime arguments, so patching these values (as the tests do, with
+small odd tiles) takes effect immediately, even for kernels loaded from Numba's on-disk cache.
+Compiler flags are read once, when the kernels are compiled.
+"""
+
+#: Query rows per CPU work item, summed over the G query heads that share one kv head
+#: (a work item holds ``max(1, CPU_Q_ROWS // G)`` rows of each of those heads).
+CPU_Q_ROWS = 256
+
+#: Key/value columns per CPU tile.
+CPU_KV_COLS = 512
+
+#: LLVM fast-math flags for the CPU kernels. Only flags that keep inf/NaN semantics: masking,
+#: the -inf softmax_lse of empty rows and NaN propagation rely on them, so never 'nnan' or
+#: 'ninf' (and therefore never ``fastmath=True``). 'reassoc' lets the row sums vectorise;
+#: 'contract' allows FMA; 'arcp', 'nsz' and 'afn' cost no inf/NaN behaviour.
+CPU_FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
+
+#: Numba threads used by one call (None: numba.get_num_threads() at call time).
+CPU_THREADS = None

@@ -1,0 +1,427 @@
+"""The CPU backend: one ``@njit(parallel=True)`` tiled online-softmax kernel per storage type.
+
+Work items are (batch, kv head, query-row block). A work item holds the rows ``[i0, i0 + r)``
+of all G query heads that read one kv head, stacked into one ``(G*r, D)`` float32 block, so one
+loaded K/V tile serves the whole GQA group and the tile products are large BLAS GEMMs:
+
+    S = Q_block @ K_tile^T          (np.dot into a per-thread buffer)
+    per row: pse, fp16 mask, band / user mask (-inf), running max m, p = exp(s - m), sum l
+    acc = acc * exp(m_old - m_new) + P @ V_tile
+
+and the division by l happens once, at the end (deferred normalisation). Tiles that lie wholly
+outside the band or past kL are never visited; tiles wholly inside the band (with no user mask
+or pse) touch no per-element mask. Q/K/V are read in place through strided views of their
+memory (a flat read-only array plus element offsets), fp16/bf16 as uint16 bits widened per
+tile, so a layout change never copies and only two kernels are compiled (uint16 and float32
+storage). Per-thread buffers are O(rows x kv tile); no Sq x Skv matrix exists. Each work item
+is computed by one thread in a fixed order, so results do not depend on the thread count.
+"""
+import threading
+
+import numba
+import numpy as np
+import scipy.linalg.cython_blas  # noqa: F401  (loads the BLAS that np.dot in njit calls)
+from numba import njit, prange
+from numpy.lib.stride_tricks import as_strided
+
+from . import config
+from ._core import (CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, F16_MASK_SCALE, MASK_ADD_F16,
+                    MASK_DISCARD, exp_f32, f16_to_f32, from_order_key, lse_value, max_nan,
+                    order_key, rescale_factor, row_band, store, widen)
+
+_FM = set(config.CPU_FASTMATH)
+
+# rows of the geometry arrays (strides: (7, 3) int64 in elements; boff: (7, B) int64)
+T_Q, T_K, T_V, T_O, T_L, T_M, T_P = range(7)
+# params vector
+(P_N, P_G, P_D, P_CODE, P_MASK, P_PSE, P_IP, P_LSE, P_ROWS, P_COLS, P_THREADS) = range(11)
+
+
+# ---------------------------------------------------------------------------------------------
+# row helpers (CPU-only: they loop over rows of per-thread buffers)
+# ---------------------------------------------------------------------------------------------
+
+@njit(fastmath=_FM, cache=True)
+def _load_row(dst, src, off, stride, n, code, factor):
+    """dst[:n] = widen(src[off + d*stride]) * factor; returns a value that is 0 iff all finite."""
+    chk = F32_ZERO
+    if stride == 1:
+        seg = src[off:off + n]
+        for d in range(n):
+            x = widen(seg[d], code) * factor
+            dst[d] = x
+            chk += x * F32_ZERO
+    else:
+        for d in range(n):
+            x = widen(src[off + d * stride], code) * factor
+            dst[d] = x
+            chk += x * F32_ZERO
+    return chk
+
+
+@njit(fastmath=_FM, cache=True)
+def _row_max(row, n):
+    """max of row[:n] through order-preserving int keys (vectorises; -inf / NaN exact)."""
+    mk = order_key(F32_NEG_INF)
+    for c in range(n):
+        kx = order_key(row[c])
+        mk = kx if kx > mk else mk
+    return from_order_key(mk)
+
+
+@njit(fastmath=_FM, cache=True)
+def _exp_row(row, n, m):
+    """row[:n] = exp(row[:n] - m) in place; returns the sum."""
+    s = F32_ZERO
+    for c in range(n):
+        p = exp_f32(row[c] - m)
+        row[c] = p
+        s += p
+    return s
+
+
+@njit(fastmath=_FM, cache=True)
+def _mask_row(srow, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask16, moff, msk, mask_kind,
+              pse, poff, psk, has_pse, code):
+    """Scores of one row of one tile -> pse added, fp16 mask added, dropped columns at -inf."""
+    if has_pse:
+        for c in range(nc):
+            srow[c] += widen(pse[poff + c * psk], code)
+    if mask_kind == MASK_ADD_F16:
+        for c in range(nc):
+            srow[c] += F16_MASK_SCALE * f16_to_f32(mask16[moff + c * msk])
+    lo = 0
+    hi = nc - 1
+    if not inside:
+        blo, bhi = row_band(i, pre_e, next_e, kl)
+        lo = max(blo - j0, 0)
+        hi = min(bhi - j0, nc - 1)
+        for c in range(min(lo, nc)):
+            srow[c] = F32_NEG_INF
+        for c in range(max(hi + 1, 0), nc):
+            srow[c] = F32_NEG_INF
+    if mask_kind == MASK_DISCARD:
+        for c in range(lo, hi + 1):
+            if mask8[moff + c * msk] != 0:
+                srow[c] = F32_NEG_INF
+
+
+@njit(fastmath=_FM, cache=True)
+def _block(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, scale, b, g, i0,
+           qb, sb, tb, acc, kb, vb, m, l, alpha):
+    """One work item: rows [i0, i0 + r) of the G query heads of kv head g in batch b."""
+    G = params[P_G]
+    D = params[P_D]
+    code = params[P_CODE]
+    mask_kind = params[P_MASK]
+    has_pse = params[P_PSE] != 0
+    inner_precise = params[P_IP]
+    want_lse = params[P_LSE] != 0
+    rph = params[P_ROWS]
+    tk = params[P_COLS]
+    ql = lens[0, b]
+    kl = lens[1, b]
+    pre_e = lens[2, b]
+    next_e = lens[3, b]
+    i1 = min(i0 + rph, ql)
+    nr = i1 - i0
+    R = G * nr
+    # the kv columns any row of this block may keep (tiles outside are skipped)
+    jstart = max(i0 - pre_e, 0)
+    jend = min(i1 - 1 + next_e + 1, kl)
+
+    a2 = acc[:R * D].reshape(R, D)
+    if jstart < jend:
+        q2 = qb[:R * D].reshape(R, D)
+        for rr in range(R):
+            h = rr // nr
+            off = boff[T_Q, b] + (g * G + h) * strides[T_Q, 0] + (i0 + rr - h * nr) * strides[T_Q, 1]
+            _load_row(q2[rr], q, off, strides[T_Q, 2], D, code, scale)
+            m[rr] = F32_NEG_INF
+            l[rr] = F32_ZERO
+        a2[:, :] = F32_ZERO
+        k_base = boff[T_K, b] + g * strides[T_K, 0]
+        v_base = boff[T_V, b] + g * strides[T_V, 0]
+        any_user = mask_kind != 0 or has_pse
+        for j0 in range(jstart, jend, tk):
+            j1 = min(j0 + tk, jend)
+            nc = j1 - j0
+            k2 = kb[:nc * D].reshape(nc, D)
+            v2 = vb[:nc * D].reshape(nc, D)
+            vchk = F32_ZERO
+            for c in range(nc):
+                _load_row(k2[c], k, k_base + (j0 + c) * strides[T_K, 1], strides[T_K, 2], D,
+                          code, F32_ONE)
+                vchk += _load_row(v2[c], v, v_base + (j0 + c) * strides[T_V, 1],
+                                  strides[T_V, 2], D, code, F32_ONE)
+            s2 = sb[:R * nc].reshape(R, nc)
+            # step 1: scores
+            np.dot(q2, k2.T, s2)
+            inside = (i1 - 1) - pre_e <= j0 and j1 - 1 <= i0 + next_e
+            # step 2: update m and l, p = exp(s - m) in place
+            for rr in range(R):
+                h = rr // nr
+                i = i0 + rr - h * nr
+                srow = s2[rr]
+                if any_user or not inside:
+                    n = g * G + h
+                    _mask_row(srow, nc, j0, i, kl, pre_e, next_e, inside,
+                              mask8, mask16, boff[T_M, b] + i * strides[T_M, 1] + j0 * strides[T_M, 2],
+                              strides[T_M, 2], mask_kind, pse,
+                              boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1] + j0 * strides[T_P, 2],
+                              strides[T_P, 2], has_pse, code)
+                m_old = m[rr]
+                m_new = max_nan(m_old, _row_max(srow, nc))
+                if m_new == F32_NEG_INF:
+                    srow[:] = F32_ZERO
+                    alpha[rr] = F32_ONE
+                    continue
+                a = rescale_factor(m_old, m_new)
+                l[rr] = l[rr] * a + _exp_row(srow, nc, m_new)
+                m[rr] = m_new
+                alpha[rr] = a
+            # step 3: rescale acc and add P @ V
+            if vchk == F32_ZERO:
+                t2 = tb[:R * D].reshape(R, D)
+                np.dot(s2, v2, t2)
+                for rr in range(R):
+                    arow = a2[rr]
+                    trow = t2[rr]
+                    a = alpha[rr]
+                    for d in range(D):
+                        arow[d] = arow[d] * a + trow[d]
+            else:
+                # non-finite V in this tile: BLAS would turn 0 * inf into NaN for rows that do
+                # not read that column, so add only the columns each row keeps
+                for rr in range(R):
+                    arow = a2[rr]
+                    a = alpha[rr]
+                    for d in range(D):
+                        arow[d] = arow[d] * a
+                    for c in range(nc):
+                        p = s2[rr, c]
+                        if p != F32_ZERO:
+                            vrow = v2[c]
+                            for d in range(D):
+                                arow[d] += p * vrow[d]
+
+    # finalize: deferred division, rounding to the output storage, softmax_lse
+    for rr in range(R):
+        h = rr // nr
+        i = i0 + rr - h * nr
+        n = g * G + h
+        o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
+        osd = strides[T_O, 2]
+        mm = m[rr] if jstart < jend else F32_NEG_INF
+        if mm != F32_NEG_INF:
+            lr = l[rr]
+            arow = a2[rr]
+            for d in range(D):
+                store(out, o_off + d * osd, arow[d] / lr, code)
+            if want_lse:
+                lse[boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]] = lse_value(mm, lr)
+        elif inner_precise < 2:
+            # SPEC 5: band non-empty but every band column masked -> mean of V over the band
+            lo, hi = row_band(i, pre_e, next_e, kl)
+            if lo <= hi:
+                trow = tb[:D]
+                trow[:] = F32_ZERO
+                for j in range(lo, hi + 1):
+                    off = boff[T_V, b] + g * strides[T_V, 0] + j * strides[T_V, 1]
+                    for d in range(D):
+                        trow[d] += widen(v[off + d * strides[T_V, 2]], code)
+                cnt = np.float32(hi - lo + 1)
+                for d in range(D):
+                    store(out, o_off + d * osd, trow[d] / cnt, code)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _attention(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, work, params, scale):
+    """Run every work item; thread t takes items t, t + T, ... (items are sorted by cost)."""
+    G = params[P_G]
+    D = params[P_D]
+    rows = G * params[P_ROWS]
+    tk = params[P_COLS]
+    nthr = params[P_THREADS]
+    n_items = work.shape[0]
+    for t in prange(nthr):
+        qb = np.empty(rows * D, np.float32)
+        sb = np.empty(rows * tk, np.float32)
+        tb = np.empty(rows * D, np.float32)
+        acc = np.empty(rows * D, np.float32)
+        kb = np.empty(tk * D, np.float32)
+        vb = np.empty(tk * D, np.float32)
+        m = np.empty(rows, np.float32)
+        l = np.empty(rows, np.float32)
+        alpha = np.empty(rows, np.float32)
+        for w in range(t, n_items, nthr):
+            _block(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, scale,
+                   work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, m, l, alpha)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side: flat views, geometry, work items
+# ---------------------------------------------------------------------------------------------
+
+def _readonly_dummy(dtype):
+    a = np.zeros(1, dtype=dtype)
+    a.flags.writeable = False
+    return a
+
+
+def flat_view(x, storage):
+    """A read-only 1-D array over the memory of strided ``x`` (no copy), with the element offset
+    of ``x[0, ..., 0]`` in it and ``x``'s strides in elements.
+
+    ``storage`` reinterprets the elements (uint16 for fp16/bf16, uint8 for bool masks)."""
+    x = x.view(storage)
+    if x.size == 0:
+        return _readonly_dummy(storage), 0, (0,) * x.ndim
+    it = x.itemsize
+    if any(s % it for s in x.strides) or not x.flags.aligned:
+        x = np.ascontiguousarray(x)  # exotic byte strides only; ordinary views never copy
+    lo = sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s > 0)
+    corner = x[tuple(slice(n - 1, n) if s < 0 else slice(0, 1) for n, s in zip(x.shape, x.strides))]
+    flat = as_strided(corner, shape=((hi - lo) // it + 1,), strides=(it,), writeable=False)
+    return flat, -lo // it, tuple(s // it for s in x.strides)
+
+
+def _storage(code):
+    return np.float32 if code == CODE_F32 else np.uint16
+
+
+def _geometry(p, out, lse):
+    """Flat arrays, (7, 3) strides and (7, B) batch offsets for the kernel."""
+    st = _storage(p.code)
+    strides = np.zeros((7, 3), np.int64)
+    boff = np.zeros((7, max(p.B, 1)), np.int64)
+    bidx = np.arange(p.B, dtype=np.int64)
+
+    def put(row, x, start=None, axes=(1, 2, 3)):
+        flat, origin, s = flat_view(x, st if row != T_M else x.dtype)
+        if start is None:   # padded: x is (B, ...)
+            boff[row, :p.B] = origin + bidx * (s[0] if x.shape[0] > 1 else 0)
+            strides[row, :len(axes)] = [s[a] for a in axes]
+        else:               # packed TND: x is (T, N, D); batch b starts at row start[b]
+            boff[row, :p.B] = origin + start * s[0]
+            strides[row, :3] = [s[1], s[0], s[2]]
+        return flat
+
+    if p.packed:
+        qf = put(T_Q, p.q, p.q_start)
+        kf = put(T_K, p.k, p.kv_start)
+        vf = put(T_V, p.v, p.kv_start)
+    else:
+        qf, kf, vf = put(T_Q, p.q), put(T_K, p.k), put(T_V, p.v)
+
+    ov = p.out_view(out)
+    o_flat = out.reshape(-1).view(st)
+    o_s = [s // out.itemsize for s in ov.strides]
+    if p.packed:
+        boff[T_O, :p.B] = p.q_start * o_s[0]
+        strides[T_O] = [o_s[1], o_s[0], o_s[2]]
+    else:
+        boff[T_O, :p.B] = bidx * o_s[0]
+        strides[T_O] = o_s[1:]
+    if lse is not None:
+        lv = p.lse_view(lse)
+        l_s = [s // 4 for s in lv.strides]
+        l_flat = lse.reshape(-1)
+        if p.packed:
+            boff[T_L, :p.B] = p.q_start * l_s[0]
+            strides[T_L, :2] = [l_s[1], l_s[0]]
+        else:
+            boff[T_L, :p.B] = bidx * l_s[0]
+            strides[T_L, :2] = l_s[1:]
+    else:
+        l_flat = np.full(1, -np.inf, np.float32)
+
+    mask8, mask16 = _readonly_dummy(np.uint8), _readonly_dummy(np.uint16)
+    if p.mask is not None:
+        storage = np.uint16 if p.mask.dtype == np.float16 else np.uint8
+        flat, origin, s = flat_view(p.mask, storage)
+        boff[T_M, :p.B] = origin + bidx * (s[0] if p.mask.shape[0] > 1 else 0)
+        strides[T_M, 1:] = s[1:]
+        if storage == np.uint16:
+            mask16 = flat
+        else:
+            mask8 = flat
+    pse = _readonly_dummy(st)
+    if p.pse is not None:
+        pse = put(T_P, p.pse, None, axes=(1, 2, 3))
+    return qf, kf, vf, o_flat, l_flat, mask8, mask16, pse, strides, boff
+
+
+def _work_items(p, rows_per_head):
+    """(b, kv head, i0) for every block with rows to compute, most expensive first."""
+    tiles = -(-p.qlen // rows_per_head)
+    b = np.repeat(np.arange(p.B, dtype=np.int64), tiles)
+    first = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    i0 = (np.arange(b.size, dtype=np.int64) - first) * rows_per_head
+    # estimated cost: band columns of the block
+    i1 = np.minimum(i0 + rows_per_head, p.qlen[b])
+    lo = np.maximum(i0 - p.pre_e[b], 0)
+    hi = np.minimum(i1 - 1 + p.next_e[b] + 1, p.klen[b])
+    cost = np.maximum(hi - lo, 0) * (i1 - i0)
+    order = np.argsort(-cost, kind="stable")
+    b, i0 = b[order], i0[order]
+    g = np.arange(p.Nkv, dtype=np.int64)
+    work = np.empty((b.size * p.Nkv, 3), np.int64)
+    work[:, 0] = np.repeat(b, p.Nkv)
+    work[:, 1] = np.tile(g, b.size)
+    work[:, 2] = np.repeat(i0, p.Nkv)
+    return work
+
+
+class _BlasOneThread:
+    """Holds the BLAS libraries to one thread while the parallel kernel runs (cheap, cached),
+    and serialises calls: Numba's parallel runtime and BLAS limits are process-wide."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._controller = None
+
+    def __enter__(self):
+        self._lock.acquire()
+        try:
+            if self._controller is None:
+                from threadpoolctl import ThreadpoolController
+                self._controller = ThreadpoolController()
+            self._limit = self._controller.limit(limits=1, user_api="blas")
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self._limit.restore_original_limits()
+        finally:
+            self._lock.release()
+
+
+_blas_one_thread = _BlasOneThread()
+
+
+def run(p):
+    """Compute a planned problem on the CPU; returns (out, lse or None) as NumPy arrays."""
+    out = np.zeros(p.out_shape, dtype=p.out_dtype)
+    lse = np.full(p.lse_shape, -np.inf, dtype=np.float32) if p.want_lse else None
+    if out.size == 0 or p.B == 0 or p.Skv == 0 and not p.packed:
+        return out, lse
+    rows_per_head = max(1, int(config.CPU_Q_ROWS) // p.G)
+    kv_cols = max(1, int(config.CPU_KV_COLS))
+    work = _work_items(p, rows_per_head)
+    if work.shape[0] == 0:
+        return out, lse
+    nthreads = config.CPU_THREADS or numba.get_num_threads()
+    nthreads = max(1, min(int(nthreads), work.shape[0]))
+    params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None, p.inner_precise,
+                       lse is not None, rows_per_head, kv_cols, nthreads], dtype=np.int64)
+    lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e]).astype(np.int64)
+    qf, kf, vf, o_flat, l_flat, mask8, mask16, pse, strides, boff = _geometry(p, out, lse)
+    with _blas_one_thread:
+        _attention(qf, kf, vf, o_flat, l_flat, mask8, mask16, pse, strides, boff, lens, work,
+                   params, np.float32(p.scale))
+    return out, lse

@@ -1,0 +1,69 @@
+"""Choose a backend by device and dtype, and explain every refusal.
+
+Each backend declares what it supports; :func:`choose` returns the first that accepts the
+problem, or raises one RuntimeError listing every backend's reasons.
+"""
+import importlib.util
+
+from . import _validate as V
+
+
+class CpuBackend:
+    name = "cpu"
+    devices = ("cpu",)
+    dtypes = ("float16", "bfloat16", "float32")
+    layouts = V.LAYOUTS
+    max_head_dim = V.MAX_HEAD_DIM
+
+    def not_supported_reasons(self, problem, device):
+        reasons = []
+        if device not in self.devices:
+            reasons.append(f"runs on the CPU, not on {device!r}")
+        if problem is not None and V.dtype_name(problem.dtype) not in self.dtypes:
+            reasons.append(f"dtype {V.dtype_name(problem.dtype)} is not supported")
+        return reasons
+
+    def run(self, problem):
+        from . import cpu
+        return cpu.run(problem)
+
+
+class CudaBackend:
+    name = "cuda"
+    devices = ("cuda",)
+
+    def not_supported_reasons(self, problem, device):
+        reasons = []
+        if device not in self.devices:
+            reasons.append(f"runs on CUDA devices, not on {device!r}")
+            return reasons
+        if importlib.util.find_spec("numba_cuda") is None:
+            reasons.append("numba-cuda is not installed (pip install 'pfa_numba[cuda]')")
+        else:
+            try:
+                from numba import cuda
+                if not cuda.is_available():
+                    reasons.append("no CUDA device (numba.cuda.is_available() is False)")
+            except Exception as exc:  # a broken driver must not hide the other reasons
+                reasons.append(f"the CUDA driver could not be loaded ({exc})")
+        reasons.append("the CUDA kernel is not part of this version of pfa_numba")
+        return reasons
+
+    def run(self, problem):  # pragma: no cover - unreachable until the CUDA kernel lands
+        raise RuntimeError("cuda: the CUDA kernel is not part of this version of pfa_numba")
+
+
+BACKENDS = (CpuBackend(), CudaBackend())
+
+
+def choose(problem, device):
+    """The backend that computes ``problem`` on ``device`` ('cpu' or 'cuda')."""
+    reasons = []
+    for backend in BACKENDS:
+        why = backend.not_supported_reasons(problem, device)
+        if not why:
+            return backend
+        if device in backend.devices:
+            reasons.extend(f"{backend.name}: {r}" for r in why)
+    raise RuntimeError(f"no pfa_numba backend can run this call on device={device!r}:\n  "
+                       + "\n  ".join(reasons))
