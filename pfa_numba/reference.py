@@ -18,6 +18,8 @@ Public functions
 ``keep_mask(Sq, Skv, qL, kL, ...)``
     The boolean (Sq, Skv) keep-mask of SPEC §4.1 (band), optionally intersected with a user
     discard mask (§4.2).  Handy for drawing the band in notebooks.
+``band_edges(qL, kL, ...)``
+    The (preE, nextE) pair of the §4.1 table that ``keep_mask`` uses (ints or ``math.inf``).
 ``trans_quant_param(scale)``
     Ascend's packed uint64 form of a float32 dequantization scale (SPEC §8).
 
@@ -30,7 +32,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-__all__ = ["prompt_flash_attention", "keep_mask", "trans_quant_param"]
+__all__ = ["prompt_flash_attention", "keep_mask", "band_edges", "trans_quant_param"]
 
 #: pre_tokens / next_tokens at or above this value mean "+infinity" (SPEC §4.1).
 INF_TOKENS = 2147483647

@@ -11,7 +11,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pfa_numba import reference as ref
 from pfa_numba.reference import keep_mask, prompt_flash_attention, trans_quant_param
 
 INF = 2147483647
@@ -785,6 +784,18 @@ def test_deq_scale_uint64_equals_truncated_float32():
              .view(np.float32).reshape(1) for x in (0.1, 0.37)]
     plain = bnsd(q, k, v, deq_scale1=trunc[0], quant_scale1=qs1, deq_scale2=trunc[1])
     np.testing.assert_array_equal(packed, plain)
+    # hand-packed uint64 whose 13 low mantissa bits are set: they are dropped on decoding.
+    # One kv column, E = 1, P8 = 127, v = 127: O = fp16(deq2 * 16129).  deq2 bits 0x3F801FFF
+    # (1 + 8191 * 2**-23) would give fp16(16144.75) = 16144; dropped to 1.0: fp16(16129) = 16128.
+    ones = np.ones((1, 1, 1, 1), np.int8)
+    raw = np.array([0x3F801FFF | (1 << 46)], np.uint64)
+    out = bnsd(ones, ones, 127 * ones, deq_scale1=raw, quant_scale1=np.array([127.0], np.float32),
+               deq_scale2=raw)
+    assert out[0, 0, 0, 0] == 16128.0
+    out = bnsd(ones, ones, 127 * ones, deq_scale1=np.array([1.0], np.float32),
+               quant_scale1=np.array([127.0], np.float32),
+               deq_scale2=np.array(0x3F801FFF, np.uint32).view(np.float32).reshape(1))
+    assert out[0, 0, 0, 0] == 16144.0                               # float32 used as is
     # float32 scales are used as is: 0.37f is not the truncated value, output differs
     untrunc = bnsd(q, k, v, deq_scale1=trunc[0], quant_scale1=qs1,
                    deq_scale2=np.array([0.37], np.float32))
