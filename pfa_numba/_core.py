@@ -203,7 +203,10 @@ def exp_f32(x):
         xc = _EXP_LO
     if xc != xc:
         xc = F32_ZERO
-    n = math.floor(xc * _LOG2E + _HALF)
+    t = xc * _LOG2E + _HALF
+    n = np.float32(np.int32(t))       # floor(t) in float32 (math.floor would give int64)
+    if n > t:
+        n = n - F32_ONE
     r = xc - n * _LN2_HI - n * _LN2_LO
     z = r * r
     y = (((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5) * z + r + F32_ONE

@@ -1,0 +1,130 @@
+"""``python -m pfa_numba demo | info``: the main job and a look at this installation."""
+import argparse
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+
+def _median_time(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def naive_attention(q, k, v, scale, keep):
+    """Plain NumPy attention in float32 on (B, N, S, D) arrays, materialising the scores."""
+    g = q.shape[1] // k.shape[1]
+    k = np.repeat(k.astype(np.float32), g, axis=1)
+    v = np.repeat(v.astype(np.float32), g, axis=1)
+    s = np.matmul(q.astype(np.float32), k.swapaxes(-1, -2)) * np.float32(scale)
+    s = np.where(keep, s, -np.inf)
+    s -= s.max(axis=-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.matmul(p, v)
+
+
+def demo(args):
+    from pfa_numba import prompt_flash_attention, reference
+
+    print("pfa_numba demo: Ascend prompt_flash_attention on the CPU\n")
+    print("1. The MindSpore call, unchanged, on NumPy arrays:")
+    q = k = v = np.ones((1, 16, 256, 16), dtype=np.float16)
+    t0 = time.perf_counter()
+    out = prompt_flash_attention(q, k, v, None, None, None, None, None, None, None, None, None,
+                                 16, input_layout='BNSD')
+    print(f"   out.shape = {out.shape}, dtype {out.dtype}, all ones: {bool(np.all(out == 1))} "
+          f"(first call {time.perf_counter() - t0:.2f} s, JIT or cache load included)\n")
+
+    b, n, nkv, s, d = 1, 16, 4, args.seq, 128
+    print(f"2. A prefill: B={b}, N={n} query heads over Nkv={nkv} kv heads (GQA), Sq=Skv={s}, "
+          f"D={d}, float16, causal (sparse_mode 3), scale 1/sqrt(D), layout BSH")
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((b, s, n * d)).astype(np.float16)
+    k = rng.standard_normal((b, s, nkv * d)).astype(np.float16)
+    v = rng.standard_normal((b, s, nkv * d)).astype(np.float16)
+    mask = np.triu(np.ones((2048, 2048), dtype=bool), 1)
+    kw = dict(num_heads=n, num_key_value_heads=nkv, scale_value=1 / np.sqrt(d),
+              input_layout="BSH", sparse_mode=3)
+    out = prompt_flash_attention(q, k, v, mask, **kw)
+    ref = reference.prompt_flash_attention(q, k, v, mask, **kw)
+    err = float(np.abs(out.astype(np.float64) - ref).max())
+    low = reference.prompt_flash_attention(q, k, v, mask, **kw, compute_dtype=np.float16)
+    err_low = float(np.abs(low - ref).max())
+    ok = err <= 2 * err_low + 1e-3
+    print(f"   max |pfa_numba - reference (float64)| = {err:.2e}  (the reference itself run in "
+          f"float16: {err_low:.2e})  -> {'OK' if ok else 'MISMATCH'}")
+
+    flops = 4 * b * n * s * s * d / 2  # causal: half of the dense work
+    t_pfa = _median_time(lambda: prompt_flash_attention(q, k, v, mask, **kw), args.repeats)
+    q4 = q.reshape(b, s, n, d).transpose(0, 2, 1, 3)
+    k4 = k.reshape(b, s, nkv, d).transpose(0, 2, 1, 3)
+    v4 = v.reshape(b, s, nkv, d).transpose(0, 2, 1, 3)
+    keep = np.tril(np.ones((s, s), dtype=bool))
+    t_np = _median_time(lambda: naive_attention(q4, k4, v4, 1 / np.sqrt(d), keep), args.repeats)
+    rows = [("pfa_numba (CPU)", t_pfa), ("NumPy naive (float32)", t_np)]
+    try:
+        import torch
+        import torch.nn.functional as F
+        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x)) for x in (q4, k4, v4))
+        sdpa = lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True,  # noqa: E731
+                                                      scale=1 / np.sqrt(d), enable_gqa=True)
+        sdpa()
+        rows.append((f"torch {torch.__version__} SDPA (float16)",
+                     _median_time(sdpa, args.repeats)))
+    except ImportError:
+        pass
+    print(f"\n   {'implementation':34s} {'median time':>12s} {'TFLOP/s':>8s} {'vs pfa_numba':>13s}")
+    for name, t in rows:
+        print(f"   {name:34s} {t * 1e3:9.1f} ms {flops / t / 1e12:8.3f} {t / t_pfa:12.2f}x")
+    import numba
+    print(f"\n   ({numba.get_num_threads()} threads, median of {args.repeats}; "
+          f"'vs pfa_numba' > 1 means pfa_numba is faster)")
+    return 0 if ok else 1
+
+
+def info(args):
+    import numba
+
+    import pfa_numba
+    from pfa_numba import dispatch
+    print(f"pfa_numba {pfa_numba.__version__} on Python {platform.python_version()} "
+          f"({platform.machine()})")
+    for mod in ("numpy", "numba", "llvmlite", "scipy", "ml_dtypes", "threadpoolctl"):
+        try:
+            m = __import__(mod)
+            print(f"  {mod:14s} {getattr(m, '__version__', '?')}")
+        except ImportError:
+            print(f"  {mod:14s} not installed")
+    print(f"  threads        {numba.get_num_threads()} (NUMBA_NUM_THREADS), threading layer "
+          f"{numba.config.THREADING_LAYER}")
+    print(f"  cache          {numba.config.CACHE_DIR or os.path.dirname(pfa_numba.__file__)}")
+    for backend in dispatch.BACKENDS:
+        device = backend.devices[0]
+        why = backend.not_supported_reasons(None, device)
+        print(f"  backend {backend.name:6s} " + ("available" if not why else
+                                               "unavailable: " + "; ".join(why)))
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m pfa_numba", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("demo", help="the seed example and a realistic prefill, checked and timed")
+    p.add_argument("--seq", type=int, default=1024, help="sequence length of the prefill")
+    p.add_argument("--repeats", type=int, default=5)
+    p.set_defaults(fn=demo)
+    p = sub.add_parser("info", help="versions, backends, threads, cache location")
+    p.set_defaults(fn=info)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The shared numerics compile for CUDA (no GPU needed) and stay free of fp64.
+
+Runs in its own pytest process: ``cuda.compile_ptx`` needs the real numba.cuda, which the CUDA
+simulator (another process) replaces.
+"""
+import re
+
+import numpy as np
+import pytest
+
+cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is in the test extra")
+from numba import types  # noqa: E402
+
+from pfa_numba import _core as C  # noqa: E402
+
+
+def _probe(out_f, out_u, inp_f, inp_u, code):
+    """Calls every helper of _core once, so each is compiled into the kernel."""
+    i = cuda.grid(1)
+    x = inp_f[i]
+    h = inp_u[i]
+    a = C.f16_to_f32(h) + C.bf16_to_f32(h) + C.widen(h, code)
+    C.store(out_u, i, x, code)
+    out_u[i] += C.f32_to_f16(x) + C.f32_to_bf16(x)
+    e = C.exp_f32(x)
+    y = C.from_order_key(C.order_key(x))
+    m = C.max_nan(x, y)
+    lo, hi = C.row_band(i, np.int64(3), np.int64(5), np.int64(100))
+    r = C.rescale_factor(x, m)
+    lse = C.lse_value(m, e + C.F32_ONE)
+    lo2 = C.band_lo(i, np.int64(2))
+    hi2 = C.band_hi(i, np.int64(2), np.int64(50))
+    out_f[i] = a + e + m + r + lse + np.float32(lo + hi + lo2 + hi2)
+
+
+SIG = (types.float32[::1], types.uint16[::1], types.float32[::1], types.uint16[::1],
+       types.int64)
+F64 = re.compile(r"\.f64\b")
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm_80", "sm_90"])
+def test_core_helpers_compile_without_fp64(cc):
+    ptx, _ = cuda.compile_ptx(_probe, SIG, cc=cc)
+    bad = [line.strip() for line in ptx.splitlines() if F64.search(line)]
+    assert not bad, "fp64 instructions in PTX:\n" + "\n".join(bad[:20])
+    assert "ex2.approx" in ptx or "mul.f32" in ptx
