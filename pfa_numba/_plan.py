@@ -269,15 +269,19 @@ def plan(query, key, value, attn_mask, actual_seq_lengths, actual_seq_lengths_kv
     for name, x in (("query", query), ("key", key), ("value", value)):
         V.check_array(name, x)
     dtype = V.check_qkv_dtypes(query, key, value)
-    given_quant = [name for name, x in zip(_QUANT_ARGS, quant) if x is not None]
-    if dtype == V.I8 or given_quant:
-        what = "int8 query/key/value" if dtype == V.I8 else ", ".join(given_quant)
-        raise NotImplementedError(f"int8 quantization ({what}) is not implemented in this "
-                                  f"version of pfa_numba")
+    quant = dict(zip(_QUANT_ARGS, quant))
+    is_quant = dtype == V.I8 or any(x is not None for x in quant.values())
     for name, x in (("query", query), ("key", key), ("value", value)):
         V.check_rank(name, x, layout)
 
     n, nkv, d = _heads_and_dims(layout, query, key, value, num_heads, num_key_value_heads)
+    qparams = None
+    if is_quant:
+        if layout == "TND":
+            given = [k for k, x in quant.items() if x is not None] or ["int8 query"]
+            raise RuntimeError(f"input_layout 'TND' supports no quantization, got "
+                               f"{', '.join(given)}")
+        qparams = plan_quant(dtype, quant, n, d)
     if n > V.MAX_HEADS:
         raise RuntimeError(f"num_heads must be <= {V.MAX_HEADS}, got {n}")
     if n % nkv:
@@ -358,13 +362,130 @@ def plan(query, key, value, attn_mask, actual_seq_lengths, actual_seq_lengths_kv
     else:
         _check_band_mask(attn_mask, sparse_mode, batch)
         if sparse_mode == 4:
-            V.check_band_signs(pre_tokens, next_tokens, "sparse_mode 4")
+            V.check_band_signs(pre_tokens, next_tokens, "sparse_mode 4",
+                               int8_out=qparams is not None and qparams.out_dtype == V.I8)
     pse = None if pse_shift is None else _pse(pse_shift, dtype, batch, n, sq, skv)
     pre_e, next_e = _band_edges(sparse_mode, attn_mask is not None, pre_tokens, next_tokens,
                                 qlen, klen)
 
+    if qparams is not None:
+        raise NotImplementedError(f"int8 quantization ({qparams.kind}) is not implemented in "
+                                  f"this version of pfa_numba")
     return Problem(layout=layout, B=batch, N=n, Nkv=nkv, G=g, Sq=sq, Skv=skv, D=d, dtype=dtype,
                    out_dtype=dtype, code=storage_code(dtype), q=q4, k=k4, v=v4,
                    q_start=q_start, kv_start=kv_start, qlen=qlen, klen=klen, pre_e=pre_e,
                    next_e=next_e, mask_kind=mask_kind, mask=mask, pse=pse, scale=scale,
                    inner_precise=inner_precise, want_lse=want_lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization (SPEC 8)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class QuantParams:
+    kind: str                 # 'int8->int8', 'int8->float16' or 'float->int8'
+    out_dtype: np.dtype
+    deq1: float               # decoded float32 scales (0 where unused)
+    quant1: float
+    deq2: float
+    scale2: Optional[np.ndarray]    # float32 (H,) (per-channel) or (1,) (per-tensor)
+    offset2: Optional[np.ndarray]
+
+
+def _scale_array(name, x):
+    V.check_array(name, x)
+    return x
+
+
+def decode_deq_scale(x):
+    """deq_scale as float32: uint64 is Ascend's packed form float32_from_bits(u64 & 0xFFFFE000)."""
+    if x.dtype == np.uint64:
+        bits = (x.reshape(-1) & np.uint64(0xFFFFE000)).astype(np.uint32)
+        return float(bits.view(np.float32)[0])
+    return float(x.reshape(-1)[0])
+
+
+def plan_quant(dtype, quant, n, d):
+    """Check the quantization arguments against SPEC 8's table; decode them."""
+    given = {k: x for k, x in quant.items() if x is not None}
+    for name, x in given.items():
+        _scale_array(name, x)
+    if dtype == V.I8:
+        out_int8 = "quant_scale2" in given
+        required = ["deq_scale1", "quant_scale1", "deq_scale2"] + (["quant_scale2"] if out_int8 else [])
+        forbidden = [] if out_int8 else ["quant_offset2"]
+        kind = "int8->int8" if out_int8 else "int8->float16"
+        if not out_int8 and "quant_offset2" in given:
+            raise RuntimeError("quant_offset2 needs quant_scale2 (int8 output); with int8 "
+                               "query/key/value and float16 output quant_offset2 must be None, "
+                               f"got shape {V.shape_str(given['quant_offset2'].shape)}")
+    else:
+        required = ["quant_scale2"]
+        forbidden = ["deq_scale1", "quant_scale1", "deq_scale2"]
+        kind = "float->int8"
+        if "quant_scale2" not in given and "quant_offset2" in given:
+            raise RuntimeError(f"quant_offset2 needs quant_scale2, got quant_offset2 of shape "
+                               f"{V.shape_str(given['quant_offset2'].shape)} and quant_scale2 None")
+    for name in forbidden:
+        if name in given:
+            raise RuntimeError(f"{name} must be None for {kind} ({V.dtype_name(dtype)} "
+                               f"query/key/value), got an array of shape "
+                               f"{V.shape_str(given[name].shape)}")
+    for name in required:
+        if name not in given:
+            raise RuntimeError(f"{name} is required for {kind} ({V.dtype_name(dtype)} "
+                               f"query/key/value), got None")
+
+    deq1 = quant1 = deq2 = 0.0
+    if dtype == V.I8:
+        d1, q1, d2 = given["deq_scale1"], given["quant_scale1"], given["deq_scale2"]
+        for name, x in (("deq_scale1", d1), ("deq_scale2", d2)):
+            if x.dtype not in (np.dtype(np.uint64), V.F32):
+                raise TypeError(f"{name} dtype must be uint64 or float32, got "
+                                f"{V.dtype_name(x.dtype)}")
+        if d1.dtype != d2.dtype:
+            raise TypeError(f"deq_scale1 and deq_scale2 must have the same dtype, got deq_scale1 "
+                            f"{V.dtype_name(d1.dtype)} and deq_scale2 {V.dtype_name(d2.dtype)}")
+        if q1.dtype != V.F32:
+            raise TypeError(f"quant_scale1 dtype must be float32, got {V.dtype_name(q1.dtype)}")
+        for name, x in (("deq_scale1", d1), ("quant_scale1", q1), ("deq_scale2", d2)):
+            if x.shape != (1,):
+                raise RuntimeError(f"{name} must have shape (1,), got {V.shape_str(x.shape)}")
+        deq1, quant1, deq2 = decode_deq_scale(d1), float(q1[0]), decode_deq_scale(d2)
+
+    scale2 = offset2 = None
+    out_dtype = V.F16
+    if "quant_scale2" in given:
+        out_dtype = V.I8
+        s2 = given["quant_scale2"]
+        ok = (V.F32,) + ((V.BF16,) if dtype == V.BF16 else ())
+        if s2.dtype not in ok:
+            raise TypeError(f"quant_scale2 dtype must be float32{' or bfloat16' if dtype == V.BF16 else ''} "
+                            f"for a {V.dtype_name(dtype)} query, got {V.dtype_name(s2.dtype)}")
+        h = n * d
+        per_channel_shapes = [(h,), (1, 1, h), (1, n, 1, d), (n, d), (1, 1, n, d)]
+        if s2.shape == (1,):
+            pass
+        elif s2.shape in per_channel_shapes:
+            if d % 32:
+                raise RuntimeError(f"per-channel quant_scale2 (shape {V.shape_str(s2.shape)}) "
+                                   f"needs head dim D % 32 == 0, got D = {d}")
+        else:
+            raise RuntimeError(f"quant_scale2 shape must be (1,) or one of "
+                               f"{', '.join(V.shape_str(x) for x in per_channel_shapes)} (H = {h}), "
+                               f"got {V.shape_str(s2.shape)}")
+        scale2 = s2.astype(np.float32).reshape(-1)
+        if "quant_offset2" in given:
+            o2 = given["quant_offset2"]
+            if o2.dtype != s2.dtype:
+                raise TypeError(f"quant_offset2 dtype must equal quant_scale2's "
+                                f"({V.dtype_name(s2.dtype)}), got {V.dtype_name(o2.dtype)}")
+            if o2.shape != s2.shape:
+                raise RuntimeError(f"quant_offset2 shape must equal quant_scale2's "
+                                   f"{V.shape_str(s2.shape)}, got {V.shape_str(o2.shape)}")
+            offset2 = o2.astype(np.float32).reshape(-1)
+        else:
+            offset2 = np.zeros_like(scale2)
+    return QuantParams(kind=kind, out_dtype=out_dtype, deq1=deq1, quant1=quant1, deq2=deq2,
+                       scale2=scale2, offset2=offset2)

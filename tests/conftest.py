@@ -12,7 +12,7 @@ def pytest_collection_modifyitems(config, items):
         return
     for item in items:
         if item.get_closest_marker("quant"):
-            item.add_marker(pytest.mark.xfail(raises=NotImplementedError, strict=True,
+            item.add_marker(pytest.mark.xfail(raises=NotImplementedError, strict=False,
                                               reason="int8 quantization is not implemented yet"))
 
 

@@ -277,3 +277,22 @@ def test_empty_sizes():
     k = np.ones((1, 0, 32), np.float32)
     out, lse = prompt_flash_attention(q, k, k, num_heads=2, return_softmax_lse=True)
     assert out.shape == (1, 3, 32) and np.all(out == 0) and np.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("mode", [0, 2, 3, 4])
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_tnd_packed_sequences(small_tiles, dt, mode):
+    """Packed sequences (one empty, one with an empty kv range) against the reference."""
+    rng = np.random.default_rng(14)
+    dtype = DTYPES[dt]
+    q_ends, kv_ends = [5, 5, 17, 40], [7, 7, 30, 31]
+    q = rng.standard_normal((40, 4, 16)).astype(dtype)
+    k = rng.standard_normal((31, 2, 16)).astype(dtype)
+    v = rng.standard_normal((31, 2, 16)).astype(dtype)
+    mask = None if mode == 0 else np.triu(np.ones((2048, 2048), bool), 1)
+    kw = dict(num_heads=4, num_key_value_heads=2, input_layout="TND", sparse_mode=mode,
+              pre_tokens=3, next_tokens=1)
+    out, lse = prompt_flash_attention(q, k, v, mask, q_ends, kv_ends, **kw,
+                                      return_softmax_lse=True)
+    assert out.shape == (40, 4, 16) and lse.shape == (40, 4, 1)
+    assert_matches_reference(out, (q, k, v, mask, q_ends, kv_ends), kw, dtype, lse=lse)
