@@ -1,0 +1,311 @@
+"""Side-by-side CPU benchmark: pfa_numba vs torch SDPA (when installed) vs NumPy naive attention.
+
+One input generator, one validator (pfa_numba.reference on a head subset), repeats interleaved
+across implementations, medians, effective TFLOP/s (useful work only: masked-out pairs are not
+counted), peak extra memory (RSS sampled during the call). Results go to a markdown table and a
+PNG plot. ``python -m pfa_numba bench`` runs it; ``benchmarks/run.py`` is the same entry point.
+"""
+import dataclasses
+import os
+import platform
+import threading
+import time
+
+import numpy as np
+
+from . import prompt_flash_attention, reference
+
+INF = 2147483647
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    B: int
+    N: int
+    S: int
+    D: int
+    dtype: str = "fp32"          # fp32, fp16, bf16
+    mode: str = "dense"          # dense, causal, band
+    nkv: int = 0                 # 0: = N
+    layout: str = "BNSD"
+    band: int = 256              # pre = next tokens for mode 'band'
+    varlen: bool = False         # actual_seq_lengths = S // 2 (torch runs the padded shape)
+
+    @property
+    def kv_heads(self):
+        return self.nkv or self.N
+
+    def useful_flops(self):
+        """4 * B * N * D * (kept (i, j) pairs)."""
+        s = self.S // 2 if self.varlen else self.S
+        if self.mode == "dense":
+            pairs = s * s
+        elif self.mode == "causal":
+            pairs = s * (s + 1) // 2
+        else:
+            i = np.arange(s)
+            pairs = int((np.minimum(i + self.band, s - 1) - np.maximum(i - self.band, 0) + 1).sum())
+        return 4.0 * self.B * self.N * self.D * pairs
+
+
+def default_cases(quick=False):
+    shapes = [(1, 16, 1024, 64), (1, 16, 2048, 128), (4, 32, 512, 128), (1, 8, 8192, 64)]
+    if quick:
+        shapes = shapes[:1]
+    cases = []
+    for dt in ("fp32", "fp16", "bf16"):
+        for (b, n, s, d) in shapes:
+            for mode in ("dense", "causal"):
+                cases.append(Case(f"{dt} {mode} {(b, n, s, d)}", b, n, s, d, dt, mode))
+    b, n, s, d = (1, 16, 2048, 128) if not quick else (1, 16, 1024, 64)
+    cases += [
+        Case(f"fp32 band 256 {(b, n, s, d)}", b, n, s, d, "fp32", "band"),
+        Case(f"fp32 GQA 16q/4kv {(b, n, s, d)}", b, n, s, d, "fp32", "dense", nkv=4),
+        Case(f"fp32 BSH {(b, n, s, d)}", b, n, s, d, "fp32", "dense", layout="BSH"),
+        Case(f"fp32 varlen S/2 {(b, n, s, d)}", b, n, s, d, "fp32", "dense", varlen=True),
+    ]
+    return cases
+
+
+def _dtype(name):
+    import ml_dtypes
+    return {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}[name]
+
+
+def make_inputs(case, seed=0):
+    rng = np.random.default_rng(seed)
+    dt = _dtype(case.dtype)
+    q = rng.standard_normal((case.B, case.N, case.S, case.D), dtype=np.float32).astype(dt)
+    k = rng.standard_normal((case.B, case.kv_heads, case.S, case.D), dtype=np.float32).astype(dt)
+    v = rng.standard_normal((case.B, case.kv_heads, case.S, case.D), dtype=np.float32).astype(dt)
+    return q, k, v
+
+
+def pfa_call(case, q, k, v):
+    """The pfa_numba call for ``case`` on BNSD inputs (BSH inputs are made up front)."""
+    kw = dict(num_heads=case.N, num_key_value_heads=case.nkv, scale_value=case.D ** -0.5,
+              input_layout=case.layout)
+    if case.layout == "BSH":
+        q, k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(x.shape[0], x.shape[2], -1)
+                   for x in (q, k, v))
+    mask = None
+    if case.mode == "causal":
+        mask, kw["sparse_mode"] = np.triu(np.ones((2048, 2048), bool), 1), 3
+    elif case.mode == "band":
+        mask, kw["sparse_mode"] = np.triu(np.ones((2048, 2048), bool), 1), 4
+        kw["pre_tokens"] = kw["next_tokens"] = case.band
+    lens = [case.S // 2] if case.varlen else None
+    args = (q, k, v, mask, lens, lens)
+    return (lambda: prompt_flash_attention(*args, **kw)), args, kw
+
+
+def torch_call(case, q, k, v):
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
+
+    def conv(x):
+        if case.dtype == "bf16":
+            return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(np.ascontiguousarray(x)).to(tdt)
+
+    tq, tk, tv = conv(q), conv(k), conv(v)
+    kw = dict(scale=case.D ** -0.5)
+    if case.nkv:
+        kw["enable_gqa"] = True
+    if case.mode == "causal":
+        kw["is_causal"] = True
+    elif case.mode == "band":
+        i = torch.arange(case.S)
+        kw["attn_mask"] = (i[None, :] - i[:, None]).abs() <= case.band
+    return lambda: F.scaled_dot_product_attention(tq, tk, tv, **kw)
+
+
+def numpy_call(case, q, k, v):
+    if case.dtype != "fp32" or case.B * case.N * case.S * case.S * 4 > (2 << 30):
+        return None
+    from .__main__ import naive_attention
+    s = case.S
+    i = np.arange(s)
+    keep = np.ones((s, s), bool)
+    if case.mode == "causal":
+        keep = i[None, :] <= i[:, None]
+    elif case.mode == "band":
+        keep = np.abs(i[None, :] - i[:, None]) <= case.band
+    return lambda: naive_attention(q, k, v, case.D ** -0.5, keep)
+
+
+def validate(case, out, args, kw):
+    """Max error of pfa_numba's output against the float64 reference on the first kv group."""
+    g = case.N // case.kv_heads
+    q, k, v = args[:3]
+    if case.layout == "BSH":
+        d = case.D
+        sub = (q[:, :, :g * d], k[:, :, :d], v[:, :, :d])
+        o = out[:, :, :g * d]
+    else:
+        sub = (q[:, :g], k[:, :1], v[:, :1])
+        o = out[:, :g]
+    kw = dict(kw, num_heads=g, num_key_value_heads=0)
+    ref = reference.prompt_flash_attention(*sub, *args[3:], **kw)
+    return float(np.abs(o.astype(np.float64) - ref).max())
+
+
+class PeakRSS:
+    """Samples this process's resident set size every millisecond while active."""
+
+    def __init__(self):
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def _rss(self):
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def __enter__(self):
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+
+        def loop():
+            while not self._stop.wait(0.001):
+                self.peak = max(self.peak, self._rss())
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def extra_mib(self):
+        return (self.peak - self.base) / 2 ** 20
+
+
+def sgemm_peak(repeats=5, n=2048):
+    """float32 GEMM throughput of this machine (NumPy's BLAS, all threads), TFLOP/s."""
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    a @ a
+    t = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ a
+        t.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / np.median(t) / 1e12
+
+
+def run(cases, repeats=5, progress=True):
+    """Time every case; returns a list of result dicts."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    results = []
+    it = tqdm(cases, desc="bench", unit="case") if (progress and tqdm) else cases
+    for case in it:
+        q, k, v = make_inputs(case)
+        f_pfa, args, kw = pfa_call(case, q, k, v)
+        impls = {"pfa_numba": f_pfa, "torch": torch_call(case, q, k, v),
+                 "numpy": numpy_call(case, q, k, v)}
+        impls = {k_: f for k_, f in impls.items() if f is not None}
+        mem = {}
+        for name, f in impls.items():       # warm-up (JIT, caches) and memory
+            with PeakRSS() as pr:
+                out = f()
+            mem[name] = pr.extra_mib
+            if name == "pfa_numba":
+                err = validate(case, out, args, kw)
+            del out
+        times = {name: [] for name in impls}
+        for _ in range(repeats):              # interleaved repeats
+            for name, f in impls.items():
+                t0 = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - t0)
+        med = {name: float(np.median(t)) for name, t in times.items()}
+        out_mib = case.B * case.N * case.S * case.D * np.dtype(_dtype(case.dtype)).itemsize / 2 ** 20
+        results.append(dict(case=case, med=med, mem=mem, err=err, out_mib=out_mib,
+                            tflops={n: case.useful_flops() / t / 1e12 for n, t in med.items()}))
+        if progress and not tqdm:
+            print(f"  {case.name}: " + ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in med.items()),
+                  flush=True)
+    return results
+
+
+def environment():
+    import numba
+    import scipy
+    lines = [f"{platform.node() or 'machine'}: {os.cpu_count()} cores, {platform.machine()}, "
+             f"numba {numba.__version__} ({numba.get_num_threads()} threads), numpy "
+             f"{np.__version__}, scipy {scipy.__version__}"]
+    try:
+        import torch
+        lines.append(f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    except ImportError:
+        lines.append("torch not installed")
+    return "; ".join(lines)
+
+
+def markdown(results, peak_tflops):
+    rows = [f"sgemm peak (NumPy BLAS, 2048^3 fp32): {peak_tflops:.3f} TFLOP/s. "
+            f"Ratios are torch (or NumPy) time / pfa_numba time: > 1 means pfa_numba is faster. "
+            f"TFLOP/s count useful (kept) pairs only.", "",
+            "| case | pfa_numba ms | TFLOP/s | % sgemm peak | torch ms | torch / pfa | "
+            "NumPy ms | NumPy / pfa | pfa extra MiB (output MiB) | max err vs ref |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        m, t = r["med"], r["tflops"]
+        p = m["pfa_numba"]
+
+        def cell(name):
+            return (f"{m[name] * 1e3:.1f}", f"{m[name] / p:.2f}") if name in m else ("-", "-")
+
+        tm, tr = cell("torch")
+        nm, nr = cell("numpy")
+        rows.append(f"| {r['case'].name} | {p * 1e3:.1f} | {t['pfa_numba']:.3f} | "
+                    f"{100 * t['pfa_numba'] / peak_tflops:.0f}% | {tm} | {tr} | {nm} | {nr} | "
+                    f"{r['mem']['pfa_numba']:.0f} ({r['out_mib']:.0f}) | {r['err']:.1e} |")
+    return "\n".join(rows)
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [r["case"].name for r in results]
+    ratio = [r["med"]["torch"] / r["med"]["pfa_numba"] if "torch" in r["med"] else np.nan
+             for r in results]
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(names) + 1.5))
+    y = np.arange(len(names))
+    ax.barh(y, ratio, color=["tab:green" if x >= 1 else "tab:red" for x in ratio])
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks(y, names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("torch SDPA time / pfa_numba time (> 1: pfa_numba faster)")
+    ax.set_title("pfa_numba vs torch SDPA on the CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args):
+    cases = default_cases(quick=args.quick)
+    if args.filter:
+        cases = [c for c in cases if args.filter in c.name]
+    peak = sgemm_peak()
+    results = run(cases, repeats=args.repeats)
+    table = markdown(results, peak)
+    env = environment()
+    stamp = time.strftime("%Y-%m-%d")
+    text = f"# pfa_numba CPU benchmark ({stamp})\n\n{env}\n\n{table}\n"
+    print("\n" + text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(text)
+    plot(results, os.path.join(args.out, "results.png"))
+    print(f"written: {args.out}/results.md, {args.out}/results.png")
+    return 0
