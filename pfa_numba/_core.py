@@ -10,7 +10,8 @@ Contents:
 
 * bit casts (:func:`f32_as_u32`, :func:`u32_as_f32`, and int32 variants) as LLVM intrinsics;
 * storage conversions: float16 / bfloat16 bits <-> float32, round to nearest, ties to even;
-* :func:`exp_f32`: a vectorisable float32 exp (Cephes polynomial) with exact -inf/+inf/NaN;
+* :func:`exp_f32`, :func:`exp_nonpos`: vectorisable float32 exp (Cephes polynomial) with exact
+  -inf/+inf/NaN;
 * :func:`order_key`: an order-preserving float -> int32 map, so a row max vectorises;
 * the band predicate (:func:`band_lo`, :func:`band_hi`) of SPEC section 4.1;
 * the online-softmax steps in the triton tutorial's order (acc, l, m):
@@ -89,6 +90,41 @@ def _bitcast_intrinsic(src, dst):
         return sig, codegen
 
     return cast
+
+
+@intrinsic
+def pow2_f32(typingctx, n):
+    """2.0 ** n for a float32 holding an integer in [-126, 127], built from the exponent bits
+    with 32-bit integer ops only (so loops stay 8/16 lanes wide)."""
+    if n != types.float32:
+        return None
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        from llvmlite import ir
+        i32 = ir.IntType(32)
+        i = builder.fptosi(args[0], i32)
+        i = builder.add(i, ir.Constant(i32, 127))
+        i = builder.shl(i, ir.Constant(i32, 23))
+        return builder.bitcast(i, ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def floor_f32(typingctx, x):
+    """floor of a float32 as a float32 (LLVM's llvm.floor.f32: vectorises on the CPU, one
+    instruction on CUDA; NumPy's np.floor is not available in CUDA kernels)."""
+    if x != types.float32:
+        return None
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        from llvmlite import ir
+        fn = builder.module.declare_intrinsic("llvm.floor", [ir.FloatType()])
+        return builder.call(fn, [args[0]])
+
+    return sig, codegen
 
 
 #: float32 -> its IEEE bits as uint32 (and back; int32 variants for signed tricks).
@@ -203,18 +239,13 @@ def exp_f32(x):
         xc = _EXP_LO
     if xc != xc:
         xc = F32_ZERO
-    t = xc * _LOG2E + _HALF
-    n = np.float32(np.int32(t))       # floor(t) in float32 (math.floor would give int64)
-    if n > t:
-        n = n - F32_ONE
+    n = floor_f32(xc * _LOG2E + _HALF)
     r = xc - n * _LN2_HI - n * _LN2_LO
     z = r * r
     y = (((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5) * z + r + F32_ONE
     # 2^n as two normal factors, so n = 128 (x near ln(FLT_MAX)) does not overflow early
-    ni = np.int32(n)
-    n1 = ni >> np.int32(1)
-    y = y * u32_as_f32((n1 + np.int32(127)) << np.int32(23))
-    y = y * u32_as_f32((ni - n1 + np.int32(127)) << np.int32(23))
+    n1 = floor_f32(n * _HALF)
+    y = y * pow2_f32(n1) * pow2_f32(n - n1)
     if x > _EXP_HI:
         y = F32_POS_INF
     if x < _EXP_LO:
@@ -222,6 +253,23 @@ def exp_f32(x):
     if x != x:
         y = x
     return y
+
+
+@jit
+def exp_nonpos(x):
+    """exp for x <= 0 (the softmax's s - max), -inf and NaN: fewer selects than exp_f32.
+
+    Same polynomial as :func:`exp_f32`; exp(-inf) = 0, NaN stays NaN, results below float32's
+    normal range are 0.
+    """
+    xc = x if x > _EXP_LO else _EXP_LO
+    n = floor_f32(xc * _LOG2E + _HALF)
+    r = xc - n * _LN2_HI - n * _LN2_LO
+    z = r * r
+    y = (((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5) * z + r + F32_ONE
+    y = y * pow2_f32(n)
+    y = y if x > _EXP_LO else F32_ZERO
+    return y if x == x else x
 
 
 @jit

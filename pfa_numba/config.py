@@ -7,10 +7,15 @@ Compiler flags are read once, when the kernels are compiled.
 
 #: Query rows per CPU work item, summed over the G query heads that share one kv head
 #: (a work item holds ``max(1, CPU_Q_ROWS // G)`` rows of each of those heads).
-CPU_Q_ROWS = 256
+CPU_Q_ROWS = 512
 
 #: Key/value columns per CPU tile.
 CPU_KV_COLS = 512
+
+#: A band narrower than the tiles wastes the scores outside it: for a finite band of width W
+#: (= preE + nextE + 1) both tile sides become max(CPU_BAND_TILE_MIN, W // CPU_BAND_TILE_DIV).
+CPU_BAND_TILE_MIN = 64
+CPU_BAND_TILE_DIV = 8
 
 #: LLVM fast-math flags for the CPU kernels. Only flags that keep inf/NaN semantics: masking,
 #: the -inf softmax_lse of empty rows and NaN propagation rely on them, so never 'nnan' or

@@ -4,9 +4,9 @@ Work items are (batch, kv head, query-row block). A work item holds the rows ``[
 of all G query heads that read one kv head, stacked into one ``(G*r, D)`` float32 block, so one
 loaded K/V tile serves the whole GQA group and the tile products are large BLAS GEMMs:
 
-    S = Q_block @ K_tile^T          (np.dot into a per-thread buffer)
+    S = Q_block @ K_tile^T          (BLAS sgemm into a per-thread buffer)
     per row: pse, fp16 mask, band / user mask (-inf), running max m, p = exp(s - m), sum l
-    acc = acc * exp(m_old - m_new) + P @ V_tile
+    acc = acc * exp(m_old - m_new);  acc += P @ V_tile   (sgemm with beta = 1)
 
 and the division by l happens once, at the end (deferred normalisation). Tiles that lie wholly
 outside the band or past kL are never visited; tiles wholly inside the band (with no user mask
@@ -20,14 +20,15 @@ import threading
 
 import numba
 import numpy as np
-import scipy.linalg.cython_blas  # noqa: F401  (loads the BLAS that np.dot in njit calls)
 from numba import njit, prange
 from numpy.lib.stride_tricks import as_strided
 
 from . import config
-from ._core import (CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, F16_MASK_SCALE, MASK_ADD_F16,
-                    MASK_DISCARD, exp_f32, f16_to_f32, from_order_key, lse_value, max_nan,
-                    order_key, rescale_factor, row_band, store, widen)
+from ._blas import gemm_rm, scratch
+from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32_NEG_INF,
+                    F32_ONE, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32, exp_nonpos,
+                    f16_to_f32, from_order_key, lse_value, max_nan, order_key, rescale_factor,
+                    row_band, store, widen)
 
 _FM = set(config.CPU_FASTMATH)
 
@@ -43,20 +44,31 @@ T_Q, T_K, T_V, T_O, T_L, T_M, T_P = range(7)
 
 @njit(fastmath=_FM, cache=True)
 def _load_row(dst, src, off, stride, n, code, factor):
-    """dst[:n] = widen(src[off + d*stride]) * factor; returns a value that is 0 iff all finite."""
-    chk = F32_ZERO
+    """dst[:n] = widen(src[off + d*stride]) * factor, one loop per storage code so each
+    vectorises (and a contiguous source is read through a slice)."""
     if stride == 1:
         seg = src[off:off + n]
-        for d in range(n):
-            x = widen(seg[d], code) * factor
-            dst[d] = x
-            chk += x * F32_ZERO
+        if code == CODE_F16:
+            for d in range(n):
+                dst[d] = f16_to_f32(seg[d]) * factor
+        elif code == CODE_BF16:
+            for d in range(n):
+                dst[d] = bf16_to_f32(seg[d]) * factor
+        else:
+            for d in range(n):
+                dst[d] = np.float32(seg[d]) * factor
     else:
         for d in range(n):
-            x = widen(src[off + d * stride], code) * factor
-            dst[d] = x
-            chk += x * F32_ZERO
-    return chk
+            dst[d] = widen(src[off + d * stride], code) * factor
+
+
+@njit(fastmath=_FM, cache=True)
+def _all_finite(buf, n):
+    """True when buf[:n] holds no inf or NaN (x * 0 is 0 only for finite x)."""
+    chk = F32_ZERO
+    for i in range(n):
+        chk += buf[i] * F32_ZERO
+    return chk == F32_ZERO
 
 
 @njit(fastmath=_FM, cache=True)
@@ -74,7 +86,7 @@ def _exp_row(row, n, m):
     """row[:n] = exp(row[:n] - m) in place; returns the sum."""
     s = F32_ZERO
     for c in range(n):
-        p = exp_f32(row[c] - m)
+        p = exp_nonpos(row[c] - m)
         row[c] = p
         s += p
     return s
@@ -108,7 +120,7 @@ def _mask_row(srow, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask16, moff, m
 
 @njit(fastmath=_FM, cache=True)
 def _block(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, scale, b, g, i0,
-           qb, sb, tb, acc, kb, vb, m, l, alpha):
+           qb, sb, tb, acc, kb, vb, m, l, alpha, ints, flts, chars):
     """One work item: rows [i0, i0 + r) of the G query heads of kv head g in batch b."""
     G = params[P_G]
     D = params[P_D]
@@ -148,15 +160,15 @@ def _block(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, s
             nc = j1 - j0
             k2 = kb[:nc * D].reshape(nc, D)
             v2 = vb[:nc * D].reshape(nc, D)
-            vchk = F32_ZERO
             for c in range(nc):
                 _load_row(k2[c], k, k_base + (j0 + c) * strides[T_K, 1], strides[T_K, 2], D,
                           code, F32_ONE)
-                vchk += _load_row(v2[c], v, v_base + (j0 + c) * strides[T_V, 1],
-                                  strides[T_V, 2], D, code, F32_ONE)
+                _load_row(v2[c], v, v_base + (j0 + c) * strides[T_V, 1], strides[T_V, 2], D,
+                          code, F32_ONE)
+            v_finite = _all_finite(vb, nc * D)
             s2 = sb[:R * nc].reshape(R, nc)
-            # step 1: scores
-            np.dot(q2, k2.T, s2)
+            # step 1: scores S = Q K^T
+            gemm_rm(ints, flts, chars, R, nc, D, qb, 0, D, True, kb, 0, D, sb, 0, nc, F32_ZERO)
             inside = (i1 - 1) - pre_e <= j0 and j1 - 1 <= i0 + next_e
             # step 2: update m and l, p = exp(s - m) in place
             for rr in range(R):
@@ -180,16 +192,16 @@ def _block(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, s
                 l[rr] = l[rr] * a + _exp_row(srow, nc, m_new)
                 m[rr] = m_new
                 alpha[rr] = a
-            # step 3: rescale acc and add P @ V
-            if vchk == F32_ZERO:
-                t2 = tb[:R * D].reshape(R, D)
-                np.dot(s2, v2, t2)
+            # step 3: rescale acc, then acc += P V (BLAS with beta = 1)
+            if v_finite:
                 for rr in range(R):
-                    arow = a2[rr]
-                    trow = t2[rr]
                     a = alpha[rr]
-                    for d in range(D):
-                        arow[d] = arow[d] * a + trow[d]
+                    if a != F32_ONE:
+                        arow = a2[rr]
+                        for d in range(D):
+                            arow[d] = arow[d] * a
+                gemm_rm(ints, flts, chars, R, D, nc, sb, 0, nc, False, vb, 0, D, acc, 0, D,
+                        F32_ONE)
             else:
                 # non-finite V in this tile: BLAS would turn 0 * inf into NaN for rows that do
                 # not read that column, so add only the columns each row keeps
@@ -247,16 +259,18 @@ def _attention(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, work,
     for t in prange(nthr):
         qb = np.empty(rows * D, np.float32)
         sb = np.empty(rows * tk, np.float32)
-        tb = np.empty(rows * D, np.float32)
+        tb = np.empty(D, np.float32)
         acc = np.empty(rows * D, np.float32)
         kb = np.empty(tk * D, np.float32)
         vb = np.empty(tk * D, np.float32)
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
         alpha = np.empty(rows, np.float32)
+        ints, flts, chars = scratch()
         for w in range(t, n_items, nthr):
             _block(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, scale,
-                   work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, m, l, alpha)
+                   work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, m, l, alpha,
+                   ints, flts, chars)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,14 +418,28 @@ class _BlasOneThread:
 _blas_one_thread = _BlasOneThread()
 
 
+def tile_shape(p):
+    """(query rows per work item, kv columns per tile) for problem ``p``.
+
+    Large tiles make large GEMMs; a narrow band (sparse_mode 4, or mode 0 with small pre/next)
+    wants tiles that follow its width so that few computed scores fall outside it.
+    """
+    q_rows, kv_cols = max(1, int(config.CPU_Q_ROWS)), max(1, int(config.CPU_KV_COLS))
+    if p.B and (p.pre_e < BAND_INF).all() and (p.next_e < BAND_INF).all():
+        width = int((p.pre_e + p.next_e + 1).max())
+        band_tile = max(int(config.CPU_BAND_TILE_MIN), width // int(config.CPU_BAND_TILE_DIV))
+        q_rows, kv_cols = min(q_rows, band_tile), min(kv_cols, band_tile)
+    return q_rows, kv_cols
+
+
 def run(p):
     """Compute a planned problem on the CPU; returns (out, lse or None) as NumPy arrays."""
     out = np.zeros(p.out_shape, dtype=p.out_dtype)
     lse = np.full(p.lse_shape, -np.inf, dtype=np.float32) if p.want_lse else None
     if out.size == 0 or p.B == 0 or p.Skv == 0 and not p.packed:
         return out, lse
-    rows_per_head = max(1, int(config.CPU_Q_ROWS) // p.G)
-    kv_cols = max(1, int(config.CPU_KV_COLS))
+    q_rows, kv_cols = tile_shape(p)
+    rows_per_head = max(1, q_rows // p.G)
     work = _work_items(p, rows_per_head)
     if work.shape[0] == 0:
         return out, lse

@@ -101,3 +101,21 @@ def test_order_key_max():
     assert _max_by_keys(np.full(5, -np.inf, np.float32)) == -np.inf
     assert _max_by_keys(np.array([-0.0, -1.0], np.float32)) == 0
     assert np.isnan(_max_by_keys(np.array([1.0, np.nan, 3.0], np.float32)))
+
+
+@njit
+def _map_exp_nonpos(a):
+    out = np.empty(a.size, np.float32)
+    for i in range(a.size):
+        out[i] = C.exp_nonpos(a[i])
+    return out
+
+
+def test_exp_nonpos_accuracy_and_specials():
+    x = np.linspace(-87, 0, 2_000_001).astype(np.float32)
+    got = _map_exp_nonpos(x).astype(np.float64)
+    want = np.exp(x.astype(np.float64))
+    assert np.abs(got / want - 1).max() < 2e-7
+    sp = _map_exp_nonpos(np.array([-np.inf, np.nan, 0.0, -0.0, -1000.0, -87.5], np.float32))
+    assert sp[0] == 0 and np.isnan(sp[1]) and sp[2] == 1 and sp[3] == 1 and sp[4] == 0
+    assert sp[5] == 0
