@@ -3,7 +3,7 @@
 ``prompt_flash_attention`` follows ``mindspore.ops.prompt_flash_attention`` argument for
 argument; ``pfa_numba.reference`` is the float64 NumPy meaning the kernels are tested against.
 """
-from .api import prompt_flash_attention
+from .api import prompt_flash_attention, trans_quant_param
 
 __version__ = "0.1.0"
-__all__ = ["prompt_flash_attention", "__version__"]
+__all__ = ["prompt_flash_attention", "trans_quant_param", "__version__"]

@@ -12,6 +12,7 @@ Contents:
 * storage conversions: float16 / bfloat16 bits <-> float32, round to nearest, ties to even;
 * :func:`exp_f32`, :func:`exp_nonpos`: vectorisable float32 exp (Cephes polynomial) with exact
   -inf/+inf/NaN;
+* int8 quantization steps: :func:`round_f16`, :func:`round_half_even`, :func:`saturate_int8`;
 * :func:`order_key`: an order-preserving float -> int32 map, so a row max vectorises;
 * the band predicate (:func:`band_lo`, :func:`band_hi`) of SPEC section 4.1;
 * the online-softmax steps in the triton tutorial's order (acc, l, m):
@@ -199,6 +200,33 @@ def f32_to_bf16(x):
         return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
     u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
     return np.uint16(u >> np.uint32(16))
+
+
+@jit
+def round_f16(x):
+    """float32 -> the nearest float16 value (ties to even), as float32."""
+    return f16_to_f32(f32_to_f16(x))
+
+
+@jit
+def round_half_even(x):
+    """Round a float32 to an integral float32, ties to even (NaN stays NaN)."""
+    n = floor_f32(x)
+    d = x - n
+    odd = floor_f32(n * _HALF) * np.float32(2.0) != n
+    if d > _HALF or (d == _HALF and odd):
+        n = n + F32_ONE
+    return n
+
+
+@jit
+def saturate_int8(x):
+    """Clip an integral float32 to [-128, 127] (NaN stays NaN)."""
+    if x < np.float32(-128.0):
+        return np.float32(-128.0)
+    if x > np.float32(127.0):
+        return np.float32(127.0)
+    return x
 
 
 @jit

@@ -50,6 +50,7 @@ class Problem:
     scale: float
     inner_precise: int
     want_lse: bool
+    quant: Optional["QuantParams"] = None
 
     @property
     def packed(self):
@@ -368,14 +369,12 @@ def plan(query, key, value, attn_mask, actual_seq_lengths, actual_seq_lengths_kv
     pre_e, next_e = _band_edges(sparse_mode, attn_mask is not None, pre_tokens, next_tokens,
                                 qlen, klen)
 
-    if qparams is not None:
-        raise NotImplementedError(f"int8 quantization ({qparams.kind}) is not implemented in "
-                                  f"this version of pfa_numba")
     return Problem(layout=layout, B=batch, N=n, Nkv=nkv, G=g, Sq=sq, Skv=skv, D=d, dtype=dtype,
-                   out_dtype=dtype, code=storage_code(dtype), q=q4, k=k4, v=v4,
+                   out_dtype=dtype if qparams is None else qparams.out_dtype,
+                   code=storage_code(dtype), q=q4, k=k4, v=v4,
                    q_start=q_start, kv_start=kv_start, qlen=qlen, klen=klen, pre_e=pre_e,
                    next_e=next_e, mask_kind=mask_kind, mask=mask, pse=pse, scale=scale,
-                   inner_precise=inner_precise, want_lse=want_lse)
+                   inner_precise=inner_precise, want_lse=want_lse, quant=qparams)
 
 
 # ---------------------------------------------------------------------------------------------

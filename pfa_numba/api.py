@@ -1,4 +1,6 @@
 """prompt_flash_attention: validate -> plan -> dispatch -> result in the caller's layout."""
+import numpy as np
+
 from . import _validate as V
 from . import dispatch
 from ._plan import plan
@@ -60,6 +62,16 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
     Dtypes: float16 -> float16, bfloat16 (``ml_dtypes.bfloat16``, D % 16 == 0) -> bfloat16,
     float32 -> float32; results are rounded to nearest, ties to even.
 
+    int8 quantization (SPEC section 8): int8 query/key/value with ``deq_scale1``,
+    ``quant_scale1``, ``deq_scale2`` give a float16 output, and with ``quant_scale2`` (and
+    optionally ``quant_offset2``) an int8 output; float query/key/value with ``quant_scale2``
+    give an int8 output. ``deq_scale1/2`` are float32 or Ascend's packed uint64
+    (:func:`trans_quant_param`); ``quant_scale2/offset2`` are per tensor (1,) or per channel (H
+    elements, D % 32 == 0). The int8 pipeline is exact in its integer sums, rounds to float16
+    where the spec says, and quantizes the softmax weights against each row's maximum (a second
+    pass over K), so results do not depend on tiling. Rows with nothing to attend to stay 0 in an
+    int8 output.
+
     Sparse modes: the band
     ----------------------
     ``band(i, j)`` holds iff ``0 <= j < kL`` and ``i - preE <= j <= i + nextE``; pictures for
@@ -108,7 +120,10 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
     * float32 inputs are accepted (Ascend rejects them);
     * ``inner_precise`` 0 and 1 give bit-identical results (always float32 compute), as do 2
       and 3; bit 1 selects the fully-masked-row rule above;
-    * results do not depend on tile sizes: the fully-masked-row mean covers the whole band;
+    * results do not depend on tile sizes: the fully-masked-row mean covers the whole band and
+      int8 softmax weights are quantized against the row max (Ascend: a running per-tile max);
+    * the int8 -> float16 output divides by l before its single rounding to float16 (Ascend
+      rounds deq2 * sum per tile, which can overflow on long rows);
     * softmax_lse is -inf (not +inf) for rows with nothing kept, so merging works;
     * ``device`` ('cpu', 'cuda', None = where the query lives) and ``return_softmax_lse`` are
       keyword-only extensions.
@@ -135,3 +150,18 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
     backend = dispatch.choose(problem, "cpu")
     out, lse = backend.run(problem)
     return (out, lse) if problem.want_lse else out
+
+
+def trans_quant_param(scale):
+    """Ascend's packed uint64 form of float32 dequantization scales (``deq_scale1/2``).
+
+    ``(bits(float32(scale)) & 0xFFFFE000) | (1 << 46)`` elementwise: the 13 low mantissa bits
+    are dropped, bit 46 marks the packed form. ``prompt_flash_attention`` decodes it as
+    ``float32_from_bits(u64 & 0xFFFFE000)``::
+
+        >>> deq1 = trans_quant_param(np.array([0.05], np.float32))
+        >>> deq1.dtype, hex(int(deq1[0]))
+        (dtype('uint64'), '0x40003d4cc000')
+    """
+    bits = np.asarray(scale, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return (bits & np.uint64(0xFFFFE000)) | np.uint64(1 << 46)

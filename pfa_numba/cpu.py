@@ -25,17 +25,20 @@ from numpy.lib.stride_tricks import as_strided
 
 from . import config
 from ._blas import gemm_rm, scratch
+from ._plan import storage_code
 from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32_NEG_INF,
-                    F32_ONE, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32, exp_nonpos,
-                    f16_to_f32, from_order_key, lse_value, max_nan, order_key, rescale_factor,
-                    row_band, store, widen)
+                    F32_ONE, F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32,
+                    exp_nonpos, f16_to_f32, f32_as_u32, f32_to_f16, from_order_key, lse_value,
+                    max_nan, order_key, rescale_factor, round_f16, round_half_even,
+                    row_band, saturate_int8, store, u32_as_f32, widen)
 
 _FM = set(config.CPU_FASTMATH)
 
 # rows of the geometry arrays (strides: (7, 3) int64 in elements; boff: (7, B) int64)
 T_Q, T_K, T_V, T_O, T_L, T_M, T_P = range(7)
 # params vector
-(P_N, P_G, P_D, P_CODE, P_MASK, P_PSE, P_IP, P_LSE, P_ROWS, P_COLS, P_THREADS) = range(11)
+(P_N, P_G, P_D, P_CODE, P_MASK, P_PSE, P_IP, P_LSE, P_ROWS, P_COLS, P_THREADS, P_OCODE,
+ P_FLAGS) = range(13)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,8 +122,8 @@ def _mask_row(srow, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask16, moff, m
 
 
 @njit(fastmath=_FM, cache=True)
-def _block(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, scale, b, g, i0,
-           qb, sb, tb, acc, kb, vb, m, l, alpha, ints, flts, chars):
+def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scale, b,
+           g, i0, qb, sb, tb, acc, kb, vb, m, l, alpha, ints, flts, chars):
     """One work item: rows [i0, i0 + r) of the G query heads of kv head g in batch b."""
     G = params[P_G]
     D = params[P_D]
@@ -129,6 +132,8 @@ def _block(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, s
     has_pse = params[P_PSE] != 0
     inner_precise = params[P_IP]
     want_lse = params[P_LSE] != 0
+    want_flags = params[P_FLAGS] != 0
+    ocode = params[P_OCODE]
     rph = params[P_ROWS]
     tk = params[P_COLS]
     ql = lens[0, b]
@@ -224,14 +229,17 @@ def _block(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, s
         n = g * G + h
         o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
         osd = strides[T_O, 2]
+        l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
         mm = m[rr] if jstart < jend else F32_NEG_INF
         if mm != F32_NEG_INF:
             lr = l[rr]
             arow = a2[rr]
             for d in range(D):
-                store(out, o_off + d * osd, arow[d] / lr, code)
+                store(out, o_off + d * osd, arow[d] / lr, ocode)
             if want_lse:
-                lse[boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]] = lse_value(mm, lr)
+                lse[l_off] = lse_value(mm, lr)
+            if want_flags:
+                flags[l_off] = 1
         elif inner_precise < 2:
             # SPEC 5: band non-empty but every band column masked -> mean of V over the band
             lo, hi = row_band(i, pre_e, next_e, kl)
@@ -244,11 +252,14 @@ def _block(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, s
                         trow[d] += widen(v[off + d * strides[T_V, 2]], code)
                 cnt = np.float32(hi - lo + 1)
                 for d in range(D):
-                    store(out, o_off + d * osd, trow[d] / cnt, code)
+                    store(out, o_off + d * osd, trow[d] / cnt, ocode)
+                if want_flags:
+                    flags[l_off] = 1
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _attention(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, work, params, scale):
+def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work, params,
+               scale):
     """Run every work item; thread t takes items t, t + T, ... (items are sorted by cost)."""
     G = params[P_G]
     D = params[P_D]
@@ -268,9 +279,185 @@ def _attention(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, work,
         alpha = np.empty(rows, np.float32)
         ints, flts, chars = scratch()
         for w in range(t, n_items, nthr):
-            _block(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, scale,
-                   work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, m, l, alpha,
-                   ints, flts, chars)
+            _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params,
+                   scale, work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, m, l,
+                   alpha, ints, flts, chars)
+
+
+# ---------------------------------------------------------------------------------------------
+# int8 query/key/value (SPEC 8)
+# ---------------------------------------------------------------------------------------------
+# qp (float32): deq_scale1, fp16(scale_value), quant_scale1, deq_scale2
+Q_DEQ1, Q_SCALE, Q_QS1, Q_DEQ2 = range(4)
+#: P.V runs as a float32 GEMM, exact while every partial sum stays below 2^24:
+#: 127 * 128 * 1024 < 2^24, so an int8 tile has at most this many kv columns.
+INT8_MAX_KV_COLS = 1024
+
+
+@njit(fastmath=_FM, cache=True)
+def _int8_scores(srow, nc, deq1, scale16, pse, poff, psk, has_pse):
+    """s = fp16(fp16(A * deq1) * fp16(scale)) (+ pse, rounded to fp16), A exact integers."""
+    for c in range(nc):
+        srow[c] = round_f16(round_f16(srow[c] * deq1) * scale16)
+    if has_pse:
+        for c in range(nc):
+            srow[c] = round_f16(srow[c] + f16_to_f32(pse[poff + c * psk]))
+
+
+@njit(fastmath=_FM, cache=True)
+def _f64_to_f16(x):
+    """float64 -> float16 bits with one rounding (round to odd into float32, then to even)."""
+    x32 = np.float32(x)
+    if np.float64(x32) != x and x32 == x32 and abs(x32) != F32_POS_INF:
+        u = f32_as_u32(x32)
+        if abs(np.float64(x32)) > abs(x):
+            u = u - np.uint32(1)          # truncate toward zero
+        x32 = u32_as_f32(u | np.uint32(1))  # sticky bit: round to odd
+    return f32_to_f16(x32)
+
+
+@njit(fastmath=_FM, cache=True)
+def _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, params, qp, b, g, i0,
+                qb, sb, tb, acc, kb, vb, m, l, ints, flts, chars):
+    """One work item of the int8 pipeline: pass 1 finds each row's max score, pass 2
+    quantizes E = exp(s - m) against it and accumulates P8 . V exactly."""
+    G = params[P_G]
+    D = params[P_D]
+    mask_kind = params[P_MASK]
+    has_pse = params[P_PSE] != 0
+    inner_precise = params[P_IP]
+    want_lse = params[P_LSE] != 0
+    want_flags = params[P_FLAGS] != 0
+    rph = params[P_ROWS]
+    tk = params[P_COLS]
+    deq1, scale16, qs1, deq2 = qp[Q_DEQ1], qp[Q_SCALE], qp[Q_QS1], qp[Q_DEQ2]
+    ql = lens[0, b]
+    kl = lens[1, b]
+    pre_e = lens[2, b]
+    next_e = lens[3, b]
+    i1 = min(i0 + rph, ql)
+    nr = i1 - i0
+    R = G * nr
+    jstart = max(i0 - pre_e, 0)
+    jend = min(i1 - 1 + next_e + 1, kl)
+    a2 = acc[:R * D].reshape(R, D)
+    k_base = boff[T_K, b] + g * strides[T_K, 0]
+    v_base = boff[T_V, b] + g * strides[T_V, 0]
+    if jstart < jend:
+        q2 = qb[:R * D].reshape(R, D)
+        for rr in range(R):
+            h = rr // nr
+            off = boff[T_Q, b] + (g * G + h) * strides[T_Q, 0] + (i0 + rr - h * nr) * strides[T_Q, 1]
+            _load_row(q2[rr], q, off, strides[T_Q, 2], D, CODE_F32, F32_ONE)
+            m[rr] = F32_NEG_INF
+            l[rr] = F32_ZERO
+        a2[:, :] = 0.0
+        for step in range(2):
+            for j0 in range(jstart, jend, tk):
+                j1 = min(j0 + tk, jend)
+                nc = j1 - j0
+                k2 = kb[:nc * D].reshape(nc, D)
+                for c in range(nc):
+                    _load_row(k2[c], k, k_base + (j0 + c) * strides[T_K, 1], strides[T_K, 2], D,
+                              CODE_F32, F32_ONE)
+                s2 = sb[:R * nc].reshape(R, nc)
+                gemm_rm(ints, flts, chars, R, nc, D, qb, 0, D, True, kb, 0, D, sb, 0, nc,
+                        F32_ZERO)
+                inside = (i1 - 1) - pre_e <= j0 and j1 - 1 <= i0 + next_e
+                for rr in range(R):
+                    h = rr // nr
+                    i = i0 + rr - h * nr
+                    n = g * G + h
+                    srow = s2[rr]
+                    _int8_scores(srow, nc, deq1, scale16, pse,
+                                 boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1] + j0 * strides[T_P, 2],
+                                 strides[T_P, 2], has_pse)
+                    if mask_kind != 0 or not inside:
+                        _mask_row(srow, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask8,
+                                  boff[T_M, b] + i * strides[T_M, 1] + j0 * strides[T_M, 2],
+                                  strides[T_M, 2], mask_kind, pse, 0, 0, False, CODE_F16)
+                    if step == 0:
+                        m[rr] = max_nan(m[rr], _row_max(srow, nc))
+                        continue
+                    mr = m[rr]
+                    if mr == F32_NEG_INF:
+                        srow[:] = F32_ZERO
+                        continue
+                    l[rr] += _exp_row(srow, nc, mr)
+                    for c in range(nc):
+                        srow[c] = saturate_int8(round_half_even(srow[c] * qs1))
+                if step == 1:
+                    v2 = vb[:nc * D].reshape(nc, D)
+                    for c in range(nc):
+                        _load_row(v2[c], v, v_base + (j0 + c) * strides[T_V, 1],
+                                  strides[T_V, 2], D, CODE_F32, F32_ONE)
+                    t2 = tb[:R * D].reshape(R, D)
+                    gemm_rm(ints, flts, chars, R, D, nc, sb, 0, nc, False, vb, 0, D, tb, 0, D,
+                            F32_ZERO)
+                    for rr in range(R):
+                        arow = a2[rr]
+                        trow = t2[rr]
+                        for d in range(D):
+                            arow[d] += trow[d]
+
+    for rr in range(R):
+        h = rr // nr
+        i = i0 + rr - h * nr
+        n = g * G + h
+        o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
+        osd = strides[T_O, 2]
+        l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
+        mm = m[rr] if jstart < jend else F32_NEG_INF
+        if mm != F32_NEG_INF:
+            lr = np.float64(l[rr])
+            arow = a2[rr]
+            for d in range(D):
+                out[o_off + d * osd] = _f64_to_f16(np.float64(deq2) * arow[d] / lr)
+            if want_lse:
+                lse[l_off] = lse_value(mm, l[rr])
+            if want_flags:
+                flags[l_off] = 1
+        elif inner_precise < 2:
+            # SPEC 5 for int8: every band score equal, E = 1 on the band
+            lo, hi = row_band(i, pre_e, next_e, kl)
+            if lo <= hi:
+                p8 = np.float64(saturate_int8(round_half_even(qs1)))
+                arow = a2[rr]
+                arow[:] = 0.0
+                for j in range(lo, hi + 1):
+                    off = v_base + j * strides[T_V, 1]
+                    for d in range(D):
+                        arow[d] += np.float64(v[off + d * strides[T_V, 2]])
+                cnt = np.float64(np.float32(hi - lo + 1))
+                for d in range(D):
+                    out[o_off + d * osd] = _f64_to_f16(np.float64(deq2) * (p8 * arow[d]) / cnt)
+                if want_flags:
+                    flags[l_off] = 1
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _attention_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, work, params, qp):
+    """The int8 kernel: same work items and scheduling as :func:`_attention`."""
+    G = params[P_G]
+    D = params[P_D]
+    rows = G * params[P_ROWS]
+    tk = params[P_COLS]
+    nthr = params[P_THREADS]
+    n_items = work.shape[0]
+    for t in prange(nthr):
+        qb = np.empty(rows * D, np.float32)
+        sb = np.empty(rows * tk, np.float32)
+        tb = np.empty(max(rows, 1) * D, np.float32)
+        acc = np.empty(rows * D, np.float64)
+        kb = np.empty(tk * D, np.float32)
+        vb = np.empty(tk * D, np.float32)
+        m = np.empty(rows, np.float32)
+        l = np.empty(rows, np.float32)
+        ints, flts, chars = scratch()
+        for w in range(t, n_items, nthr):
+            _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, params, qp,
+                        work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, m, l,
+                        ints, flts, chars)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,36 +488,37 @@ def flat_view(x, storage):
     return flat, -lo // it, tuple(s // it for s in x.strides)
 
 
-def _storage(code):
-    return np.float32 if code == CODE_F32 else np.uint16
+def _storage(dtype):
+    """How the kernels see elements of ``dtype``: uint16 bits for float16/bfloat16."""
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 2 and dtype.kind != "u":
+        return np.uint16
+    return dtype.type
 
 
 def _geometry(p, out, lse):
-    """Flat arrays, (7, 3) strides and (7, B) batch offsets for the kernel."""
-    st = _storage(p.code)
+    """Flat arrays, (7, 3) strides and (7, B) batch offsets for the kernels."""
+    st = _storage(p.dtype)
     strides = np.zeros((7, 3), np.int64)
     boff = np.zeros((7, max(p.B, 1)), np.int64)
     bidx = np.arange(p.B, dtype=np.int64)
 
-    def put(row, x, start=None, axes=(1, 2, 3)):
-        flat, origin, s = flat_view(x, st if row != T_M else x.dtype)
-        if start is None:   # padded: x is (B, ...)
+    def put(row, x, storage, start=None):
+        flat, origin, s = flat_view(x, storage)
+        if start is None:   # padded: x is (B|1, ...)
             boff[row, :p.B] = origin + bidx * (s[0] if x.shape[0] > 1 else 0)
-            strides[row, :len(axes)] = [s[a] for a in axes]
+            strides[row, :x.ndim - 1] = s[1:]
         else:               # packed TND: x is (T, N, D); batch b starts at row start[b]
             boff[row, :p.B] = origin + start * s[0]
             strides[row, :3] = [s[1], s[0], s[2]]
         return flat
 
-    if p.packed:
-        qf = put(T_Q, p.q, p.q_start)
-        kf = put(T_K, p.k, p.kv_start)
-        vf = put(T_V, p.v, p.kv_start)
-    else:
-        qf, kf, vf = put(T_Q, p.q), put(T_K, p.k), put(T_V, p.v)
+    qf = put(T_Q, p.q, st, p.q_start)
+    kf = put(T_K, p.k, st, p.kv_start)
+    vf = put(T_V, p.v, st, p.kv_start)
 
     ov = p.out_view(out)
-    o_flat = out.reshape(-1).view(st)
+    o_flat = out.reshape(-1).view(_storage(out.dtype))
     o_s = [s // out.itemsize for s in ov.strides]
     if p.packed:
         boff[T_O, :p.B] = p.q_start * o_s[0]
@@ -338,33 +526,25 @@ def _geometry(p, out, lse):
     else:
         boff[T_O, :p.B] = bidx * o_s[0]
         strides[T_O] = o_s[1:]
-    if lse is not None:
-        lv = p.lse_view(lse)
-        l_s = [s // 4 for s in lv.strides]
-        l_flat = lse.reshape(-1)
-        if p.packed:
-            boff[T_L, :p.B] = p.q_start * l_s[0]
-            strides[T_L, :2] = [l_s[1], l_s[0]]
-        else:
-            boff[T_L, :p.B] = bidx * l_s[0]
-            strides[T_L, :2] = l_s[1:]
+    lv = p.lse_view(lse)
+    l_s = [s // 4 for s in lv.strides]
+    if p.packed:
+        boff[T_L, :p.B] = p.q_start * l_s[0]
+        strides[T_L, :2] = [l_s[1], l_s[0]]
     else:
-        l_flat = np.full(1, -np.inf, np.float32)
+        boff[T_L, :p.B] = bidx * l_s[0]
+        strides[T_L, :2] = l_s[1:]
 
     mask8, mask16 = _readonly_dummy(np.uint8), _readonly_dummy(np.uint16)
     if p.mask is not None:
-        storage = np.uint16 if p.mask.dtype == np.float16 else np.uint8
-        flat, origin, s = flat_view(p.mask, storage)
-        boff[T_M, :p.B] = origin + bidx * (s[0] if p.mask.shape[0] > 1 else 0)
-        strides[T_M, 1:] = s[1:]
-        if storage == np.uint16:
-            mask16 = flat
+        if p.mask.dtype == np.float16:
+            mask16 = put(T_M, p.mask[:, None], np.uint16)
         else:
-            mask8 = flat
-    pse = _readonly_dummy(st)
+            mask8 = put(T_M, p.mask[:, None], np.uint8)
+    pse = _readonly_dummy(np.uint16 if p.dtype == np.int8 else st)
     if p.pse is not None:
-        pse = put(T_P, p.pse, None, axes=(1, 2, 3))
-    return qf, kf, vf, o_flat, l_flat, mask8, mask16, pse, strides, boff
+        pse = put(T_P, p.pse, _storage(p.pse.dtype))
+    return qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff
 
 
 def _work_items(p, rows_per_head):
@@ -434,22 +614,63 @@ def tile_shape(p):
 
 def run(p):
     """Compute a planned problem on the CPU; returns (out, lse or None) as NumPy arrays."""
-    out = np.zeros(p.out_shape, dtype=p.out_dtype)
-    lse = np.full(p.lse_shape, -np.inf, dtype=np.float32) if p.want_lse else None
-    if out.size == 0 or p.B == 0 or p.Skv == 0 and not p.packed:
-        return out, lse
+    quant = p.quant
+    int8_out = quant is not None and quant.out_dtype == np.int8
+    # int8 output is quantized from the float16 (or float32) result in a second pass
+    direct_dtype = np.float16 if (p.dtype == np.int8 or (int8_out and p.dtype != np.float32)) \
+        else p.dtype
+    out = np.zeros(p.out_shape, dtype=direct_dtype)
+    lse = np.full(p.lse_shape, -np.inf, dtype=np.float32)
+    flags = np.zeros(p.lse_shape, dtype=np.uint8) if int8_out else np.zeros(1, np.uint8)
     q_rows, kv_cols = tile_shape(p)
+    if p.dtype == np.int8:
+        kv_cols = min(kv_cols, INT8_MAX_KV_COLS)
     rows_per_head = max(1, q_rows // p.G)
-    work = _work_items(p, rows_per_head)
-    if work.shape[0] == 0:
-        return out, lse
-    nthreads = config.CPU_THREADS or numba.get_num_threads()
-    nthreads = max(1, min(int(nthreads), work.shape[0]))
-    params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None, p.inner_precise,
-                       lse is not None, rows_per_head, kv_cols, nthreads], dtype=np.int64)
-    lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e]).astype(np.int64)
-    qf, kf, vf, o_flat, l_flat, mask8, mask16, pse, strides, boff = _geometry(p, out, lse)
-    with _blas_one_thread:
-        _attention(qf, kf, vf, o_flat, l_flat, mask8, mask16, pse, strides, boff, lens, work,
-                   params, np.float32(p.scale))
-    return out, lse
+    work = _work_items(p, rows_per_head) if out.size and p.B else np.zeros((0, 3), np.int64)
+    if work.shape[0]:
+        nthreads = config.CPU_THREADS or numba.get_num_threads()
+        nthreads = max(1, min(int(nthreads), work.shape[0]))
+        ocode = CODE_F16 if direct_dtype == np.float16 else storage_code(np.dtype(direct_dtype))
+        params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None,
+                           p.inner_precise, p.want_lse or int8_out, rows_per_head, kv_cols,
+                           nthreads, ocode, int8_out], dtype=np.int64)
+        lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e]).astype(np.int64)
+        qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff = _geometry(p, out, lse)
+        l_flat, f_flat = lse.reshape(-1), flags.reshape(-1)
+        with _blas_one_thread:
+            if p.dtype == np.int8:
+                qp = np.array([quant.deq1, np.float16(p.scale), quant.quant1, quant.deq2],
+                              dtype=np.float32)
+                _attention_int8(qf, kf, vf, o_flat, l_flat, f_flat, mask8, pse, strides, boff,
+                                lens, work, params, qp)
+            else:
+                _attention(qf, kf, vf, o_flat, l_flat, f_flat, mask8, mask16, pse, strides,
+                           boff, lens, work, params, np.float32(p.scale))
+    if int8_out:
+        out = quantize_output(p, out, flags)
+    return out, (lse if p.want_lse else None)
+
+
+def quantize_output(p, o, flags):
+    """SPEC 8 output quantization: y = clip(rhe(fp16(fp16(fp16(O) * fp16(s2[c])) + fp16(o2[c]))),
+    -128, 127), NaN -> 0; rows that are structural zeros (flags 0) stay 0."""
+    q = p.quant
+    s2 = q.scale2.astype(np.float16)
+    o2 = q.offset2.astype(np.float16)
+    if s2.size > 1:   # per channel: element (n, d) is flat[n*D + d]
+        shape = {"BSH": (p.N * p.D,), "BNSD": (p.N, 1, p.D)}.get(p.layout, (p.N, p.D))
+        s2, o2 = s2.reshape(shape), o2.reshape(shape)
+    computed = flags[..., 0].astype(bool)                    # (B, N, Sq)
+    if p.layout == "BSH":
+        computed = np.repeat(computed.transpose(0, 2, 1), p.D, axis=2)
+    elif p.layout == "BNSD":
+        computed = computed[..., None]
+    else:                                                    # BSND, BNSD_BSND: (B, Sq, N, D)
+        computed = computed.transpose(0, 2, 1)[..., None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = o.astype(np.float16) * s2
+        y = (y + o2).astype(np.float16)
+        y = np.clip(np.rint(y.astype(np.float32)), -128, 127)
+    y[np.isnan(y)] = 0
+    y = np.where(computed, y, 0)
+    return y.astype(np.int8)

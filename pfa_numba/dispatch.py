@@ -11,7 +11,7 @@ from . import _validate as V
 class CpuBackend:
     name = "cpu"
     devices = ("cpu",)
-    dtypes = ("float16", "bfloat16", "float32")
+    dtypes = ("float16", "bfloat16", "float32", "int8")
     layouts = V.LAYOUTS
     max_head_dim = V.MAX_HEAD_DIM
 
