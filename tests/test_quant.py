@@ -97,16 +97,19 @@ def test_int8_inputs(out, mode, heads, lens):
 @pytest.mark.parametrize("mode", MODES)
 def test_float_inputs_int8_output(dtype, mode):
     rng = np.random.default_rng(3)
-    b, n, sq, skv, d = 2, 2, 11, 15, 32
+    b, n, nkv, sq, skv, d = 2, 4, 2, 11, 15, 32
     q, k, v = (rng.standard_normal(s).astype(dtype) for s in
-               ((b, n, sq, d), (b, n, skv, d), (b, n, skv, d)))
+               ((b, n, sq, d), (b, nkv, skv, d), (b, nkv, skv, d)))
     mask, mkw = _mode_args(mode, rng, b, sq, skv)
     s2 = np.array([40.0], np.float32)
-    kw = dict(mkw, num_heads=n, input_layout="BSND" if False else "BNSD", scale_value=0.2,
-              quant_scale2=s2.astype(BF16) if dtype == BF16 else s2)
-    got = prompt_flash_attention(q, k, v, mask, **kw)
-    want = reference.prompt_flash_attention(q, k, v, mask, **kw)
+    kw = dict(mkw, num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", scale_value=0.2,
+              quant_scale2=s2.astype(BF16) if dtype == BF16 else s2,
+              quant_offset2=np.array([2.0], np.float32).astype(BF16 if dtype == BF16 else np.float32))
+    lengths = ([9, 0], [15, 4])
+    got = prompt_flash_attention(q, k, v, mask, *lengths, **kw)
+    want = reference.prompt_flash_attention(q, k, v, mask, *lengths, **kw)
     assert_int8_close(got, want)
+    assert np.all(got[1] == 0) and np.all(got[0, :, 9:] == 0)   # not round(offset)
 
 
 PER_CHANNEL = [(64,), (1, 1, 64), (1, 2, 1, 32), (2, 32), (1, 1, 2, 32)]
