@@ -21,9 +21,10 @@ import threading
 import numba
 import numpy as np
 from numba import njit, prange
-from numpy.lib.stride_tricks import as_strided
 
 from . import config
+from ._geometry import (P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE,
+                        P_ROWS, P_THREADS, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, geometry)
 from ._blas import gemm_rm, scratch
 from ._plan import storage_code
 from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32_NEG_INF,
@@ -34,11 +35,6 @@ from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32
 
 _FM = set(config.CPU_FASTMATH)
 
-# rows of the geometry arrays (strides: (7, 3) int64 in elements; boff: (7, B) int64)
-T_Q, T_K, T_V, T_O, T_L, T_M, T_P = range(7)
-# params vector
-(P_N, P_G, P_D, P_CODE, P_MASK, P_PSE, P_IP, P_LSE, P_ROWS, P_COLS, P_THREADS, P_OCODE,
- P_FLAGS) = range(13)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,93 +456,6 @@ def _attention_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, w
                         ints, flts, chars)
 
 
-# ---------------------------------------------------------------------------------------------
-# host side: flat views, geometry, work items
-# ---------------------------------------------------------------------------------------------
-
-def _readonly_dummy(dtype):
-    a = np.zeros(1, dtype=dtype)
-    a.flags.writeable = False
-    return a
-
-
-def flat_view(x, storage):
-    """A read-only 1-D array over the memory of strided ``x`` (no copy), with the element offset
-    of ``x[0, ..., 0]`` in it and ``x``'s strides in elements.
-
-    ``storage`` reinterprets the elements (uint16 for fp16/bf16, uint8 for bool masks)."""
-    x = x.view(storage)
-    if x.size == 0:
-        return _readonly_dummy(storage), 0, (0,) * x.ndim
-    it = x.itemsize
-    if any(s % it for s in x.strides) or not x.flags.aligned:
-        x = np.ascontiguousarray(x)  # exotic byte strides only; ordinary views never copy
-    lo = sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s < 0)
-    hi = sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s > 0)
-    corner = x[tuple(slice(n - 1, n) if s < 0 else slice(0, 1) for n, s in zip(x.shape, x.strides))]
-    flat = as_strided(corner, shape=((hi - lo) // it + 1,), strides=(it,), writeable=False)
-    return flat, -lo // it, tuple(s // it for s in x.strides)
-
-
-def _storage(dtype):
-    """How the kernels see elements of ``dtype``: uint16 bits for float16/bfloat16."""
-    dtype = np.dtype(dtype)
-    if dtype.itemsize == 2 and dtype.kind != "u":
-        return np.uint16
-    return dtype.type
-
-
-def _geometry(p, out, lse):
-    """Flat arrays, (7, 3) strides and (7, B) batch offsets for the kernels."""
-    st = _storage(p.dtype)
-    strides = np.zeros((7, 3), np.int64)
-    boff = np.zeros((7, max(p.B, 1)), np.int64)
-    bidx = np.arange(p.B, dtype=np.int64)
-
-    def put(row, x, storage, start=None):
-        flat, origin, s = flat_view(x, storage)
-        if start is None:   # padded: x is (B|1, ...)
-            boff[row, :p.B] = origin + bidx * (s[0] if x.shape[0] > 1 else 0)
-            strides[row, :x.ndim - 1] = s[1:]
-        else:               # packed TND: x is (T, N, D); batch b starts at row start[b]
-            boff[row, :p.B] = origin + start * s[0]
-            strides[row, :3] = [s[1], s[0], s[2]]
-        return flat
-
-    qf = put(T_Q, p.q, st, p.q_start)
-    kf = put(T_K, p.k, st, p.kv_start)
-    vf = put(T_V, p.v, st, p.kv_start)
-
-    ov = p.out_view(out)
-    o_flat = out.reshape(-1).view(_storage(out.dtype))
-    o_s = [s // out.itemsize for s in ov.strides]
-    if p.packed:
-        boff[T_O, :p.B] = p.q_start * o_s[0]
-        strides[T_O] = [o_s[1], o_s[0], o_s[2]]
-    else:
-        boff[T_O, :p.B] = bidx * o_s[0]
-        strides[T_O] = o_s[1:]
-    lv = p.lse_view(lse)
-    l_s = [s // 4 for s in lv.strides]
-    if p.packed:
-        boff[T_L, :p.B] = p.q_start * l_s[0]
-        strides[T_L, :2] = [l_s[1], l_s[0]]
-    else:
-        boff[T_L, :p.B] = bidx * l_s[0]
-        strides[T_L, :2] = l_s[1:]
-
-    mask8, mask16 = _readonly_dummy(np.uint8), _readonly_dummy(np.uint16)
-    if p.mask is not None:
-        if p.mask.dtype == np.float16:
-            mask16 = put(T_M, p.mask[:, None], np.uint16)
-        else:
-            mask8 = put(T_M, p.mask[:, None], np.uint8)
-    pse = _readonly_dummy(np.uint16 if p.dtype == np.int8 else st)
-    if p.pse is not None:
-        pse = put(T_P, p.pse, _storage(p.pse.dtype))
-    return qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff
-
-
 def _work_items(p, rows_per_head):
     """(b, kv head, i0) for every block with rows to compute, most expensive first."""
     tiles = -(-p.qlen // rows_per_head)
@@ -635,7 +544,7 @@ def run(p):
                            p.inner_precise, p.want_lse or int8_out, rows_per_head, kv_cols,
                            nthreads, ocode, int8_out], dtype=np.int64)
         lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e]).astype(np.int64)
-        qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff = _geometry(p, out, lse)
+        qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out, lse)
         l_flat, f_flat = lse.reshape(-1), flags.reshape(-1)
         with _blas_one_thread:
             if p.dtype == np.int8:
