@@ -1,10 +1,13 @@
 """The numerics of prompt flash attention, written once for every target.
 
-Each function here is a small scalar (or row) helper compiled with ``@njit(inline='always')``:
+Each function here is a small scalar helper compiled with ``@njit(inline='always')``:
 Numba inlines it at the IR level into whichever kernel calls it, so the same source compiles
 into the CPU kernel (``@njit(parallel=True)``) and into the CUDA kernel (``@cuda.jit``). That is
 also why they use only float32/int32/uint32 arithmetic with ``np.float32`` constants (a bare
 ``0.0`` or ``math.inf`` would make GPU code fp64) and no allocation or NumPy array functions.
+Float arguments are cast with ``np.float32`` on entry: a no-op in compiled code, and what keeps
+the CUDA simulator (which calls these from Python, where results come back as Python floats)
+on the float32 signatures.
 
 Contents:
 
@@ -134,7 +137,7 @@ u32_as_f32 = _bitcast_intrinsic(types.uint32, types.float32)
 f32_as_i32 = _bitcast_intrinsic(types.float32, types.int32)
 i32_as_f32 = _bitcast_intrinsic(types.int32, types.float32)
 
-jit = njit(inline="always")
+jit = njit(inline="always", cache=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,6 +179,7 @@ def f32_to_f16(x):
 
     Overflow gives +-inf, NaN stays NaN (quiet), subnormal halves are rounded correctly.
     """
+    x = np.float32(x)
     u = f32_as_u32(x)
     sign = u & np.uint32(0x80000000)
     u = u ^ sign
@@ -195,6 +199,7 @@ def f32_to_f16(x):
 @jit
 def f32_to_bf16(x):
     """float32 -> bfloat16 bits (uint16), round to nearest, ties to even; NaN stays NaN."""
+    x = np.float32(x)
     u = f32_as_u32(x)
     if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
         return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
@@ -205,12 +210,14 @@ def f32_to_bf16(x):
 @jit
 def round_f16(x):
     """float32 -> the nearest float16 value (ties to even), as float32."""
+    x = np.float32(x)
     return f16_to_f32(f32_to_f16(x))
 
 
 @jit
 def round_half_even(x):
     """Round a float32 to an integral float32, ties to even (NaN stays NaN)."""
+    x = np.float32(x)
     n = floor_f32(x)
     d = x - n
     odd = floor_f32(n * _HALF) * np.float32(2.0) != n
@@ -222,6 +229,7 @@ def round_half_even(x):
 @jit
 def saturate_int8(x):
     """Clip an integral float32 to [-128, 127] (NaN stays NaN)."""
+    x = np.float32(x)
     if x < np.float32(-128.0):
         return np.float32(-128.0)
     if x > np.float32(127.0):
@@ -260,6 +268,7 @@ def exp_f32(x):
 
     exp(-inf) = 0, exp(+inf) = inf, exp(NaN) = NaN; results below float32's normal range are 0.
     """
+    x = np.float32(x)
     xc = x
     if xc > _EXP_HI:
         xc = _EXP_HI
@@ -290,6 +299,7 @@ def exp_nonpos(x):
     Same polynomial as :func:`exp_f32`; exp(-inf) = 0, NaN stays NaN, results below float32's
     normal range are 0.
     """
+    x = np.float32(x)
     xc = x if x > _EXP_LO else _EXP_LO
     n = floor_f32(xc * _LOG2E + _HALF)
     r = xc - n * _LN2_HI - n * _LN2_LO
@@ -307,6 +317,7 @@ def order_key(x):
     An integer max vectorises where a float max does not; the map is its own inverse
     (see :func:`from_order_key`).
     """
+    x = np.float32(x)
     i = f32_as_i32(x)
     return i ^ ((i >> np.int32(31)) & np.int32(0x7FFFFFFF))
 
@@ -320,6 +331,8 @@ def from_order_key(k):
 @jit
 def max_nan(a, b):
     """max of two float32 that propagates NaN (a NaN running max makes the row NaN)."""
+    a = np.float32(a)
+    b = np.float32(b)
     if a != a or b != b:
         return a + b
     return a if a >= b else b
@@ -359,6 +372,8 @@ def rescale_factor(m_old, m_new):
 
     A row that has kept nothing yet (m_new = -inf) keeps factor 1 (its acc and l are 0).
     """
+    m_old = np.float32(m_old)
+    m_new = np.float32(m_new)
     if m_new == F32_NEG_INF:
         return F32_ONE
     return exp_f32(m_old - m_new)
@@ -367,6 +382,8 @@ def rescale_factor(m_old, m_new):
 @jit
 def lse_value(m, l):
     """softmax_lse of a finished row: m + log(l), -inf when nothing was kept (SPEC 9)."""
+    m = np.float32(m)
+    l = np.float32(l)
     if m == F32_NEG_INF:
         return F32_NEG_INF
     return m + np.float32(math.log(l))

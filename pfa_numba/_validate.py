@@ -120,7 +120,18 @@ def check_band_signs(pre_tokens, next_tokens, where, int8_out=False):
 # ---------------------------------------------------------------------------------------------
 
 def is_cuda_array(x):
-    return hasattr(x, "__cuda_array_interface__")
+    """CUDA arrays: __cuda_array_interface__ (Numba, CuPy, ...), PyTorch CUDA tensors (also
+    bfloat16 ones, whose interface raises), and the CUDA simulator's device arrays."""
+    if isinstance(x, np.ndarray) or x is None:
+        return False
+    if type(x).__module__.split(".")[0] == "torch":
+        return bool(getattr(x, "is_cuda", False))
+    if "simulator" in type(x).__module__:
+        return True
+    try:
+        return hasattr(x, "__cuda_array_interface__")
+    except Exception:
+        return False
 
 
 def check_array(name, x):

@@ -136,19 +136,43 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
     names the argument and the value received; invalid input never writes into any array.
     """
     V.check_device(device)
-    tensors = (query, key, value, attn_mask, pse_shift)
-    on_cuda = any(V.is_cuda_array(x) for x in tensors)
-    if device == "cuda" or (device is None and V.is_cuda_array(query)):
-        dispatch.choose(None, "cuda")  # raises with every backend's reasons until CUDA lands
-    if on_cuda:
-        raise RuntimeError("CUDA arrays as inputs need the CUDA backend, which is not part of "
-                           "this version of pfa_numba; pass NumPy arrays")
-    problem = plan(query, key, value, attn_mask, actual_seq_lengths, actual_seq_lengths_kv,
-                   pse_shift, (deq_scale1, quant_scale1, deq_scale2, quant_scale2, quant_offset2),
-                   num_heads, scale_value, pre_tokens, next_tokens, input_layout,
-                   num_key_value_heads, sparse_mode, inner_precise, return_softmax_lse)
-    backend = dispatch.choose(problem, "cpu")
-    out, lse = backend.run(problem)
+    tensors = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
+               "pse_shift": pse_shift}
+    on_cuda = {name: V.is_cuda_array(x) for name, x in tensors.items() if x is not None}
+    for name, flag in on_cuda.items():
+        if flag != on_cuda["query"]:
+            where = "a CUDA array" if flag else "a host (NumPy) array"
+            raise RuntimeError(f"{name} is {where} but query is "
+                               f"{'a CUDA array' if on_cuda['query'] else 'a host (NumPy) array'}: "
+                               f"query, key, value, attn_mask and pse_shift must live on the same "
+                               f"device (got {type(tensors[name]).__name__} for {name})")
+    query_on_cuda = on_cuda["query"]
+    device = device or ("cuda" if query_on_cuda else "cpu")
+    quant = (deq_scale1, quant_scale1, deq_scale2, quant_scale2, quant_offset2)
+    rest = (num_heads, scale_value, pre_tokens, next_tokens, input_layout, num_key_value_heads,
+            sparse_mode, inner_precise, return_softmax_lse)
+    meta = None
+    if query_on_cuda:
+        from . import _arrays
+        if device == "cpu" or _arrays.simulated(query):
+            # computed on the host: copy in, compute, return the query's kind
+            host = {name: None if x is None else _arrays.to_host(x) for name, x in tensors.items()}
+            problem = plan(host["query"], host["key"], host["value"], host["attn_mask"],
+                           actual_seq_lengths, actual_seq_lengths_kv, host["pse_shift"], quant,
+                           *rest)
+            out, lse = dispatch.choose(problem, device).run(problem)
+            out = _arrays.to_kind(out, query)
+            lse = None if lse is None else _arrays.to_kind(lse, query)
+            return (out, lse) if problem.want_lse else out
+        meta = _arrays.Meta()
+        tensors = {name: None if x is None else meta.make(x) for name, x in tensors.items()}
+    problem = plan(tensors["query"], tensors["key"], tensors["value"], tensors["attn_mask"],
+                   actual_seq_lengths, actual_seq_lengths_kv, tensors["pse_shift"], quant, *rest)
+    backend = dispatch.choose(problem, device)
+    if backend.name == "cuda":
+        out, lse = backend.run(problem, meta, query if query_on_cuda else None)
+    else:
+        out, lse = backend.run(problem)
     return (out, lse) if problem.want_lse else out
 
 

@@ -25,3 +25,14 @@ CPU_FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
 
 #: Numba threads used by one call (None: numba.get_num_threads() at call time).
 CPU_THREADS = None
+
+#: CUDA: query rows (= threads) per block, and kv columns per shared-memory tile; a tile holds
+#: at most CUDA_TILE_ELEMS float32 values per K and per V (2 x 16 KiB at the default), so its
+#: column count shrinks for large head dims.
+CUDA_Q_ROWS = 64
+CUDA_KV_COLS = 64
+CUDA_TILE_ELEMS = 4096
+
+#: fast-math flags for the CUDA kernel: none. numba-cuda's fastmath flushes subnormals to
+#: zero, which would break the exact float16 subnormal conversions of _core.
+CUDA_FASTMATH = frozenset()

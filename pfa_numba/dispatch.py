@@ -31,6 +31,9 @@ class CpuBackend:
 class CudaBackend:
     name = "cuda"
     devices = ("cuda",)
+    dtypes = ("float16", "bfloat16", "float32")
+    layouts = V.LAYOUTS
+    max_head_dim = V.MAX_HEAD_DIM
 
     def not_supported_reasons(self, problem, device):
         reasons = []
@@ -46,11 +49,16 @@ class CudaBackend:
                     reasons.append("no CUDA device (numba.cuda.is_available() is False)")
             except Exception as exc:  # a broken driver must not hide the other reasons
                 reasons.append(f"the CUDA driver could not be loaded ({exc})")
-        reasons.append("the CUDA kernel is not part of this version of pfa_numba")
+        if problem is not None:
+            if V.dtype_name(problem.dtype) not in self.dtypes:
+                reasons.append(f"dtype {V.dtype_name(problem.dtype)} runs on the CPU backend only")
+            elif problem.quant is not None:
+                reasons.append("int8 quantization runs on the CPU backend only")
         return reasons
 
-    def run(self, problem):  # pragma: no cover - unreachable until the CUDA kernel lands
-        raise RuntimeError("cuda: the CUDA kernel is not part of this version of pfa_numba")
+    def run(self, problem, meta=None, query=None):
+        from . import gpu
+        return gpu.run(problem, meta, query)
 
 
 BACKENDS = (CpuBackend(), CudaBackend())

@@ -44,3 +44,24 @@ def test_core_helpers_compile_without_fp64(cc):
     bad = [line.strip() for line in ptx.splitlines() if F64.search(line)]
     assert not bad, "fp64 instructions in PTX:\n" + "\n".join(bad[:20])
     assert "ex2.approx" in ptx or "mul.f32" in ptx
+
+
+def _kernel_specialisations():
+    from pfa_numba import config, gpu
+    for storage in (types.uint16, types.float32):
+        for dpad in (32, 64, 128, 256, 512):
+            bkv = max(1, min(config.CUDA_KV_COLS, config.CUDA_TILE_ELEMS // dpad))
+            yield pytest.param(storage, dpad, config.CUDA_Q_ROWS, bkv,
+                               id=f"{storage}-D{dpad}-BQ{config.CUDA_Q_ROWS}-BKV{bkv}")
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm_80", "sm_90"])
+@pytest.mark.parametrize("storage,dpad,bq,bkv", list(_kernel_specialisations()))
+def test_attention_kernel_compiles_without_fp64(cc, storage, dpad, bq, bkv):
+    from pfa_numba import gpu
+    ptx, _ = cuda.compile_ptx(gpu.kernel_source(dpad, bq, bkv), gpu.kernel_signature(storage),
+                              cc=cc)
+    bad = [line.strip() for line in ptx.splitlines() if F64.search(line)]
+    assert not bad, "fp64 instructions in the kernel's PTX:\n" + "\n".join(bad[:20])
+    assert "bar.sync" in ptx               # the shared-memory tiles are synchronised
+    assert ".shared" in ptx

@@ -1,0 +1,112 @@
+"""CUDA arrays without importing numba.cuda: their kind, metadata, and host/device copies.
+
+Any object with ``__cuda_array_interface__`` is a CUDA array; PyTorch tensors are recognised by
+their module (a bfloat16 tensor's array interface cannot say bf16, so its dtype comes from
+torch). :class:`Meta` lets the planner work on CUDA arrays through metadata-only NumPy arrays.
+"""
+import numpy as np
+
+
+def simulated(x):
+    """True for the CUDA simulator's device arrays (NUMBA_ENABLE_CUDASIM=1): they hold host
+    memory and have no __cuda_array_interface__."""
+    return "simulator" in type(x).__module__
+
+
+def array_kind(x):
+    """'numpy', 'torch', 'cupy', 'numba' or 'cuda' (any other __cuda_array_interface__)."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch":
+        return "torch"
+    if mod == "cupy":
+        return "cupy"
+    if mod == "numba" or hasattr(x, "copy_to_host"):
+        return "numba"
+    return "cuda"
+
+
+def _torch_dtype_to_numpy(t):
+    import torch
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(str(t.dtype).replace("torch.", ""))
+
+
+def interface(x):
+    """(dtype, shape, strides in bytes, device pointer of element 0) of a CUDA array."""
+    if array_kind(x) == "torch":
+        import torch
+        dtype = _torch_dtype_to_numpy(x)
+        cai = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).__cuda_array_interface__
+    else:
+        cai = x.__cuda_array_interface__
+        dtype = np.dtype(getattr(x, "dtype", cai["typestr"]))
+        if np.dtype(cai["typestr"]).itemsize != dtype.itemsize:
+            dtype = np.dtype(cai["typestr"])
+    shape = tuple(cai["shape"])
+    strides = cai.get("strides")
+    if strides is None:
+        strides = tuple(int(s) * dtype.itemsize for s in
+                        np.cumprod((1,) + shape[:0:-1])[::-1]) if shape else ()
+    return dtype, shape, tuple(strides), int(cai["data"][0])
+
+
+class Meta:
+    """A NumPy array with a CUDA array's shape, dtype and strides over a dummy buffer: the
+    planner reads only metadata (views, strides), never data, and the device pointer of any
+    view is recovered from its byte offset."""
+
+    def __init__(self):
+        self.roots = {}
+
+    def make(self, x):
+        dtype, shape, strides, ptr = interface(x)
+        meta = np.lib.stride_tricks.as_strided(np.zeros(1, dtype=dtype), shape=shape,
+                                               strides=strides, writeable=False)
+        base = meta
+        while base.base is not None and isinstance(base.base, np.ndarray):
+            base = base.base
+        self.roots[id(base)] = (meta.ctypes.data, ptr, x)
+        return meta
+
+    def device_pointer(self, view):
+        base = view
+        while base.base is not None and isinstance(base.base, np.ndarray):
+            base = base.base
+        meta_ptr, dev_ptr, owner = self.roots[id(base)]
+        return dev_ptr + (view.ctypes.data - meta_ptr), owner
+
+
+def to_kind(x, like):
+    """A NumPy result as an array of ``like``'s kind, on its device."""
+    kind = array_kind(like)
+    if kind == "torch":
+        import torch
+        if x.dtype.name == "bfloat16":
+            return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16).to(like.device)
+        return torch.from_numpy(np.ascontiguousarray(x)).to(like.device)
+    if kind == "cupy":
+        import cupy
+        return cupy.asarray(x)
+    from numba import cuda
+    return cuda.to_device(np.ascontiguousarray(x))
+
+
+def to_host(x):
+    """A CUDA array's contents as a NumPy array (bf16 as ml_dtypes.bfloat16)."""
+    kind = array_kind(x)
+    if kind == "torch":
+        import torch
+        if x.dtype == torch.bfloat16:
+            import ml_dtypes
+            return x.detach().view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
+        return x.detach().cpu().numpy()
+    if kind == "cupy":
+        return x.get()
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
+    from numba import cuda
+    return cuda.as_cuda_array(x).copy_to_host()

@@ -1,0 +1,314 @@
+"""The CUDA backend (module `gpu`: a submodule named `cuda` would be taken for numba.cuda by
+numba-cuda's import hook): a ``@cuda.jit`` tiled online-softmax kernel over the shared numerics.
+
+Imported only when a call runs on CUDA (``import pfa_numba`` never needs numba-cuda or a GPU).
+
+One thread block computes ``CUDA_Q_ROWS`` query rows of one (batch, head); each thread owns one
+row (its scaled query and its float32 accumulator live in local memory). The block walks the kv
+tiles of its band only (tiles outside the band or past kL are skipped), staging each K and V
+tile in shared memory with coalesced loads (consecutive threads read consecutive elements of a
+row) widened to float32 by ``_core.widen``; then each thread runs the three online-softmax
+steps of the CPU kernel on its row: scores (band, user mask, pse, fp16 mask), update m and l,
+rescale acc and add P V. The band predicate, the online update, exp, finalize and every dtype
+conversion are the ``_core`` functions the CPU kernel uses.
+
+Arrays: NumPy inputs with ``device='cuda'`` are copied in (only the memory their views span) and
+the result is copied out. CUDA arrays (Numba device arrays, CuPy, PyTorch; anything with
+``__cuda_array_interface__``) are read in place, and the result is allocated by the query's
+library (zero-copy). Kernels launch on the default stream and the call synchronises before it
+returns; callers using other streams should synchronise their producers first.
+"""
+
+import numpy as np
+from numba import cuda, float32
+
+from . import config
+from ._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_ZERO,
+                    MASK_ADD_F16, MASK_DISCARD, exp_nonpos, f16_to_f32, f32_to_bf16, f32_to_f16,
+                    lse_value, max_nan, rescale_factor, row_band, widen)
+from ._arrays import array_kind, to_kind
+from ._geometry import (P_CODE, P_D, P_FLAGS, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE, T_K, T_L,
+                        T_M, T_O, T_P, T_Q, T_V, geometry)
+
+SIMULATOR = bool(getattr(cuda, "simulator", None)) or cuda.__name__.endswith("simulator")
+
+
+def _pad_dim(d):
+    """Compile-time head-dim capacity: the next power of two >= d (>= 32)."""
+    p = 32
+    while p < d:
+        p *= 2
+    return p
+
+
+_KERNELS = {}
+
+
+def kernel_for(dpad, bq, bkv):
+    """The kernel specialised for head dims <= ``dpad``, ``bq`` rows per block and ``bkv``
+    kv columns per shared-memory tile (all compile-time constants)."""
+    key = (dpad, bq, bkv)
+    if key not in _KERNELS:
+        _KERNELS[key] = cuda.jit(kernel_source(dpad, bq, bkv),
+                                 fastmath=set(config.CUDA_FASTMATH) or False)
+    return _KERNELS[key]
+
+
+def kernel_signature(storage):
+    """The argument types of the kernel for ``storage`` (numba.types.uint16 or float32)."""
+    from numba import types
+    flat = lambda t: types.Array(t, 1, "C")  # noqa: E731
+    grid = types.Array(types.int64, 2, "C")
+    return (flat(storage), flat(storage), flat(storage), flat(storage), flat(types.float32),
+            flat(types.uint8), flat(types.uint8), flat(types.uint16), flat(storage), grid, grid,
+            grid, flat(types.int64), types.int64, types.float32)
+
+
+def kernel_source(dpad, bq, bkv):
+    """The Python source of the kernel for the given compile-time sizes (before cuda.jit)."""
+    DP, BQ, BKV = dpad, bq, bkv
+
+    def attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params,
+                  qtiles, scale):
+        ks = cuda.shared.array((BKV, DP), float32)
+        vs = cuda.shared.array((BKV, DP), float32)
+        qv = cuda.local.array(DP, float32)
+        acc = cuda.local.array(DP, float32)
+        sc = cuda.local.array(BKV, float32)
+        tid = cuda.threadIdx.x
+        b = cuda.blockIdx.x // qtiles
+        i0 = (cuda.blockIdx.x - b * qtiles) * BQ
+        n = cuda.blockIdx.y
+        i = i0 + tid
+        G = params[P_G]
+        D = params[P_D]
+        code = params[P_CODE]
+        ocode = params[P_OCODE]
+        mask_kind = params[P_MASK]
+        has_pse = params[P_PSE] != 0
+        inner_precise = params[P_IP]
+        want_lse = params[P_LSE] != 0
+        want_flags = params[P_FLAGS] != 0
+        g = n // G
+        ql = lens[0, b]
+        kl = lens[1, b]
+        pre_e = lens[2, b]
+        next_e = lens[3, b]
+        rows_b = lens[4, b]
+        i1 = min(i0 + BQ, ql)
+        active = i < ql
+        # the kv columns any row of this block keeps: the same for every thread of the block,
+        # so all threads run the same number of tiles (and reach every syncthreads)
+        jstart = max(i0 - pre_e, 0)
+        jend = min(i1 - 1 + next_e + 1, kl)
+        ntiles = (jend - jstart + BKV - 1) // BKV if jend > jstart else 0
+        lo, hi = row_band(i, pre_e, next_e, kl)
+        k_base = boff[T_K, b] + g * strides[T_K, 0]
+        v_base = boff[T_V, b] + g * strides[T_V, 0]
+        m = F32_NEG_INF
+        l = F32_ZERO
+        if active:
+            q_off = boff[T_Q, b] + n * strides[T_Q, 0] + i * strides[T_Q, 1]
+            for d in range(D):
+                qv[d] = widen(q[q_off + d * strides[T_Q, 2]], code) * scale
+                acc[d] = F32_ZERO
+        for t in range(ntiles):
+            j0 = jstart + t * BKV
+            nc = min(BKV, jend - j0)
+            e = tid
+            while e < nc * D:                       # coalesced: consecutive threads, consecutive d
+                c = e // D
+                d = e - c * D
+                ks[c, d] = widen(k[k_base + (j0 + c) * strides[T_K, 1] + d * strides[T_K, 2]], code)
+                vs[c, d] = widen(v[v_base + (j0 + c) * strides[T_V, 1] + d * strides[T_V, 2]], code)
+                e += BQ
+            cuda.syncthreads()   # the whole K/V tile is in shared memory before anyone reads it
+            if active:
+                # step 1: scores of this row against the tile (dropped columns at -inf)
+                tmax = F32_NEG_INF
+                m_off = boff[T_M, b] + i * strides[T_M, 1]
+                p_off = boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1]
+                for c in range(nc):
+                    j = j0 + c
+                    s = F32_NEG_INF
+                    if j >= lo and j <= hi:
+                        s = F32_ZERO
+                        for d in range(D):
+                            s += qv[d] * ks[c, d]
+                        if has_pse:
+                            s += widen(pse[p_off + j * strides[T_P, 2]], code)
+                        if mask_kind == MASK_ADD_F16:
+                            s += F16_MASK_SCALE * f16_to_f32(mask16[m_off + j * strides[T_M, 2]])
+                        elif mask_kind == MASK_DISCARD:
+                            if mask8[m_off + j * strides[T_M, 2]] != 0:
+                                s = F32_NEG_INF
+                    sc[c] = s
+                    tmax = max_nan(tmax, s)
+                # step 2: update m and l; step 3: rescale acc, add P V
+                m_new = max_nan(m, tmax)
+                if m_new != F32_NEG_INF:
+                    a = rescale_factor(m, m_new)
+                    if a != F32_ONE:
+                        l = l * a
+                        for d in range(D):
+                            acc[d] = acc[d] * a
+                    for c in range(nc):
+                        p = exp_nonpos(sc[c] - m_new)
+                        if p != F32_ZERO:            # a dropped column adds nothing, not 0 * inf
+                            l += p
+                            for d in range(D):
+                                acc[d] += p * vs[c, d]
+                    m = m_new
+            cuda.syncthreads()   # every row is done with this tile before it is overwritten
+
+        # finalize: every output row of the block is written (the output is not pre-zeroed)
+        if i < rows_b:
+            o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
+            osd = strides[T_O, 2]
+            l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
+            written = 0
+            denom = F32_ONE
+            if active and m != F32_NEG_INF:
+                written = 1
+                denom = l
+            elif active and inner_precise < 2 and lo <= hi:
+                # SPEC 5: band non-empty but every band column masked -> mean of V over the band
+                for d in range(D):
+                    acc[d] = F32_ZERO
+                for j in range(lo, hi + 1):
+                    off = v_base + j * strides[T_V, 1]
+                    for d in range(D):
+                        acc[d] += widen(v[off + d * strides[T_V, 2]], code)
+                written = 1
+                denom = float32(hi - lo + 1)
+            for d in range(D):
+                x = acc[d] / denom if written else F32_ZERO
+                # _core.store, spelled out: device arrays cannot enter an njit function
+                # under the CUDA simulator
+                if ocode == CODE_F16:
+                    out[o_off + d * osd] = f32_to_f16(x)
+                elif ocode == CODE_BF16:
+                    out[o_off + d * osd] = f32_to_bf16(x)
+                else:
+                    out[o_off + d * osd] = x
+            if want_lse:
+                lse[l_off] = lse_value(m, l) if written and m != F32_NEG_INF else F32_NEG_INF
+            if want_flags:
+                flags[l_off] = written
+
+    return attention
+
+
+def launch_config(p):
+    """(dpad, rows per block, kv columns per tile) for problem ``p``."""
+    dpad = _pad_dim(p.D)
+    bq = int(config.CUDA_Q_ROWS)
+    bkv = max(1, min(int(config.CUDA_KV_COLS), int(config.CUDA_TILE_ELEMS) // dpad))
+    return dpad, bq, bkv
+
+
+class _DeviceSpan:
+    """A flat read-only span of device memory exposed through __cuda_array_interface__."""
+
+    def __init__(self, ptr, n, dtype, owner):
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": np.dtype(dtype).str,
+                                         "data": (ptr, False), "version": 3, "strides": None}
+
+
+def _output_like(query, shape, dtype):
+    """An uninitialised CUDA array of the query's library (its bf16 as the library holds it)."""
+    kind = array_kind(query)
+    if kind == "torch":
+        import torch
+        tdt = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
+               np.dtype(np.int8): torch.int8}.get(np.dtype(dtype), torch.bfloat16)
+        return torch.empty(shape, dtype=tdt, device=query.device)
+    if kind == "cupy":
+        import cupy
+        return cupy.empty(shape, dtype=dtype)
+    return cuda.device_array(shape, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# running a planned problem
+# ---------------------------------------------------------------------------------------------
+
+def run(p, meta=None, query=None):
+    """Compute planned problem ``p`` on the GPU.
+
+    ``meta`` is None for NumPy inputs (copied in; NumPy results), or the :class:`_Meta` the
+    plan's arrays were made with (CUDA inputs read in place; results of ``query``'s kind).
+    """
+    if p.dtype == np.int8 or p.quant is not None:
+        raise RuntimeError("cuda: int8 quantization runs on the CPU backend only")
+    from ._geometry import storage
+    on_device = meta is not None
+    out_host = np.empty(p.out_shape, dtype=p.out_dtype)
+    lse_host = np.empty(p.lse_shape, dtype=np.float32)
+    if out_host.size == 0 or p.B == 0:
+        out_host[...] = 0
+        lse_host[...] = -np.inf
+        return _finish(out_host, lse_host if p.want_lse else None, on_device, query, p)
+
+    qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out_host, lse_host)
+
+    def dev(flat, original):
+        if flat.size <= 1 and original is None:
+            return cuda.to_device(np.ascontiguousarray(flat))
+        if not on_device:
+            return cuda.to_device(np.ascontiguousarray(flat))
+        ptr, owner = meta.device_pointer(flat)
+        return cuda.as_cuda_array(_DeviceSpan(ptr, flat.size, flat.dtype, owner))
+
+    d_q, d_k, d_v = dev(qf, p.q), dev(kf, p.k), dev(vf, p.v)
+    d_m8 = dev(mask8, p.mask if p.mask is not None and p.mask.dtype != np.float16 else None)
+    d_m16 = dev(mask16, p.mask if p.mask is not None and p.mask.dtype == np.float16 else None)
+    d_pse = dev(pse, p.pse)
+
+    if on_device:
+        out_dev = _output_like(query, p.out_shape, p.out_dtype)
+        lse_dev = _output_like(query, p.lse_shape, np.float32) if p.want_lse else \
+            cuda.device_array(1, np.float32)
+        d_out = _flat_device(out_dev, storage(p.out_dtype))
+        d_lse = _flat_device(lse_dev, np.float32)
+    else:
+        d_out = cuda.device_array(o_flat.size, dtype=o_flat.dtype)
+        d_lse = cuda.device_array(lse_host.size, dtype=np.float32)
+    d_flags = cuda.device_array(1, np.uint8)
+
+    dpad, bq, bkv = launch_config(p)
+    rows = np.full(p.B, p.Sq, np.int64) if not p.packed else p.qlen.astype(np.int64)
+    lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e, rows]).astype(np.int64)
+    qtiles = max(1, -(-int(rows.max()) // bq))
+    params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None, p.inner_precise,
+                       p.want_lse, 0, 0, 0, p.code, 0], dtype=np.int64)
+    kern = kernel_for(dpad, bq, bkv)
+    grid = (p.B * qtiles, p.N)
+    kern[grid, bq](d_q, d_k, d_v, d_out, d_lse, d_flags, d_m8, d_m16, d_pse,
+                   cuda.to_device(strides), cuda.to_device(boff), cuda.to_device(lens),
+                   cuda.to_device(params), qtiles, np.float32(p.scale))
+    cuda.synchronize()
+    if on_device:
+        return out_dev, (lse_dev if p.want_lse else None)
+    out_host.reshape(-1).view(o_flat.dtype)[...] = d_out.copy_to_host()
+    if p.want_lse:
+        lse_host.reshape(-1)[...] = d_lse.copy_to_host()
+    return out_host, (lse_host if p.want_lse else None)
+
+
+def _flat_device(arr, storage_dtype):
+    """A contiguous CUDA array of ours as a flat Numba device array of its storage type."""
+    kind = array_kind(arr)
+    if kind == "torch":
+        import torch
+        if arr.dtype == torch.bfloat16:
+            arr = arr.view(torch.int16)
+    d = cuda.as_cuda_array(arr) if kind != "numba" else arr
+    return d.reshape(d.size).view(storage_dtype)
+
+
+def _finish(out, lse, on_device, query, p):
+    if not on_device:
+        return out, lse
+    return to_kind(out, query), (to_kind(lse, query) if lse is not None else None)

@@ -1,0 +1,108 @@
+"""The CUDA kernel under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1, set by the test runner
+before Numba is imported), on tiny problems with patched small tiles so that every case crosses
+several query blocks and kv tiles, against pfa_numba.reference."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from numba import cuda  # noqa: E402
+
+from pfa_numba import config, prompt_flash_attention  # noqa: E402
+from _cases import DTYPES, assert_matches_reference, qkv, to_layout  # noqa: E402
+
+if not getattr(cuda, "simulator", None) and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+    pytest.skip("run with NUMBA_ENABLE_CUDASIM=1 (scripts/run_tests.py does)",
+                allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(config, "CUDA_Q_ROWS", 4)
+    monkeypatch.setattr(config, "CUDA_KV_COLS", 3)
+
+
+def _run(args, kw, dtype, lse=True):
+    out = prompt_flash_attention(*args, **kw, device="cuda", return_softmax_lse=lse)
+    out, l = out if lse else (out, None)
+    assert isinstance(out, np.ndarray) and out.dtype == dtype
+    assert_matches_reference(out, args, kw, dtype, lse=l)
+    return out
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_dtypes_gqa(dt):
+    rng = np.random.default_rng(0)
+    q, k, v = qkv(rng, "BNSD", DTYPES[dt], 1, 2, 1, 5, 7, 16)
+    _run((q, k, v), dict(num_heads=2, num_key_value_heads=1, input_layout="BNSD",
+                         scale_value=0.25), DTYPES[dt])
+
+
+@pytest.mark.parametrize("layout", ["BSH", "BSND", "BNSD_BSND"])
+def test_layouts(layout):
+    rng = np.random.default_rng(1)
+    q, k, v = qkv(rng, layout, np.float16, 1, 2, 2, 6, 5, 16)
+    _run((q, k, v), dict(num_heads=2, input_layout=layout), np.float16)
+
+
+@pytest.mark.parametrize("mode", [2, 3, 4])
+def test_sparse_modes_and_lengths(mode):
+    rng = np.random.default_rng(2)
+    q, k, v = qkv(rng, "BNSD", np.float32, 2, 1, 1, 7, 9, 16)
+    m = np.triu(np.ones((2048, 2048), bool), 1)
+    _run((q, k, v, m, [7, 3], [9, 0]), dict(num_heads=1, input_layout="BNSD", sparse_mode=mode,
+                                            pre_tokens=2, next_tokens=1), np.float32)
+
+
+@pytest.mark.parametrize("ip", [1, 2])
+def test_user_mask_fully_masked_rows_and_pse(ip):
+    rng = np.random.default_rng(3)
+    q, k, v = qkv(rng, "BNSD", np.float16, 1, 2, 2, 6, 7, 16)
+    mask = rng.random((6, 7)) < 0.3
+    mask[2] = True
+    pse = rng.standard_normal((1, 2, 6, 7)).astype(np.float16)
+    pse[0, 0, 4, :] = -np.inf
+    _run((q, k, v, mask, None, None, pse), dict(num_heads=2, input_layout="BNSD", sparse_mode=0,
+                                                 pre_tokens=3, next_tokens=2, inner_precise=ip),
+         np.float16)
+
+
+def test_float16_additive_mask():
+    rng = np.random.default_rng(4)
+    q, k, v = qkv(rng, "BNSD", np.float16, 1, 1, 1, 5, 6, 16)
+    mask = (rng.random((5, 6)) < 0.5).astype(np.float16)
+    with pytest.warns(DeprecationWarning):
+        _run((q, k, v, mask), dict(num_heads=1, input_layout="BNSD", sparse_mode=1),
+             np.float16, lse=False)
+
+
+def test_nan_in_masked_v_and_tnd():
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((5, 2, 16)).astype(np.float32)
+    k = rng.standard_normal((8, 1, 16)).astype(np.float32)
+    v = rng.standard_normal((8, 1, 16)).astype(np.float32)
+    v[7] = np.nan          # sequence 2 (2 rows, causal): its rows keep kv rows 4 and 5 only
+    m = np.triu(np.ones((2048, 2048), bool), 1)
+    out = _run((q, k, v, m, [3, 5], [4, 8]),
+               dict(num_heads=2, num_key_value_heads=1, input_layout="TND", sparse_mode=2),
+               np.float32)
+    assert np.isfinite(out).all()
+
+
+def test_device_arrays_in_device_arrays_out():
+    rng = np.random.default_rng(6)
+    q, k, v = qkv(rng, "BNSD", np.float32, 1, 2, 2, 5, 6, 16)
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    out = prompt_flash_attention(dq, dk, dv, num_heads=2, input_layout="BNSD")
+    assert hasattr(out, "copy_to_host")
+    host = prompt_flash_attention(q, k, v, num_heads=2, input_layout="BNSD", device="cuda")
+    assert np.array_equal(out.copy_to_host(), host)
+    with pytest.raises(RuntimeError, match="key"):
+        prompt_flash_attention(dq, k, dv, num_heads=2, input_layout="BNSD")
+    cpu = prompt_flash_attention(dq, dk, dv, num_heads=2, input_layout="BNSD", device="cpu")
+    assert hasattr(cpu, "copy_to_host")
+    assert_matches_reference(cpu.copy_to_host(), (q, k, v),
+                             dict(num_heads=2, input_layout="BNSD"), np.float32)
