@@ -64,20 +64,23 @@ class Meta:
 
     def make(self, x):
         dtype, shape, strides, ptr = interface(x)
-        meta = np.lib.stride_tricks.as_strided(np.zeros(1, dtype=dtype), shape=shape,
-                                               strides=strides, writeable=False)
-        base = meta
-        while base.base is not None and isinstance(base.base, np.ndarray):
-            base = base.base
-        self.roots[id(base)] = (meta.ctypes.data, ptr, x)
+        root = np.zeros(1, dtype=dtype)
+        meta = np.lib.stride_tricks.as_strided(root, shape=shape, strides=strides,
+                                               writeable=False)
+        self.roots[id(root)] = (root, meta.__array_interface__["data"][0], ptr, x)
         return meta
 
+    @staticmethod
+    def _root(view):
+        # views, and as_strided results (whose .base is a DummyArray with its own .base)
+        while getattr(view, "base", None) is not None:
+            view = view.base
+        return view
+
     def device_pointer(self, view):
-        base = view
-        while base.base is not None and isinstance(base.base, np.ndarray):
-            base = base.base
-        meta_ptr, dev_ptr, owner = self.roots[id(base)]
-        return dev_ptr + (view.ctypes.data - meta_ptr), owner
+        """(device pointer of ``view``'s first element, the CUDA array it lies in)."""
+        _, meta_ptr, dev_ptr, owner = self.roots[id(self._root(view))]
+        return dev_ptr + (view.__array_interface__["data"][0] - meta_ptr), owner
 
 
 def to_kind(x, like):

@@ -1,0 +1,158 @@
+"""On a machine with an NVIDIA GPU: check the CUDA kernel at realistic sizes and time it.
+
+    python scripts/gpu_check.py [--quick]
+
+1. Correctness: pfa_numba on CUDA (Numba device arrays, and torch / CuPy tensors when those are
+   installed) against the CPU path and pfa_numba.reference (on a head subset), for fp16, bf16
+   and fp32, dense / causal / band / user mask / pse / GQA / varlen.
+2. Speed: a side-by-side table of pfa_numba CUDA vs torch SDPA (flash backend, when torch with
+   CUDA is installed) for fp16 and bf16 at (1,16,4096,128) dense and causal and (4,32,1024,128).
+Exits non-zero if a check fails.
+"""
+import argparse
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+
+
+def _cases(quick):
+    s = 256 if quick else 1024
+    return [
+        ("fp16 dense GQA", np.float16, dict(B=1, N=8, Nkv=2, S=s, D=128, mode=0)),
+        ("bf16 causal", ml_dtypes.bfloat16, dict(B=1, N=4, Nkv=4, S=s, D=64, mode=3)),
+        ("fp32 band", np.float32, dict(B=2, N=4, Nkv=4, S=s, D=80, mode=4)),
+        ("fp16 mask+pse varlen", np.float16, dict(B=2, N=4, Nkv=4, S=s // 2, D=128, mode=1)),
+    ]
+
+
+def check(quick):
+    from numba import cuda
+
+    from pfa_numba import prompt_flash_attention, reference
+    rng = np.random.default_rng(0)
+    ok = True
+    for name, dt, c in _cases(quick):
+        b, n, nkv, s, d = c["B"], c["N"], c["Nkv"], c["S"], c["D"]
+        q = rng.standard_normal((b, n, s, d)).astype(dt)
+        k = rng.standard_normal((b, nkv, s, d)).astype(dt)
+        v = rng.standard_normal((b, nkv, s, d)).astype(dt)
+        kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BNSD",
+                  scale_value=d ** -0.5, sparse_mode=c["mode"], pre_tokens=100, next_tokens=20)
+        mask = pse = lens = None
+        if c["mode"] in (2, 3, 4):
+            mask = np.triu(np.ones((2048, 2048), bool), 1)
+        elif c["mode"] == 1:
+            mask = rng.random((b, 1, s, s)) < 0.2
+            pse = rng.standard_normal((1, n, s, s)).astype(dt)
+            lens = [s, s // 3][:b]
+        args = (q, k, v, mask, lens, None, pse)
+        t0 = time.perf_counter()
+        dev = [None if x is None else cuda.to_device(x) for x in (q, k, v, mask)]
+        dpse = None if pse is None else cuda.to_device(pse)
+        out_dev = prompt_flash_attention(*dev, lens, None, dpse, **kw).copy_to_host()
+        t_gpu = time.perf_counter() - t0
+        out_cpu = prompt_flash_attention(*args, **kw)
+        g = n // nkv
+        sub = (q[:, :g], k[:, :1], v[:, :1], mask, lens, None,
+               None if pse is None else pse[:, :g])
+        ref = reference.prompt_flash_attention(*sub, **dict(kw, num_heads=g,
+                                                            num_key_value_heads=0))
+        err_gpu = np.abs(out_dev[:, :g].astype(np.float64) - ref).max()
+        err_cpu = np.abs(out_cpu[:, :g].astype(np.float64) - ref).max()
+        good = err_gpu <= 2 * err_cpu + 1e-3
+        ok &= bool(good)
+        print(f"  {name:24s} max err vs reference: cuda {err_gpu:.2e}, cpu {err_cpu:.2e} "
+              f"({t_gpu:.2f} s incl. JIT)  {'OK' if good else 'FAIL'}", flush=True)
+        try:
+            import torch
+            tq, tk, tv = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()
+                          if dt == ml_dtypes.bfloat16 else torch.from_numpy(x).cuda()
+                          for x in (q, k, v))
+            tm = None if mask is None else torch.from_numpy(mask).cuda()
+            tp = None if pse is None else (torch.from_numpy(pse.view(np.int16)).view(
+                torch.bfloat16).cuda() if dt == ml_dtypes.bfloat16 else torch.from_numpy(pse).cuda())
+            to = prompt_flash_attention(tq, tk, tv, tm, lens, None, tp, **kw)
+            assert isinstance(to, torch.Tensor) and to.is_cuda
+            same = np.array_equal(
+                (to.view(torch.int16) if to.dtype == torch.bfloat16 else to).cpu().numpy().view(
+                    np.uint8), out_dev.view(np.uint8))
+            ok &= same
+            print(f"  {'':24s} torch tensors in/out: {'identical' if same else 'DIFFER'}")
+        except ImportError:
+            pass
+    return ok
+
+
+def bench(quick):
+    from numba import cuda
+
+    from pfa_numba import prompt_flash_attention
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        torch = None
+    shapes = [(1, 16, 4096, 128, "dense"), (1, 16, 4096, 128, "causal"),
+              (4, 32, 1024, 128, "dense")]
+    if quick:
+        shapes = [(1, 8, 1024, 128, "dense")]
+    print(f"\n  {'case':34s} {'pfa_numba cuda':>15s} {'torch flash':>12s} {'torch/pfa':>9s}")
+    for dt_name, dt in (("fp16", np.float16), ("bf16", ml_dtypes.bfloat16)):
+        for b, n, s, d, mode in shapes:
+            rng = np.random.default_rng(1)
+            host = [rng.standard_normal((b, n, s, d)).astype(dt) for _ in range(3)]
+            dev = [cuda.to_device(x) for x in host]
+            mask = cuda.to_device(np.triu(np.ones((2048, 2048), bool), 1)) if mode == "causal" \
+                else None
+            kw = dict(num_heads=n, input_layout="BNSD", scale_value=d ** -0.5,
+                      sparse_mode=3 if mode == "causal" else 0)
+            run = lambda: prompt_flash_attention(*dev, mask, **kw)  # noqa: E731
+            run()
+            cuda.synchronize()
+            t = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                run()
+                cuda.synchronize()
+                t.append(time.perf_counter() - t0)
+            t_pfa = float(np.median(t))
+            t_torch = float("nan")
+            if torch is not None and torch.cuda.is_available():
+                tdt = torch.float16 if dt == np.float16 else torch.bfloat16
+                tq, tk, tv = (torch.randn(b, n, s, d, device="cuda", dtype=tdt) for _ in range(3))
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    f = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                        tq, tk, tv, is_causal=mode == "causal")
+                    f()
+                    torch.cuda.synchronize()
+                    t = []
+                    for _ in range(5):
+                        t0 = time.perf_counter()
+                        f()
+                        torch.cuda.synchronize()
+                        t.append(time.perf_counter() - t0)
+                t_torch = float(np.median(t))
+            print(f"  {dt_name + ' ' + mode + ' ' + str((b, n, s, d)):34s} {t_pfa * 1e3:12.2f} ms "
+                  f"{t_torch * 1e3:9.2f} ms {t_torch / t_pfa:9.3f}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    from numba import cuda
+    if not cuda.is_available():
+        print("no CUDA device: nothing to check here")
+        return 1
+    print(f"device: {cuda.get_current_device().name}")
+    print("correctness at realistic sizes:")
+    ok = check(args.quick)
+    bench(args.quick)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""CUDA-array plumbing that needs no GPU: kinds, and the metadata-only planning of CUDA inputs
+(the device pointer of every view the kernel reads is recovered exactly)."""
+import numpy as np
+import pytest
+
+from pfa_numba import _arrays, _plan
+from pfa_numba import _validate as V
+from pfa_numba._geometry import geometry
+
+
+class HostBackedCudaArray:
+    """Stands in for a CUDA array: __cuda_array_interface__ over host memory."""
+
+    def __init__(self, a):
+        self.a = a
+        self.dtype = a.dtype
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.a.shape, "typestr": self.a.dtype.str, "version": 3,
+                "data": (self.a.__array_interface__["data"][0], False),
+                "strides": self.a.strides}
+
+
+def test_kinds():
+    fake = HostBackedCudaArray(np.zeros(3, np.float32))
+    assert V.is_cuda_array(fake) and not V.is_cuda_array(np.zeros(3))
+    assert _arrays.array_kind(fake) == "cuda" and _arrays.array_kind(np.zeros(1)) == "numpy"
+
+
+@pytest.mark.parametrize("layout", ["BSH", "BNSD", "BSND"])
+def test_meta_planning_recovers_every_device_pointer(layout):
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((2, 6, 40, 48)).astype(np.float16)
+    q4, k4, v4 = big[:, ::3, 3:30, :32], big[:, 1::3, ::-1, 16:48][:, :, :33], big[:, 2::3, 5:38, :32]
+    tr = {"BSH": lambda x: x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1),
+          "BSND": lambda x: x.transpose(0, 2, 1, 3)}.get(layout, lambda x: x)
+    q, k, v = tr(q4), tr(k4), tr(v4)
+    mask = rng.random((2, 1, 30, 40)) < 0.5
+    args = dict(num_heads=2, scale_value=0.1, pre_tokens=2147483647, next_tokens=0,
+                input_layout=layout, num_key_value_heads=0, sparse_mode=1, inner_precise=1,
+                return_softmax_lse=False)
+    real = _plan.plan(q, k, v, mask, None, None, None, (None,) * 5, *args.values())
+    meta = _arrays.Meta()
+    mq, mk, mv, mm = (meta.make(HostBackedCudaArray(x)) for x in (q, k, v, mask))
+    assert all(isinstance(x, np.ndarray) and not x.flags.writeable for x in (mq, mk, mv, mm))
+    planned = _plan.plan(mq, mk, mv, mm, None, None, None, (None,) * 5, *args.values())
+    out = np.zeros(real.out_shape, np.float16)
+    lse = np.zeros(real.lse_shape, np.float32)
+    g_real = geometry(real, out, lse)
+    g_meta = geometry(planned, out, lse)
+    for a, b in zip(g_real[:3] + g_real[4:5], g_meta[:3] + g_meta[4:5]):   # q, k, v, mask8
+        ptr, _ = meta.device_pointer(b)
+        assert ptr == a.__array_interface__["data"][0] and a.size == b.size
+    for a, b in zip(g_real[7:], g_meta[7:]):                                 # strides, offsets
+        assert np.array_equal(a, b)
