@@ -4,6 +4,7 @@
 argument; ``pfa_numba.reference`` is the float64 NumPy meaning the kernels are tested against.
 """
 from .api import prompt_flash_attention, trans_quant_param
+from .merge import merge_attention
 
 __version__ = "0.1.0"
-__all__ = ["prompt_flash_attention", "trans_quant_param", "__version__"]
+__all__ = ["prompt_flash_attention", "merge_attention", "trans_quant_param", "__version__"]
