@@ -1,4 +1,5 @@
-"""``python -m pfa_numba demo | info``: the main job and a look at this installation."""
+"""``python -m pfa_numba demo | bench | warmup | info``: the main job, the benchmark, cache
+warm-up for deployment images, and a look at this installation."""
 import argparse
 import os
 import platform
@@ -89,6 +90,33 @@ def demo(args):
     return 0 if ok else 1
 
 
+def warmup(args):
+    """Compile every CPU kernel specialisation into Numba's on-disk cache (a deployment image
+    runs this once at build time; later processes load the kernels in well under a second)."""
+    import numba
+
+    from pfa_numba import prompt_flash_attention
+    q16 = np.ones((1, 1, 4, 16), np.float16)
+    q32 = np.ones((1, 1, 4, 16), np.float32)
+    q8 = np.ones((1, 1, 4, 32), np.int8)
+    scales = dict(deq_scale1=np.ones(1, np.float32), quant_scale1=np.ones(1, np.float32),
+                  deq_scale2=np.ones(1, np.float32))
+    jobs = [("uint16 storage (float16, bfloat16)", lambda: prompt_flash_attention(
+                q16, q16, q16, num_heads=1, input_layout="BNSD")),
+            ("float32 storage", lambda: prompt_flash_attention(
+                q32, q32, q32, num_heads=1, input_layout="BNSD")),
+            ("int8 pipeline", lambda: prompt_flash_attention(
+                q8, q8, q8, num_heads=1, input_layout="BNSD", **scales))]
+    cache = numba.config.CACHE_DIR or "next to the package's modules (__pycache__)"
+    print(f"compiling the CPU kernels into Numba's cache ({cache}):")
+    for name, job in jobs:
+        t0 = time.perf_counter()
+        job()
+        print(f"  {name:36s} {time.perf_counter() - t0:6.1f} s")
+    print("CUDA kernels are compiled by numba-cuda at their first launch in each process.")
+    return 0
+
+
 def info(args):
     import numba
 
@@ -126,6 +154,8 @@ def main(argv=None):
     p.add_argument("--filter", default="", help="only cases whose name contains this")
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(fn=lambda a: __import__("pfa_numba._bench", fromlist=["main"]).main(a))
+    p = sub.add_parser("warmup", help="compile every CPU kernel into Numba's cache")
+    p.set_defaults(fn=warmup)
     p = sub.add_parser("info", help="versions, backends, threads, cache location")
     p.set_defaults(fn=info)
     args = parser.parse_args(argv)
