@@ -48,6 +48,7 @@ F16_MASK_SCALE = np.float32(-10000.0)
 CODE_F32 = 0
 CODE_F16 = 1
 CODE_BF16 = 2
+CODE_I8 = 3   # int8 output, quantized from the float16-rounded result (SPEC 8)
 
 # mask kinds
 MASK_NONE = 0
@@ -235,6 +236,17 @@ def saturate_int8(x):
     if x > np.float32(127.0):
         return np.float32(127.0)
     return x
+
+
+@jit
+def quantize_output(o, scale2_16, offset2_16):
+    """SPEC 8 output quantization of one element, as an integral float32:
+    clip(round_half_even(fp16(fp16(fp16(o) * s2) + o2)), -128, 127), NaN -> 0, where s2 and o2
+    are already rounded to float16."""
+    o = np.float32(o)
+    y = round_f16(round_f16(round_f16(o) * np.float32(scale2_16)) + np.float32(offset2_16))
+    y = saturate_int8(round_half_even(y))
+    return y if y == y else F32_ZERO
 
 
 @jit

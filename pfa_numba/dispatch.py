@@ -31,7 +31,7 @@ class CpuBackend:
 class CudaBackend:
     name = "cuda"
     devices = ("cuda",)
-    dtypes = ("float16", "bfloat16", "float32")
+    dtypes = ("float16", "bfloat16", "float32", "int8")
     layouts = V.LAYOUTS
     max_head_dim = V.MAX_HEAD_DIM
 
@@ -49,11 +49,8 @@ class CudaBackend:
                     reasons.append("no CUDA device (numba.cuda.is_available() is False)")
             except Exception as exc:  # a broken driver must not hide the other reasons
                 reasons.append(f"the CUDA driver could not be loaded ({exc})")
-        if problem is not None:
-            if V.dtype_name(problem.dtype) not in self.dtypes:
-                reasons.append(f"dtype {V.dtype_name(problem.dtype)} runs on the CPU backend only")
-            elif problem.quant is not None:
-                reasons.append("int8 quantization runs on the CPU backend only")
+        if problem is not None and V.dtype_name(problem.dtype) not in self.dtypes:
+            reasons.append(f"dtype {V.dtype_name(problem.dtype)} is not supported")
         return reasons
 
     def run(self, problem, meta=None, query=None):

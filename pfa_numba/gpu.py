@@ -20,15 +20,16 @@ returns; callers using other streams should synchronise their producers first.
 """
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, int64
 
 from . import config
-from ._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_ZERO,
-                    MASK_ADD_F16, MASK_DISCARD, exp_nonpos, f16_to_f32, f32_to_bf16, f32_to_f16,
-                    lse_value, max_nan, rescale_factor, row_band, widen)
+from ._core import (CODE_BF16, CODE_F16, CODE_I8, F16_MASK_SCALE, F32_NEG_INF, F32_ONE,
+                    F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, exp_nonpos, f16_to_f32,
+                    f32_to_bf16, f32_to_f16, lse_value, max_nan, quantize_output, rescale_factor,
+                    round_f16, round_half_even, row_band, saturate_int8, widen)
 from ._arrays import array_kind, to_kind
-from ._geometry import (P_CODE, P_D, P_FLAGS, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE, T_K, T_L,
-                        T_M, T_O, T_P, T_Q, T_V, geometry)
+from ._geometry import (P_CODE, P_D, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE, T_K, T_L, T_M,
+                        T_O, T_P, T_Q, T_V, geometry)
 
 SIMULATOR = bool(getattr(cuda, "simulator", None)) or cuda.__name__.endswith("simulator")
 
@@ -44,32 +45,42 @@ def _pad_dim(d):
 _KERNELS = {}
 
 
-def kernel_for(dpad, bq, bkv):
+def kernel_for(dpad, bq, bkv, int8=False):
     """The kernel specialised for head dims <= ``dpad``, ``bq`` rows per block and ``bkv``
-    kv columns per shared-memory tile (all compile-time constants)."""
-    key = (dpad, bq, bkv)
+    kv columns per shared-memory tile (all compile-time constants); ``int8``: the int8
+    query/key/value pipeline."""
+    key = (dpad, bq, bkv, int8)
     if key not in _KERNELS:
-        _KERNELS[key] = cuda.jit(kernel_source(dpad, bq, bkv),
-                                 fastmath=set(config.CUDA_FASTMATH) or False)
+        src = (kernel_source_int8 if int8 else kernel_source)(dpad, bq, bkv)
+        _KERNELS[key] = cuda.jit(src, fastmath=set(config.CUDA_FASTMATH) or False)
     return _KERNELS[key]
 
 
-def kernel_signature(storage):
-    """The argument types of the kernel for ``storage`` (numba.types.uint16 or float32)."""
+def kernel_signature(storage, out_storage=None, int8=False):
+    """The argument types of a kernel: ``storage`` of q/k/v (numba.types.uint16, float32, or
+    int8 for the int8 kernel), ``out_storage`` of the output (default: ``storage``; int8 for
+    quantized outputs; uint16 for the int8 kernel's float16 output)."""
     from numba import types
     flat = lambda t: types.Array(t, 1, "C")  # noqa: E731
     grid = types.Array(types.int64, 2, "C")
-    return (flat(storage), flat(storage), flat(storage), flat(storage), flat(types.float32),
-            flat(types.uint8), flat(types.uint8), flat(types.uint16), flat(storage), grid, grid,
-            grid, flat(types.int64), types.int64, types.float32)
+    out_storage = out_storage or (types.uint16 if int8 else storage)
+    pse = types.uint16 if int8 else storage
+    return (flat(storage), flat(storage), flat(storage), flat(out_storage), flat(types.float32),
+            flat(types.uint8), flat(types.uint16), flat(pse), grid, grid, grid,
+            flat(types.int64), types.int64, flat(types.float32), flat(types.float32),
+            flat(types.float32))
 
 
 def kernel_source(dpad, bq, bkv):
-    """The Python source of the kernel for the given compile-time sizes (before cuda.jit)."""
+    """The float kernel's Python source for the given compile-time sizes (before cuda.jit).
+
+    Arguments: q, k, v (flat storage), out, lse, mask8, mask16, pse, strides, boff, lens,
+    params, qtiles, fparams (float32: scale), scale2, offset2 (float16-rounded output
+    quantization scales, 1 or H values; read only when the output code is CODE_I8)."""
     DP, BQ, BKV = dpad, bq, bkv
 
-    def attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params,
-                  qtiles, scale):
+    def attention(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, qtiles,
+                  fparams, scale2, offset2):
         ks = cuda.shared.array((BKV, DP), float32)
         vs = cuda.shared.array((BKV, DP), float32)
         qv = cuda.local.array(DP, float32)
@@ -88,7 +99,7 @@ def kernel_source(dpad, bq, bkv):
         has_pse = params[P_PSE] != 0
         inner_precise = params[P_IP]
         want_lse = params[P_LSE] != 0
-        want_flags = params[P_FLAGS] != 0
+        scale = fparams[0]
         g = n // G
         ql = lens[0, b]
         kl = lens[1, b]
@@ -165,7 +176,6 @@ def kernel_source(dpad, bq, bkv):
         if i < rows_b:
             o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
             osd = strides[T_O, 2]
-            l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
             written = 0
             denom = F32_ONE
             if active and m != F32_NEG_INF:
@@ -189,14 +199,147 @@ def kernel_source(dpad, bq, bkv):
                     out[o_off + d * osd] = f32_to_f16(x)
                 elif ocode == CODE_BF16:
                     out[o_off + d * osd] = f32_to_bf16(x)
+                elif ocode == CODE_I8:
+                    ch = n * D + d if scale2.shape[0] > 1 else 0
+                    y = quantize_output(x, scale2[ch], offset2[ch]) if written else F32_ZERO
+                    out[o_off + d * osd] = y
                 else:
                     out[o_off + d * osd] = x
             if want_lse:
-                lse[l_off] = lse_value(m, l) if written and m != F32_NEG_INF else F32_NEG_INF
-            if want_flags:
-                flags[l_off] = written
+                l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
+                lse[l_off] = lse_value(m, l) if active else F32_NEG_INF
 
     return attention
+
+
+def kernel_source_int8(dpad, bq, bkv):
+    """The int8 kernel (SPEC 8) for the given compile-time sizes: pass 1 over the K tiles finds
+    each row's max fp16 score, pass 2 quantizes E = exp(s - m) to P8 and accumulates P8 . V in
+    int64 (exact). fparams (float32): deq_scale1, fp16(scale_value), quant_scale1, deq_scale2.
+    Output: float16 bits (CODE_F16) or int8 (CODE_I8, quantized in the finalize)."""
+    DP, BQ, BKV = dpad, bq, bkv
+
+    def attention_int8(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params,
+                       qtiles, fparams, scale2, offset2):
+        ks = cuda.shared.array((BKV, DP), float32)
+        vs = cuda.shared.array((BKV, DP), float32)
+        qv = cuda.local.array(DP, float32)
+        acc = cuda.local.array(DP, int64)
+        tid = cuda.threadIdx.x
+        b = cuda.blockIdx.x // qtiles
+        i0 = (cuda.blockIdx.x - b * qtiles) * BQ
+        n = cuda.blockIdx.y
+        i = i0 + tid
+        G = params[P_G]
+        D = params[P_D]
+        ocode = params[P_OCODE]
+        mask_kind = params[P_MASK]
+        has_pse = params[P_PSE] != 0
+        inner_precise = params[P_IP]
+        want_lse = params[P_LSE] != 0
+        deq1 = fparams[0]
+        scale16 = fparams[1]
+        qs1 = fparams[2]
+        deq2 = fparams[3]
+        g = n // G
+        ql = lens[0, b]
+        kl = lens[1, b]
+        pre_e = lens[2, b]
+        next_e = lens[3, b]
+        rows_b = lens[4, b]
+        i1 = min(i0 + BQ, ql)
+        active = i < ql
+        jstart = max(i0 - pre_e, 0)
+        jend = min(i1 - 1 + next_e + 1, kl)
+        ntiles = (jend - jstart + BKV - 1) // BKV if jend > jstart else 0
+        lo, hi = row_band(i, pre_e, next_e, kl)
+        k_base = boff[T_K, b] + g * strides[T_K, 0]
+        v_base = boff[T_V, b] + g * strides[T_V, 0]
+        m = F32_NEG_INF
+        l = F32_ZERO
+        nan_row = False
+        if active:
+            q_off = boff[T_Q, b] + n * strides[T_Q, 0] + i * strides[T_Q, 1]
+            for d in range(D):
+                qv[d] = float32(q[q_off + d * strides[T_Q, 2]])
+                acc[d] = 0
+        for step in range(2):
+            for t in range(ntiles):
+                j0 = jstart + t * BKV
+                nc = min(BKV, jend - j0)
+                e = tid
+                while e < nc * D:
+                    c = e // D
+                    d = e - c * D
+                    ks[c, d] = float32(k[k_base + (j0 + c) * strides[T_K, 1] + d * strides[T_K, 2]])
+                    if step == 1:
+                        vs[c, d] = float32(v[v_base + (j0 + c) * strides[T_V, 1] + d * strides[T_V, 2]])
+                    e += BQ
+                cuda.syncthreads()   # the tile is in shared memory before anyone reads it
+                if active:
+                    m_off = boff[T_M, b] + i * strides[T_M, 1]
+                    p_off = boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1]
+                    for c in range(nc):
+                        j = j0 + c
+                        if j < lo or j > hi:
+                            continue
+                        if mask_kind == MASK_DISCARD:
+                            if mask8[m_off + j * strides[T_M, 2]] != 0:
+                                continue
+                        a = F32_ZERO                 # exact: |sum| < 2^24 for D <= 512
+                        for d in range(D):
+                            a += qv[d] * ks[c, d]
+                        s = round_f16(round_f16(a * deq1) * scale16)
+                        if has_pse:
+                            s = round_f16(s + f16_to_f32(pse[p_off + j * strides[T_P, 2]]))
+                        if step == 0:
+                            m = max_nan(m, s)
+                        elif m != F32_NEG_INF and s != F32_NEG_INF:
+                            p = exp_nonpos(s - m)
+                            l += p
+                            p8 = saturate_int8(round_half_even(p * qs1))
+                            if p8 != p8:
+                                nan_row = True
+                            elif p8 != F32_ZERO:
+                                w = int64(p8)
+                                for d in range(D):
+                                    acc[d] += w * int64(vs[c, d])
+                cuda.syncthreads()   # every row is done with this tile before it is overwritten
+
+        if i < rows_b:
+            o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
+            osd = strides[T_O, 2]
+            written = 0
+            denom = F32_ONE
+            if active and m != F32_NEG_INF:
+                written = 1
+                denom = l
+            elif active and inner_precise < 2 and lo <= hi:
+                # SPEC 5 for int8: every band score equal (E = 1 on the band)
+                p8 = int64(saturate_int8(round_half_even(qs1)))
+                for d in range(D):
+                    acc[d] = 0
+                for j in range(lo, hi + 1):
+                    off = v_base + j * strides[T_V, 1]
+                    for d in range(D):
+                        acc[d] += p8 * int64(v[off + d * strides[T_V, 2]])
+                written = 1
+                denom = float32(hi - lo + 1)
+            for d in range(D):
+                x = deq2 * float32(acc[d]) / denom if written else F32_ZERO
+                if nan_row:
+                    x = x + (F32_POS_INF - F32_POS_INF)   # NaN
+                if ocode == CODE_I8:
+                    ch = n * D + d if scale2.shape[0] > 1 else 0
+                    y = quantize_output(x, scale2[ch], offset2[ch]) if written else F32_ZERO
+                    out[o_off + d * osd] = y
+                else:
+                    out[o_off + d * osd] = f32_to_f16(x)
+            if want_lse:
+                l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
+                lse[l_off] = lse_value(m, l) if active else F32_NEG_INF
+
+    return attention_int8
 
 
 def launch_config(p):
@@ -237,13 +380,13 @@ def _output_like(query, shape, dtype):
 def run(p, meta=None, query=None):
     """Compute planned problem ``p`` on the GPU.
 
-    ``meta`` is None for NumPy inputs (copied in; NumPy results), or the :class:`_Meta` the
-    plan's arrays were made with (CUDA inputs read in place; results of ``query``'s kind).
+    ``meta`` is None for NumPy inputs (copied in; NumPy results), or the :class:`_arrays.Meta`
+    the plan's arrays were made with (CUDA inputs read in place; results of ``query``'s kind).
     """
-    if p.dtype == np.int8 or p.quant is not None:
-        raise RuntimeError("cuda: int8 quantization runs on the CPU backend only")
     from ._geometry import storage
     on_device = meta is not None
+    int8_in = p.dtype == np.int8
+    int8_out = p.quant is not None and p.quant.out_dtype == np.int8
     out_host = np.empty(p.out_shape, dtype=p.out_dtype)
     lse_host = np.empty(p.lse_shape, dtype=np.float32)
     if out_host.size == 0 or p.B == 0:
@@ -254,9 +397,7 @@ def run(p, meta=None, query=None):
     qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out_host, lse_host)
 
     def dev(flat, original):
-        if flat.size <= 1 and original is None:
-            return cuda.to_device(np.ascontiguousarray(flat))
-        if not on_device:
+        if original is None or not on_device:
             return cuda.to_device(np.ascontiguousarray(flat))
         ptr, owner = meta.device_pointer(flat)
         return cuda.as_cuda_array(_DeviceSpan(ptr, flat.size, flat.dtype, owner))
@@ -266,32 +407,43 @@ def run(p, meta=None, query=None):
     d_m16 = dev(mask16, p.mask if p.mask is not None and p.mask.dtype == np.float16 else None)
     d_pse = dev(pse, p.pse)
 
+    out_storage = np.int8 if int8_out else storage(p.out_dtype)
     if on_device:
         out_dev = _output_like(query, p.out_shape, p.out_dtype)
         lse_dev = _output_like(query, p.lse_shape, np.float32) if p.want_lse else \
             cuda.device_array(1, np.float32)
-        d_out = _flat_device(out_dev, storage(p.out_dtype))
+        d_out = _flat_device(out_dev, out_storage)
         d_lse = _flat_device(lse_dev, np.float32)
     else:
-        d_out = cuda.device_array(o_flat.size, dtype=o_flat.dtype)
-        d_lse = cuda.device_array(lse_host.size, dtype=np.float32)
-    d_flags = cuda.device_array(1, np.uint8)
+        d_out = cuda.device_array(o_flat.size, dtype=out_storage)
+        d_lse = cuda.device_array(lse_host.size if p.want_lse else 1, dtype=np.float32)
 
     dpad, bq, bkv = launch_config(p)
     rows = np.full(p.B, p.Sq, np.int64) if not p.packed else p.qlen.astype(np.int64)
     lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e, rows]).astype(np.int64)
     qtiles = max(1, -(-int(rows.max()) // bq))
+    ocode = CODE_I8 if int8_out else (CODE_F16 if int8_in else p.code)
     params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None, p.inner_precise,
-                       p.want_lse, 0, 0, 0, p.code, 0], dtype=np.int64)
-    kern = kernel_for(dpad, bq, bkv)
+                       p.want_lse, 0, 0, 0, ocode, 0], dtype=np.int64)
+    if int8_in:
+        q_ = p.quant
+        fparams = np.array([q_.deq1, np.float16(p.scale), q_.quant1, q_.deq2], np.float32)
+    else:
+        fparams = np.array([p.scale], np.float32)
+    if int8_out:   # float16-rounded output quantization scales, 1 or H values
+        s2 = p.quant.scale2.astype(np.float16).astype(np.float32)
+        o2 = p.quant.offset2.astype(np.float16).astype(np.float32)
+    else:
+        s2 = o2 = np.zeros(1, np.float32)
+    kern = kernel_for(dpad, bq, bkv, int8=int8_in)
     grid = (p.B * qtiles, p.N)
-    kern[grid, bq](d_q, d_k, d_v, d_out, d_lse, d_flags, d_m8, d_m16, d_pse,
-                   cuda.to_device(strides), cuda.to_device(boff), cuda.to_device(lens),
-                   cuda.to_device(params), qtiles, np.float32(p.scale))
+    kern[grid, bq](d_q, d_k, d_v, d_out, d_lse, d_m8, d_m16, d_pse, cuda.to_device(strides),
+                   cuda.to_device(boff), cuda.to_device(lens), cuda.to_device(params), qtiles,
+                   cuda.to_device(fparams), cuda.to_device(s2), cuda.to_device(o2))
     cuda.synchronize()
     if on_device:
         return out_dev, (lse_dev if p.want_lse else None)
-    out_host.reshape(-1).view(o_flat.dtype)[...] = d_out.copy_to_host()
+    out_host.reshape(-1).view(out_storage)[...] = d_out.copy_to_host()
     if p.want_lse:
         lse_host.reshape(-1)[...] = d_lse.copy_to_host()
     return out_host, (lse_host if p.want_lse else None)

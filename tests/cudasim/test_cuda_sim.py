@@ -106,3 +106,50 @@ def test_device_arrays_in_device_arrays_out():
     assert hasattr(cpu, "copy_to_host")
     assert_matches_reference(cpu.copy_to_host(), (q, k, v),
                              dict(num_heads=2, input_layout="BNSD"), np.float32)
+
+
+def _int8_problem(rng, n=2, sq=5, skv=7, d=32):
+    q = rng.integers(-128, 128, (1, n, sq, d), dtype=np.int8)
+    k = rng.integers(-128, 128, (1, n, skv, d), dtype=np.int8)
+    v = rng.integers(-128, 128, (1, n, skv, d), dtype=np.int8)
+    return q, k, v, dict(deq_scale1=np.array([3.0 / (np.sqrt(d) * 5000)], np.float32),
+                         quant_scale1=np.array([127.0], np.float32),
+                         deq_scale2=np.array([1 / 127.0], np.float32))
+
+
+@pytest.mark.parametrize("out", ["fp16", "int8-per-channel"])
+def test_int8_pipeline(out):
+    from pfa_numba import reference
+    rng = np.random.default_rng(7)
+    q, k, v, qkw = _int8_problem(rng)
+    mask = rng.random((5, 7)) < 0.3
+    mask[1] = True
+    kw = dict(qkw, num_heads=2, input_layout="BNSD", sparse_mode=1, inner_precise=0)
+    if out != "fp16":
+        kw["quant_scale2"] = rng.uniform(0.5, 2, (2, 32)).astype(np.float32)
+        kw["quant_offset2"] = rng.uniform(-3, 3, (2, 32)).astype(np.float32)
+    got = prompt_flash_attention(q, k, v, mask, **kw, device="cuda")
+    want = reference.prompt_flash_attention(q, k, v, mask, **kw)
+    if out == "fp16":
+        assert got.dtype == np.float16
+        g = got.astype(np.float64)
+        ulp = np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)
+        assert (np.abs(g - want) <= ulp + 2 * kw["deq_scale2"][0] * 128).all()
+    else:
+        assert got.dtype == np.int8
+        assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
+
+
+@pytest.mark.parametrize("dt", ["fp16", "bf16", "fp32"])
+def test_float_inputs_int8_output(dt):
+    from pfa_numba import reference
+    rng = np.random.default_rng(8)
+    dtype = DTYPES[dt]
+    q, k, v = qkv(rng, "BNSD", dtype, 2, 2, 1, 5, 6, 32)
+    kw = dict(num_heads=2, num_key_value_heads=1, input_layout="BNSD",
+              quant_scale2=np.array([30.0], np.float32), quant_offset2=np.array([1.5], np.float32))
+    got = prompt_flash_attention(q, k, v, None, [5, 2], None, **kw, device="cuda")
+    want = reference.prompt_flash_attention(q, k, v, None, [5, 2], None, **kw)
+    assert got.dtype == np.int8
+    assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
+    assert np.all(got[1, :, 2:] == 0)            # rows >= qL stay 0, not round(offset)

@@ -47,20 +47,29 @@ def test_core_helpers_compile_without_fp64(cc):
 
 
 def _kernel_specialisations():
-    from pfa_numba import config, gpu
-    for storage in (types.uint16, types.float32):
-        for dpad in (32, 64, 128, 256, 512):
+    """Every (kernel, q/k/v storage, output storage) the backend launches, at every head-dim
+    capacity for the plain float kernels, and at the smallest and largest for the others."""
+    from pfa_numba import config
+    combos = [(False, types.uint16, types.uint16, (32, 64, 128, 256, 512)),
+              (False, types.float32, types.float32, (32, 64, 128, 256, 512)),
+              (False, types.uint16, types.int8, (32, 512)),
+              (False, types.float32, types.int8, (32, 512)),
+              (True, types.int8, types.uint16, (32, 512)),
+              (True, types.int8, types.int8, (32, 512))]
+    for int8, storage, out, dpads in combos:
+        for dpad in dpads:
             bkv = max(1, min(config.CUDA_KV_COLS, config.CUDA_TILE_ELEMS // dpad))
-            yield pytest.param(storage, dpad, config.CUDA_Q_ROWS, bkv,
-                               id=f"{storage}-D{dpad}-BQ{config.CUDA_Q_ROWS}-BKV{bkv}")
+            yield pytest.param(int8, storage, out, dpad, config.CUDA_Q_ROWS, bkv,
+                               id=f"{'int8-kernel' if int8 else 'float-kernel'}-{storage}-to-"
+                                  f"{out}-D{dpad}-BQ{config.CUDA_Q_ROWS}-BKV{bkv}")
 
 
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm_80", "sm_90"])
-@pytest.mark.parametrize("storage,dpad,bq,bkv", list(_kernel_specialisations()))
-def test_attention_kernel_compiles_without_fp64(cc, storage, dpad, bq, bkv):
+@pytest.mark.parametrize("int8,storage,out,dpad,bq,bkv", list(_kernel_specialisations()))
+def test_attention_kernel_compiles_without_fp64(cc, int8, storage, out, dpad, bq, bkv):
     from pfa_numba import gpu
-    ptx, _ = cuda.compile_ptx(gpu.kernel_source(dpad, bq, bkv), gpu.kernel_signature(storage),
-                              cc=cc)
+    src = (gpu.kernel_source_int8 if int8 else gpu.kernel_source)(dpad, bq, bkv)
+    ptx, _ = cuda.compile_ptx(src, gpu.kernel_signature(storage, out, int8=int8), cc=cc)
     bad = [line.strip() for line in ptx.splitlines() if F64.search(line)]
     assert not bad, "fp64 instructions in the kernel's PTX:\n" + "\n".join(bad[:20])
     assert "bar.sync" in ptx               # the shared-memory tiles are synchronised

@@ -1,0 +1,629 @@
+"""Property-based tests: random VALID calls of ``prompt_flash_attention`` against the float64
+``pfa_numba.reference`` (SPEC.md), with random tile sizes.
+
+Hypothesis draws a small, printable description of a problem (a dict of plain values plus a
+seed); :func:`build_float` / :func:`build_quant` turn it into arrays deterministically, so a
+failing example printed by Hypothesis is also its reproduction::
+
+    args, kw, info = build_float({...the printed dict...})
+    prompt_flash_attention(*args, **kw)
+
+Profiles (selected by the environment variable ``PFA_HYPOTHESIS_PROFILE``):
+
+* ``ci`` (default): about 60 examples per property, derandomized (the same examples on every
+  run), no deadline;
+* ``long``: 2000 examples per property, randomized. Run it with::
+
+      PFA_HYPOTHESIS_PROFILE=long python -m pytest tests/test_properties.py -q -p no:cacheprovider
+"""
+import math
+import os
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from pfa_numba import config, prompt_flash_attention, reference, trans_quant_param
+from _cases import assert_matches_reference, to_layout
+
+# --------------------------------------------------------------------------------------------
+# profiles
+# --------------------------------------------------------------------------------------------
+_COMMON = dict(deadline=None, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                      HealthCheck.filter_too_much])
+settings.register_profile("pfa-properties-ci", max_examples=60, derandomize=True, **_COMMON)
+settings.register_profile("pfa-properties-long", max_examples=2000, **_COMMON)
+PROFILE = os.environ.get("PFA_HYPOTHESIS_PROFILE", "ci")
+if PROFILE not in ("ci", "long"):
+    raise ValueError(f"PFA_HYPOTHESIS_PROFILE must be 'ci' or 'long', got {PROFILE!r}")
+PROFILE_SETTINGS = settings.get_profile(f"pfa-properties-{PROFILE}")
+
+F16 = np.dtype(np.float16)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+I8 = np.dtype(np.int8)
+DTYPES = {"fp16": F16, "bf16": BF16, "fp32": F32}
+PADDED = ("BSH", "BNSD", "BSND", "BNSD_BSND")
+INF = 2147483647
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MASK_DTYPES = {"bool": np.dtype(np.bool_), "int8": I8, "uint8": np.dtype(np.uint8)}
+
+# --------------------------------------------------------------------------------------------
+# helpers: tiles, snapshots, views
+# --------------------------------------------------------------------------------------------
+_TILE_NAMES = ("CPU_Q_ROWS", "CPU_KV_COLS", "CPU_BAND_TILE_MIN", "CPU_THREADS")
+
+
+class tiles:
+    """Set config tiles for the duration of a ``with`` block (monkeypatch is function-scoped and
+    cannot be used inside @given)."""
+
+    def __init__(self, values):
+        self.values = dict(zip(_TILE_NAMES, values))
+
+    def __enter__(self):
+        self.saved = {k: getattr(config, k) for k in _TILE_NAMES}
+        for k, v in self.values.items():
+            setattr(config, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            setattr(config, k, v)
+
+
+tile_values = st.tuples(st.integers(1, 20), st.integers(1, 20),
+                        st.sampled_from([1, 2, 3, 5, 64]), st.sampled_from([None, 1, 2]))
+
+
+def _root(a):
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def snapshot(objs):
+    """Bytes of every array (and of the memory it lives in), and copies of everything else."""
+    snap = []
+    for x in objs:
+        if isinstance(x, np.ndarray):
+            snap.append((x.tobytes(), _root(x).tobytes()))
+        elif isinstance(x, (list, tuple)):
+            snap.append(repr(x))
+        else:
+            snap.append(None)
+    return snap
+
+
+def assert_unchanged(objs, before, what="input"):
+    after = snapshot(objs)
+    for i, (b, a) in enumerate(zip(before, after)):
+        assert b == a, f"{what} #{i} was modified by the call"
+
+
+def view_variant(x, kind, fill):
+    """The same values as ``x`` in another memory arrangement (read in place by the library)."""
+    if kind == "c" or x.ndim == 0:
+        return x
+    if kind == "F":
+        return np.asfortranarray(x)
+    if kind == "rev":
+        return np.ascontiguousarray(x[::-1])[::-1]
+    if kind == "ro":
+        y = x.copy()
+        y.setflags(write=False)
+        return y
+    if kind == "pad":       # last axis a window of a wider array (garbage around it)
+        big = np.full(x.shape[:-1] + (x.shape[-1] + 3,), fill, dtype=x.dtype)
+        big[..., 1:1 + x.shape[-1]] = x
+        return big[..., 1:1 + x.shape[-1]]
+    if kind == "step2":     # every other element of the second axis
+        shape = list(x.shape)
+        shape[1] *= 2
+        big = np.full(shape, fill, dtype=x.dtype)
+        big[:, ::2] = x
+        return big[:, ::2]
+    if kind == "unaligned":  # data at an odd byte address
+        buf = np.zeros(x.nbytes + x.itemsize + 1, np.uint8)
+        y = buf[1:1 + x.nbytes].view(x.dtype).reshape(x.shape)
+        y[...] = x
+        return y
+    raise AssertionError(kind)
+
+
+VIEWS = ("c", "c", "c", "F", "rev", "ro", "pad", "step2", "unaligned")
+
+
+def _as_form(values, form):
+    """Lengths / ends in one of the accepted Python and NumPy forms."""
+    if form == "list":
+        return [int(x) for x in values]
+    if form == "tuple":
+        return tuple(int(x) for x in values)
+    if form == "list_np":
+        return [np.int64(x) for x in values]
+    if form in ("int64", "int32", "uint8", "uint64"):
+        return np.array(values, dtype=form)
+    raise AssertionError(form)
+
+
+LEN_FORMS = ("list", "tuple", "list_np", "int64", "int32", "uint64")
+
+# the (2048, 2048) masks of modes 2-4, built once, read-only (their content is never read)
+_MASK2048 = {}
+
+
+def band_mask(content, dtype_name, shape_kind, batch):
+    key = (content, dtype_name)
+    if key not in _MASK2048:
+        if content == "triu":
+            m = np.triu(np.ones((2048, 2048), bool), 1)
+        else:
+            m = np.zeros((2048, 2048), bool)
+        m = m.astype(MASK_DTYPES[dtype_name])
+        m.setflags(write=False)
+        _MASK2048[key] = m
+    m = _MASK2048[key]
+    return {"2": m, "12": m[None], "112": m[None, None],
+            "B12": np.broadcast_to(m, (batch, 1, 2048, 2048))}[shape_kind]
+
+
+# --------------------------------------------------------------------------------------------
+# strategies
+# --------------------------------------------------------------------------------------------
+ANY_TOKENS = st.one_of(st.integers(-45, 45),
+                       st.sampled_from([INF, INF + 1, INF - 1, 2 ** 40, INT64_MAX, -2 ** 31,
+                                        -2 ** 40, INT64_MIN, 0, -1]))
+
+
+@st.composite
+def band_tokens(draw, used, nonneg=False):
+    """(pre_tokens, next_tokens): anything when unused; valid per SPEC 4.1 when used."""
+    if not used:
+        return draw(ANY_TOKENS), draw(ANY_TOKENS)
+    if nonneg:
+        big = st.sampled_from([INF, INT64_MAX, 2 ** 40])
+        return (draw(st.one_of(st.integers(0, 45), big)),
+                draw(st.one_of(st.integers(0, 45), big)))
+    pre = draw(ANY_TOKENS)
+    if pre >= INF:
+        return pre, draw(ANY_TOKENS)
+    lo = -pre           # pre + next >= 0 (and so never both negative)
+    big = st.sampled_from([INF, INT64_MAX, 2 ** 40])
+    if lo >= INF:       # only an unlimited next_tokens fits
+        return pre, draw(st.sampled_from([INF, INT64_MAX]))
+    nxt = draw(st.one_of(st.just(lo), st.integers(lo, max(lo, 0) + 45), big))
+    return pre, nxt
+
+
+SCALES = st.one_of(
+    st.sampled_from([0, 1, -2, 3, 0.0, -0.5, 0.125, 2.5, np.float16(0.25), np.float32(-0.3),
+                     np.float64(0.7), np.int32(2), np.int64(-1), np.uint8(1)]),
+    st.floats(-3, 3, allow_nan=False, width=32))
+
+
+@st.composite
+def seq_lengths(draw, batch, full):
+    """actual_seq_lengths(_kv) for the padded layouts (SPEC 6): None, one value, or B values."""
+    kind = draw(st.sampled_from(["none", "none", "one", "batch"]))
+    if kind == "none":
+        return None
+    value = st.one_of(st.just(0), st.just(full), st.integers(0, full))
+    vals = [draw(value)] if kind == "one" else draw(st.lists(value, min_size=batch,
+                                                             max_size=batch))
+    return (draw(st.sampled_from(LEN_FORMS)), vals)
+
+
+@st.composite
+def heads(draw, max_n=8):
+    nkv = draw(st.integers(1, max_n))
+    g = draw(st.integers(1, max_n // nkv))
+    return nkv * g, nkv
+
+
+@st.composite
+def user_mask_spec(draw, dtype_name, modes_fp16_ok):
+    choices = ["bool", "int8", "uint8"] + (["float16"] if modes_fp16_ok else [])
+    return dict(shape=draw(st.sampled_from(["2", "3B", "31", "4B", "41"])),
+                pad=(draw(st.integers(0, 4)), draw(st.integers(0, 4))),
+                dtype=draw(st.sampled_from(choices)),
+                density=draw(st.sampled_from([0.0, 0.2, 0.5, 0.9, 1.0])),
+                full_row=draw(st.booleans()),
+                view=draw(st.sampled_from(["c", "c", "F", "rev", "step2", "ro"])))
+
+
+@st.composite
+def band_mask_spec(draw):
+    return dict(band=True, shape=draw(st.sampled_from(["2", "12", "112", "B12"])),
+                dtype=draw(st.sampled_from(list(MASK_DTYPES))),
+                content=draw(st.sampled_from(["triu", "zeros"])))
+
+
+@st.composite
+def pse_spec(draw):
+    return dict(batch1=draw(st.booleans()),
+                pad=(draw(st.integers(0, 3)), draw(st.integers(0, 3))),
+                spread=draw(st.sampled_from([0.5, 2.0, 8.0])),
+                specials=draw(st.lists(st.sampled_from(["-inf", "-inf-row", "+inf", "nan"]),
+                                       max_size=2, unique=True)),
+                view=draw(st.sampled_from(["c", "c", "F", "rev", "ro", "pad"])))
+
+
+@st.composite
+def float_specs(draw):
+    """A valid floating-point call (SPEC 1-7, 9), described by plain values."""
+    sp = {}
+    sp["layout"] = layout = draw(st.sampled_from(PADDED + ("TND",)))
+    sp["dtype"] = dt = draw(st.sampled_from(list(DTYPES)))
+    sp["N"], sp["Nkv"] = n, nkv = draw(heads())
+    sp["D"] = draw(st.sampled_from([16, 32, 48, 64]) if dt == "bf16" else
+                   st.one_of(st.integers(1, 72), st.sampled_from([1, 16, 64, 72])))
+    sp["nkv_arg"] = draw(st.sampled_from([0, n])) if nkv == n else nkv
+    if layout == "TND":
+        nb = draw(st.integers(0, 3))
+        sp["q_lens"] = draw(st.lists(st.integers(0, 15), min_size=nb, max_size=nb))
+        sp["kv_lens"] = draw(st.lists(st.integers(0, 15), min_size=nb, max_size=nb))
+        sp["ends_form"] = (draw(st.sampled_from(LEN_FORMS)), draw(st.sampled_from(LEN_FORMS)))
+        sp["sparse_mode"] = mode = draw(st.sampled_from([0, 2, 3, 4]))
+        sp["mask"] = None if mode == 0 else draw(band_mask_spec())
+        sp["pse"] = None
+        batch = nb
+    else:
+        sp["B"] = batch = draw(st.integers(0, 3))
+        sp["Sq"] = sq = draw(st.integers(0, 40))
+        sp["Skv"] = skv = draw(st.integers(0, 40))
+        sp["sparse_mode"] = mode = draw(st.sampled_from([0, 0, 1, 2, 3, 4]))
+        if mode == 0:
+            sp["mask"] = draw(st.one_of(st.none(), user_mask_spec(dt, dt == "fp16")))
+        elif mode == 1:
+            sp["mask"] = draw(user_mask_spec(dt, dt == "fp16"))
+        else:
+            sp["mask"] = draw(band_mask_spec())
+        sp["pse"] = draw(st.one_of(st.none(), pse_spec()))
+        sp["asl"] = draw(seq_lengths(batch, sq))
+        sp["aslkv"] = draw(seq_lengths(batch, skv))
+        sp["poison"] = draw(st.booleans())
+        sp["views"] = tuple(draw(st.sampled_from(VIEWS)) for _ in range(3))
+    used = mode == 4 or (mode == 0 and sp["mask"] is not None)
+    sp["pre"], sp["next"] = draw(band_tokens(used))
+    sp["scale"] = draw(st.one_of(st.just(1.0 / math.sqrt(sp["D"])), SCALES))
+    sp["ip"] = draw(st.integers(0, 3))
+    sp["lse"] = draw(st.booleans())
+    sp["spread"] = draw(st.sampled_from([0.3, 1.0, 3.0]))
+    sp["tiles"] = draw(tile_values)
+    sp["seed"] = draw(st.integers(0, 2 ** 32 - 1))
+    return sp
+
+
+# --------------------------------------------------------------------------------------------
+# builders
+# --------------------------------------------------------------------------------------------
+def _resolve_lengths(form_vals, batch, full):
+    if form_vals is None:
+        return None, np.full(batch, full, np.int64)
+    form, vals = form_vals
+    arg = _as_form(vals, form)
+    per_b = np.full(batch, vals[0], np.int64) if len(vals) == 1 else np.array(vals, np.int64)
+    return arg, per_b.reshape(batch)
+
+
+def _user_mask(rng, ms, batch, sq, skv):
+    bm = batch if ms["shape"] in ("3B", "4B") else 1
+    m = rng.random((bm, sq + ms["pad"][0], skv + ms["pad"][1])) < ms["density"]
+    if ms["full_row"] and sq and bm:
+        m[rng.integers(bm), rng.integers(sq), :] = True
+    if ms["dtype"] == "float16":
+        vals = rng.choice(np.array([1.0, 0.5, 2.0, 0.25], np.float16), size=m.shape)
+        mask = np.where(m, vals, np.float16(0)).astype(np.float16)
+    elif ms["dtype"] == "int8":
+        mask = np.where(m, rng.choice(np.array([1, -1, 127, -128], np.int8), m.shape), 0
+                        ).astype(np.int8)
+    elif ms["dtype"] == "uint8":
+        mask = np.where(m, rng.choice(np.array([1, 7, 255], np.uint8), m.shape), 0
+                        ).astype(np.uint8)
+    else:
+        mask = m
+    if ms["shape"] == "2":
+        mask = mask[0]
+    elif ms["shape"] in ("4B", "41"):
+        mask = mask[:, None]
+    fill = 1 if mask.dtype != F16 else np.float16(1)
+    return view_variant(mask, ms["view"], fill)
+
+
+def _pse(rng, ps, dtype, batch, n, sq, skv, qlen, klen):
+    bp = 1 if ps["batch1"] else batch
+    shape = (bp, n, sq + ps["pad"][0], skv + ps["pad"][1])
+    pse = (rng.standard_normal(shape) * ps["spread"]).astype(np.float32)
+    # the padding beyond (Sq, Skv) and beyond every batch's actual lengths is never read
+    hi_q = int(qlen.max()) if qlen.size else 0
+    hi_k = int(klen.max()) if klen.size else 0
+    pse[:, :, hi_q:, :] = np.nan
+    pse[:, :, :, hi_k:] = np.nan
+    if sq and skv and bp:
+        for s in ps["specials"]:
+            b, h, i, j = rng.integers(bp), rng.integers(n), rng.integers(sq), rng.integers(skv)
+            if s == "-inf":
+                pse[b, h, i, j] = -np.inf
+            elif s == "-inf-row":
+                pse[b, h, i, :] = -np.inf
+            elif s == "+inf":
+                pse[b, h, i, j] = np.inf
+            else:
+                pse[b, h, i, j] = np.nan
+    return view_variant(pse.astype(dtype), ps["view"], np.nan)
+
+
+def build_float(sp):
+    """(args, kwargs, info) of the call that ``sp`` (from :func:`float_specs`) describes."""
+    rng = np.random.default_rng(sp["seed"])
+    dtype = DTYPES[sp["dtype"]]
+    layout, n, nkv, d = sp["layout"], sp["N"], sp["Nkv"], sp["D"]
+
+    def rnd(*shape):
+        return (rng.standard_normal(shape) * sp["spread"]).astype(np.float32)
+
+    info = {"fp16_mask": False}
+    if layout == "TND":
+        t, tkv = sum(sp["q_lens"]), sum(sp["kv_lens"])
+        q, k, v = (rnd(t, n, d).astype(dtype), rnd(tkv, nkv, d).astype(dtype),
+                   rnd(tkv, nkv, d).astype(dtype))
+        asl = _as_form(np.cumsum([0] + sp["q_lens"])[1:], sp["ends_form"][0])
+        aslkv = _as_form(np.cumsum([0] + sp["kv_lens"])[1:], sp["ends_form"][1])
+        ms = sp["mask"]
+        mask = None if ms is None else band_mask(ms["content"], ms["dtype"], ms["shape"],
+                                                 len(sp["q_lens"]))
+        pse = None
+    else:
+        b, sq, skv = sp["B"], sp["Sq"], sp["Skv"]
+        asl, qlen = _resolve_lengths(sp["asl"], b, sq)
+        aslkv, klen = _resolve_lengths(sp["aslkv"], b, skv)
+        q4, k4, v4 = rnd(b, n, sq, d), rnd(b, nkv, skv, d), rnd(b, nkv, skv, d)
+        if sp["poison"]:    # rows >= qL and kv positions >= kL are never read (SPEC 4)
+            for bb in range(b):
+                q4[bb, :, qlen[bb]:] = np.nan
+                k4[bb, :, klen[bb]:] = np.nan
+                v4[bb, :, klen[bb]:] = np.inf
+        q, k, v = (view_variant(to_layout(x.astype(dtype), layout), vk, np.nan)
+                   for x, vk in zip((q4, k4, v4), sp["views"]))
+        ms = sp["mask"]
+        if ms is None:
+            mask = None
+        elif ms.get("band"):
+            mask = band_mask(ms["content"], ms["dtype"], ms["shape"], b)
+        else:
+            mask = _user_mask(rng, ms, b, sq, skv)
+            info["fp16_mask"] = mask.dtype == F16
+        pse = None if sp["pse"] is None else _pse(rng, sp["pse"], dtype, b, n, sq, skv, qlen,
+                                                  klen)
+    kw = dict(num_heads=n, scale_value=sp["scale"], pre_tokens=sp["pre"],
+              next_tokens=sp["next"], input_layout=layout, num_key_value_heads=sp["nkv_arg"],
+              sparse_mode=sp["sparse_mode"], inner_precise=sp["ip"])
+    return (q, k, v, mask, asl, aslkv, pse), kw, info
+
+
+def expected_shapes(args, kw):
+    q = args[0]
+    layout, n = kw["input_layout"], kw["num_heads"]
+    if layout == "TND":
+        return q.shape, (q.shape[0], n, 1)
+    if layout == "BSH":
+        b, sq, h = q.shape
+        return q.shape, (b, n, sq, 1)
+    if layout == "BSND":
+        return q.shape, (q.shape[0], n, q.shape[1], 1)
+    b, _, sq, d = q.shape
+    if layout == "BNSD":
+        return q.shape, (b, n, sq, 1)
+    return (b, sq, n, d), (b, n, sq, 1)
+
+
+def call(args, kw, want_lse):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        res = prompt_flash_attention(*args, **kw, return_softmax_lse=want_lse)
+    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    return res, deprecations
+
+
+# --------------------------------------------------------------------------------------------
+# property 1: floating point inputs
+# --------------------------------------------------------------------------------------------
+@PROFILE_SETTINGS
+@given(sp=float_specs())
+def test_float_calls_match_reference(sp):
+    args, kw, info = build_float(sp)
+    dtype = DTYPES[sp["dtype"]]
+    before = snapshot(args)
+    with tiles(sp["tiles"]):
+        res, deprecations = call(args, kw, sp["lse"])
+    assert_unchanged(args, before)
+    out, lse = res if sp["lse"] else (res, None)
+    out_shape, lse_shape = expected_shapes(args, kw)
+    assert isinstance(out, np.ndarray) and out.dtype == dtype and out.shape == out_shape
+    assert not any(np.shares_memory(out, a) for a in args if isinstance(a, np.ndarray))
+    if lse is not None:
+        assert lse.dtype == F32 and lse.shape == lse_shape
+    # a float16 additive mask (modes 0/1 only) is deprecated; nothing else warns that way
+    assert bool(deprecations) == info["fp16_mask"], deprecations
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert_matches_reference(out, args, kw, dtype, lse=lse)
+
+
+@PROFILE_SETTINGS
+@given(sp=float_specs(), pair=st.sampled_from([(0, 1), (2, 3)]))
+def test_inner_precise_bit0_changes_nothing(sp, pair):
+    """SPEC 2: inner_precise 0 and 1 give bit-identical output, and so do 2 and 3."""
+    args, kw, _ = build_float(sp)
+    outs = []
+    with tiles(sp["tiles"]), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for ip in pair:
+            outs.append(prompt_flash_attention(*args, **dict(kw, inner_precise=ip),
+                                               return_softmax_lse=True))
+    (o0, l0), (o1, l1) = outs
+    assert o0.tobytes() == o1.tobytes() and l0.tobytes() == l1.tobytes()
+
+
+# --------------------------------------------------------------------------------------------
+# property 2: int8 quantization (SPEC 8)
+# --------------------------------------------------------------------------------------------
+PER_CHANNEL = ("H", "11H", "1N1D", "ND", "11ND")
+
+
+@st.composite
+def quant_specs(draw):
+    sp = {}
+    sp["kind"] = kind = draw(st.sampled_from(["int8->float16", "int8->int8", "float->int8"]))
+    sp["dtype"] = dt = "int8" if kind.startswith("int8") else draw(st.sampled_from(list(DTYPES)))
+    sp["layout"] = draw(st.sampled_from(PADDED))
+    sp["N"], sp["Nkv"] = n, nkv = draw(heads(max_n=4))
+    sp["nkv_arg"] = draw(st.sampled_from([0, n])) if nkv == n else nkv
+    out_int8 = kind != "int8->float16"
+    sp["s2_shape"] = draw(st.sampled_from(("1",) * 3 + PER_CHANNEL)) if out_int8 else None
+    if sp["s2_shape"] not in (None, "1"):
+        sp["D"] = draw(st.sampled_from([32, 64]))
+    elif dt == "bf16":
+        sp["D"] = draw(st.sampled_from([16, 32, 48]))
+    else:
+        sp["D"] = draw(st.integers(1, 72))
+    sp["B"] = batch = draw(st.integers(0, 3))
+    sp["Sq"] = sq = draw(st.integers(0, 24))
+    sp["Skv"] = skv = draw(st.integers(0, 24))
+    sp["sparse_mode"] = mode = draw(st.sampled_from([0, 0, 1, 2, 3, 4]))
+    if mode == 0:
+        sp["mask"] = draw(st.one_of(st.none(), user_mask_spec(dt, dt == "fp16")))
+    elif mode == 1:
+        sp["mask"] = draw(user_mask_spec(dt, dt == "fp16"))
+    else:
+        sp["mask"] = draw(band_mask_spec())
+    sp["pse"] = draw(st.one_of(st.none(), pse_spec()))
+    sp["asl"] = draw(seq_lengths(batch, sq))
+    sp["aslkv"] = draw(seq_lengths(batch, skv))
+    used = mode == 4 or (mode == 0 and sp["mask"] is not None)
+    sp["pre"], sp["next"] = draw(band_tokens(used, nonneg=out_int8 and mode == 4))
+    sp["ip"] = draw(st.integers(0, 3))
+    sp["views"] = tuple(draw(st.sampled_from(VIEWS)) for _ in range(3))
+    if dt == "int8":
+        sp["deq_dtype"] = draw(st.sampled_from(["float32", "uint64"]))
+        sp["deq1_factor"] = draw(st.sampled_from([0.3, 1.0, 3.0, 10.0]))
+        sp["qs1"] = draw(st.sampled_from([127.0, 100.0, 50.0, 20.0]))
+        sp["deq2_factor"] = draw(st.sampled_from([1.0, 0.5, 2.0]))
+        sp["scale"] = draw(st.sampled_from([1.0, 1, 0.5, 2.0, np.float32(0.7)]))
+    else:
+        sp["scale"] = draw(st.one_of(st.just(1.0 / math.sqrt(sp["D"])),
+                                     st.sampled_from([0, 1, 0.5, -0.25, np.float16(0.2)])))
+        sp["spread"] = draw(st.sampled_from([0.3, 1.0, 2.0]))
+    if out_int8:
+        sp["s2_range"] = draw(st.sampled_from(
+            [(0.05, 0.3), (0.2, 1.0)] if dt == "int8" else [(1.0, 10.0), (10.0, 60.0)]))
+        sp["offset2"] = draw(st.sampled_from([None, "zero", "random"]))
+        sp["s2_bf16"] = dt == "bf16" and draw(st.booleans())
+    sp["tiles"] = draw(tile_values)
+    sp["seed"] = draw(st.integers(0, 2 ** 32 - 1))
+    return sp
+
+
+def _channel_shape(kind, n, d):
+    return {"1": (1,), "H": (n * d,), "11H": (1, 1, n * d), "1N1D": (1, n, 1, d),
+            "ND": (n, d), "11ND": (1, 1, n, d)}[kind]
+
+
+def build_quant(sp):
+    """(args, kwargs, dtype) of the quantized call that ``sp`` (:func:`quant_specs`) describes."""
+    rng = np.random.default_rng(sp["seed"])
+    layout, n, nkv, d = sp["layout"], sp["N"], sp["Nkv"], sp["D"]
+    b, sq, skv = sp["B"], sp["Sq"], sp["Skv"]
+    asl, qlen = _resolve_lengths(sp["asl"], b, sq)
+    aslkv, klen = _resolve_lengths(sp["aslkv"], b, skv)
+    kw = dict(num_heads=n, scale_value=sp["scale"], pre_tokens=sp["pre"],
+              next_tokens=sp["next"], input_layout=layout, num_key_value_heads=sp["nkv_arg"],
+              sparse_mode=sp["sparse_mode"], inner_precise=sp["ip"])
+    if sp["dtype"] == "int8":
+        dtype = I8
+        q4, k4, v4 = (rng.integers(-128, 128, s, dtype=np.int8)
+                      for s in ((b, n, sq, d), (b, nkv, skv, d), (b, nkv, skv, d)))
+        deq1 = np.array([3.0 * sp["deq1_factor"] / (math.sqrt(d) * 5000)], np.float32)
+        qs1 = np.array([sp["qs1"]], np.float32)
+        deq2 = np.array([sp["deq2_factor"] / sp["qs1"]], np.float32)
+        if sp["deq_dtype"] == "uint64":
+            deq1, deq2 = trans_quant_param(deq1), trans_quant_param(deq2)
+        kw.update(deq_scale1=deq1, quant_scale1=qs1, deq_scale2=deq2)
+    else:
+        dtype = DTYPES[sp["dtype"]]
+        q4, k4, v4 = ((rng.standard_normal(s) * sp["spread"]).astype(np.float32).astype(dtype)
+                      for s in ((b, n, sq, d), (b, nkv, skv, d), (b, nkv, skv, d)))
+    q, k, v = (view_variant(to_layout(x, layout), vk, 0)
+               for x, vk in zip((q4, k4, v4), sp["views"]))
+    if sp["kind"] != "int8->float16":
+        shape = _channel_shape(sp["s2_shape"], n, d)
+        sdt = BF16 if sp["s2_bf16"] else F32
+        s2 = rng.uniform(*sp["s2_range"], size=shape).astype(np.float32).astype(sdt)
+        kw["quant_scale2"] = s2
+        if sp["offset2"] == "zero":
+            kw["quant_offset2"] = np.zeros(shape, sdt)
+        elif sp["offset2"] == "random":
+            kw["quant_offset2"] = rng.uniform(-8, 8, size=shape).astype(np.float32).astype(sdt)
+    ms = sp["mask"]
+    if ms is None:
+        mask = None
+    elif ms.get("band"):
+        mask = band_mask(ms["content"], ms["dtype"], ms["shape"], b)
+    else:
+        mask = _user_mask(rng, ms, b, sq, skv)
+    pdt = F16 if dtype in (F16, I8) else dtype
+    ps = sp["pse"]
+    if ps is not None and dtype == I8:    # a NaN / +inf score has no int8 P8 (SPEC 8)
+        ps = dict(ps, specials=[s for s in ps["specials"] if s in ("-inf", "-inf-row")])
+    pse = None if ps is None else _pse(rng, ps, pdt, b, n, sq, skv, qlen, klen)
+    return (q, k, v, mask, asl, aslkv, pse), kw, dtype
+
+
+def assert_int8_within_one_lsb(got, want):
+    assert got.dtype == I8 and got.shape == want.shape
+    diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
+    assert diff.size == 0 or diff.max() <= 1, (
+        f"int8 output differs by {diff.max()} LSB at "
+        f"{np.unravel_index(np.argmax(diff), diff.shape)}")
+
+
+def assert_fp16_within_p8_steps(got, want, deq2, v):
+    """One fp16 ulp plus two P8 steps of one unit (each changes O by deq2 * |V| / l, l >= 1)."""
+    assert got.dtype == F16 and got.shape == want.shape
+    g = got.astype(np.float64)
+    assert np.array_equal(np.isnan(g), np.isnan(want))
+    ok = ~np.isnan(want)
+    if not ok.any():
+        return
+    ulp = np.spacing(np.abs(want[ok]).astype(np.float16)).astype(np.float64)
+    vmax = float(np.abs(v.astype(np.float64)).max()) if v.size else 0.0
+    bound = ulp + 2 * float(deq2) * vmax
+    err = np.abs(g[ok] - want[ok])
+    assert (err <= bound).all(), f"max err {err.max():.3e} > {bound.max():.3e}"
+
+
+@PROFILE_SETTINGS
+@given(sp=quant_specs())
+def test_quant_calls_match_reference(sp):
+    args, kw, dtype = build_quant(sp)
+    allargs = list(args) + [kw.get(k) for k in ("deq_scale1", "quant_scale1", "deq_scale2",
+                                                  "quant_scale2", "quant_offset2")]
+    before = snapshot(allargs)
+    with tiles(sp["tiles"]), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        got = prompt_flash_attention(*args, **kw)
+        want = reference.prompt_flash_attention(*args, **kw)
+    assert_unchanged(allargs, before)
+    out_shape, _ = expected_shapes(args, kw)
+    assert got.shape == out_shape
+    if sp["kind"] == "int8->float16":
+        deq2 = kw["deq_scale2"]
+        if deq2.dtype == np.uint64:
+            deq2 = (deq2 & np.uint64(0xFFFFE000)).astype(np.uint32).view(np.float32)
+        assert_fp16_within_p8_steps(got, want, deq2[0], args[2])
+    else:
+        assert_int8_within_one_lsb(got, want)
