@@ -8,6 +8,13 @@ import importlib.util
 from . import _validate as V
 
 
+def _numba_cuda_installed():
+    try:
+        return importlib.util.find_spec("numba_cuda") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 class CpuBackend:
     name = "cpu"
     devices = ("cpu",)
@@ -40,7 +47,7 @@ class CudaBackend:
         if device not in self.devices:
             reasons.append(f"runs on CUDA devices, not on {device!r}")
             return reasons
-        if importlib.util.find_spec("numba_cuda") is None:
+        if not _numba_cuda_installed():
             reasons.append("numba-cuda is not installed (pip install 'pfa_numba[cuda]')")
         else:
             try:

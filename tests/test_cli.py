@@ -20,3 +20,28 @@ def test_warmup_compiles_every_cpu_kernel():
     out = _run("warmup")
     for word in ("uint16 storage", "float32 storage", "int8 pipeline"):
         assert word in out
+
+
+def test_import_and_cpu_work_without_numba_cuda():
+    """numba-cuda is optional: hide it, and pfa_numba still imports, runs on the CPU, and
+    explains why device='cuda' is unavailable."""
+    code = """
+import sys, importlib.abc
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.startswith('numba_cuda') or name.startswith('numba.cuda'):
+            raise ImportError('hidden: ' + name)
+sys.meta_path.insert(0, Hide())
+import numpy as np
+from pfa_numba import prompt_flash_attention
+q = np.ones((1, 1, 4, 16), np.float32)
+assert prompt_flash_attention(q, q, q, num_heads=1, input_layout='BNSD').shape == (1, 1, 4, 16)
+try:
+    prompt_flash_attention(q, q, q, num_heads=1, input_layout='BNSD', device='cuda')
+except RuntimeError as e:
+    print('REFUSED', e)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "REFUSED" in res.stdout and "cuda:" in res.stdout
+    assert "numba-cuda" in res.stdout or "numba.cuda" in res.stdout
