@@ -1,0 +1,92 @@
+"""Reliability: extreme scores, concurrent calls, scale (SPEC 4, 10; memory bounds)."""
+import concurrent.futures
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from pfa_numba import prompt_flash_attention
+from _cases import DTYPES, assert_matches_reference, qkv
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_extreme_but_finite_scores_give_a_finite_correct_softmax(dt):
+    rng = np.random.default_rng(0)
+    dtype = DTYPES[dt]
+    q, k, v = qkv(rng, "BNSD", dtype, 1, 2, 2, 9, 33, 16)
+    kw = dict(num_heads=2, input_layout="BNSD", scale_value=1e4)
+    out = prompt_flash_attention(q, k, v, **kw)
+    assert np.isfinite(out.astype(np.float32)).all()
+    assert_matches_reference(out, (q, k, v), kw, dtype)
+    big = np.finfo(np.float16).max if dtype == np.float16 else 60000.0
+    qb = np.full((1, 1, 3, 16), big, np.float32).astype(dtype)
+    kb = qb.copy()
+    kb[0, 0, 1] = -kb[0, 0, 1]
+    vb = rng.standard_normal((1, 1, 3, 16)).astype(dtype)
+    out = prompt_flash_attention(qb, kb, vb, num_heads=1, input_layout="BNSD", scale_value=3.0)
+    assert np.isfinite(out.astype(np.float32)).all()
+    assert_matches_reference(out, (qb, kb, vb), dict(num_heads=1, input_layout="BNSD",
+                                                     scale_value=3.0), dtype)
+
+
+def test_concurrent_calls_from_python_threads_match_serial_calls():
+    rng = np.random.default_rng(1)
+    m = np.triu(np.ones((2048, 2048), bool), 1)
+    jobs = []
+    for i in range(12):
+        dt = list(DTYPES.values())[i % 3]
+        q, k, v = qkv(rng, "BNSD", dt, 1, 4, 2, 64 + i, 80, 32)
+        jobs.append(((q, k, v, m if i % 2 else None),
+                     dict(num_heads=4, num_key_value_heads=2, input_layout="BNSD",
+                          sparse_mode=3 if i % 2 else 0)))
+    serial = [prompt_flash_attention(*a, **kw) for a, kw in jobs]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        for _ in range(3):
+            results = list(pool.map(lambda job: prompt_flash_attention(*job[0], **job[1]), jobs))
+            for r, s in zip(results, serial):
+                assert np.array_equal(r.view(np.uint8), s.view(np.uint8))
+
+
+SCALE = textwrap.dedent("""
+    import resource, sys, numpy as np
+    from pfa_numba import prompt_flash_attention
+    case = sys.argv[1]
+    small = np.ones((1, 1, 64, 64), np.float16)
+    prompt_flash_attention(small, small, small, num_heads=1, input_layout='BNSD')
+    rng = np.random.default_rng(0)
+    if case == 'band65536':
+        S, kw = 65536, dict(sparse_mode=4, pre_tokens=512, next_tokens=512)
+        m = np.triu(np.ones((2048, 2048), bool), 1)
+    else:
+        S, kw, m = 16384, {}, None
+    q, k, v = (rng.standard_normal((1, 1, S, 64)).astype(np.float16) for _ in range(3))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = prompt_flash_attention(q, k, v, m, num_heads=1, input_layout='BNSD',
+                                 scale_value=0.125, **kw)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert np.isfinite(out.astype(np.float32)).all()
+    print((after - before) / 1024, out.nbytes / 2**20)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["band65536", "dense16384"])
+def test_scale_long_sequences_within_output_plus_64_mib(case):
+    res = subprocess.run([sys.executable, "-c", SCALE, case], capture_output=True, text=True,
+                         timeout=900, env={**os.environ})
+    assert res.returncode == 0, res.stderr
+    growth, out_mib = map(float, res.stdout.split())
+    assert growth <= out_mib + 64, f"peak RSS grew {growth:.0f} MiB (output {out_mib:.0f} MiB)"
+
+
+def test_many_tiny_batches():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((65536, 1, 3, 16)).astype(np.float16)
+    out = prompt_flash_attention(q, q, q, num_heads=1, input_layout="BNSD")
+    assert out.shape == q.shape and np.isfinite(out.astype(np.float32)).all()
+    sub = slice(65530, 65536)
+    assert_matches_reference(out[sub], (q[sub], q[sub], q[sub]),
+                             dict(num_heads=1, input_layout="BNSD"), np.float16)
