@@ -379,6 +379,20 @@ def row_band(i, pre_e, next_e, kl):
 
 
 @jit
+def block_kv_range(i0, i1, pre_e, next_e, kl):
+    """The kv columns [jstart, jend) that any row of [i0, i1) may keep; tiles outside them
+    (wholly outside the band, or past kL) are never visited."""
+    return max(i0 - pre_e, 0), min(i1 - 1 + next_e + 1, kl)
+
+
+@jit
+def tile_inside_band(i0, i1, j0, j1, pre_e, next_e):
+    """True when every (row, column) of rows [i0, i1) x columns [j0, j1) is inside the band:
+    such a tile needs no per-element band mask."""
+    return (i1 - 1) - pre_e <= j0 and j1 - 1 <= i0 + next_e
+
+
+@jit
 def rescale_factor(m_old, m_new):
     """Online-softmax step 'update m/l': the factor exp(m_old - m_new) for acc and l.
 

@@ -27,11 +27,12 @@ from ._geometry import (P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_IP, P_LSE, P_MASK, 
                         P_ROWS, P_THREADS, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, geometry)
 from ._blas import gemm_rm, scratch
 from ._plan import storage_code
-from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32_NEG_INF,
-                    F32_ONE, F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32,
-                    exp_nonpos, f16_to_f32, f32_as_u32, f32_to_f16, from_order_key, lse_value,
-                    max_nan, order_key, rescale_factor, round_f16, round_half_even,
-                    row_band, saturate_int8, store, u32_as_f32, widen)
+from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32_NEG_INF, F32_ONE,
+                    F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32,
+                    block_kv_range, exp_nonpos, f16_to_f32, f32_as_u32, f32_to_f16,
+                    from_order_key, lse_value, max_nan, order_key, rescale_factor, round_f16,
+                    round_half_even, row_band, saturate_int8, store, tile_inside_band, u32_as_f32,
+                    widen)
 
 _FM = set(config.CPU_FASTMATH)
 
@@ -140,8 +141,7 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
     nr = i1 - i0
     R = G * nr
     # the kv columns any row of this block may keep (tiles outside are skipped)
-    jstart = max(i0 - pre_e, 0)
-    jend = min(i1 - 1 + next_e + 1, kl)
+    jstart, jend = block_kv_range(i0, i1, pre_e, next_e, kl)
 
     a2 = acc[:R * D].reshape(R, D)
     if jstart < jend:
@@ -170,7 +170,7 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
             s2 = sb[:R * nc].reshape(R, nc)
             # step 1: scores S = Q K^T
             gemm_rm(ints, flts, chars, R, nc, D, qb, 0, D, True, kb, 0, D, sb, 0, nc, F32_ZERO)
-            inside = (i1 - 1) - pre_e <= j0 and j1 - 1 <= i0 + next_e
+            inside = tile_inside_band(i0, i1, j0, j1, pre_e, next_e)
             # step 2: update m and l, p = exp(s - m) in place
             for rr in range(R):
                 h = rr // nr
@@ -334,8 +334,7 @@ def _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, param
     i1 = min(i0 + rph, ql)
     nr = i1 - i0
     R = G * nr
-    jstart = max(i0 - pre_e, 0)
-    jend = min(i1 - 1 + next_e + 1, kl)
+    jstart, jend = block_kv_range(i0, i1, pre_e, next_e, kl)
     a2 = acc[:R * D].reshape(R, D)
     k_base = boff[T_K, b] + g * strides[T_K, 0]
     v_base = boff[T_V, b] + g * strides[T_V, 0]
@@ -359,7 +358,7 @@ def _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, param
                 s2 = sb[:R * nc].reshape(R, nc)
                 gemm_rm(ints, flts, chars, R, nc, D, qb, 0, D, True, kb, 0, D, sb, 0, nc,
                         F32_ZERO)
-                inside = (i1 - 1) - pre_e <= j0 and j1 - 1 <= i0 + next_e
+                inside = tile_inside_band(i0, i1, j0, j1, pre_e, next_e)
                 for rr in range(R):
                     h = rr // nr
                     i = i0 + rr - h * nr

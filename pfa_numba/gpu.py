@@ -24,9 +24,9 @@ from numba import cuda, float32, int64
 
 from . import config
 from ._core import (CODE_BF16, CODE_F16, CODE_I8, F16_MASK_SCALE, F32_NEG_INF, F32_ONE,
-                    F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, exp_nonpos, f16_to_f32,
-                    f32_to_bf16, f32_to_f16, lse_value, max_nan, quantize_output, rescale_factor,
-                    round_f16, round_half_even, row_band, saturate_int8, widen)
+                    F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, block_kv_range, exp_nonpos,
+                    f16_to_f32, f32_to_bf16, f32_to_f16, lse_value, max_nan, quantize_output,
+                    rescale_factor, round_f16, round_half_even, row_band, saturate_int8, widen)
 from ._arrays import array_kind, to_kind
 from ._geometry import (P_CODE, P_D, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE, T_K, T_L, T_M,
                         T_O, T_P, T_Q, T_V, geometry)
@@ -110,8 +110,7 @@ def kernel_source(dpad, bq, bkv):
         active = i < ql
         # the kv columns any row of this block keeps: the same for every thread of the block,
         # so all threads run the same number of tiles (and reach every syncthreads)
-        jstart = max(i0 - pre_e, 0)
-        jend = min(i1 - 1 + next_e + 1, kl)
+        jstart, jend = block_kv_range(i0, i1, pre_e, next_e, kl)
         ntiles = (jend - jstart + BKV - 1) // BKV if jend > jstart else 0
         lo, hi = row_band(i, pre_e, next_e, kl)
         k_base = boff[T_K, b] + g * strides[T_K, 0]
@@ -249,8 +248,7 @@ def kernel_source_int8(dpad, bq, bkv):
         rows_b = lens[4, b]
         i1 = min(i0 + BQ, ql)
         active = i < ql
-        jstart = max(i0 - pre_e, 0)
-        jend = min(i1 - 1 + next_e + 1, kl)
+        jstart, jend = block_kv_range(i0, i1, pre_e, next_e, kl)
         ntiles = (jend - jstart + BKV - 1) // BKV if jend > jstart else 0
         lo, hi = row_band(i, pre_e, next_e, kl)
         k_base = boff[T_K, b] + g * strides[T_K, 0]

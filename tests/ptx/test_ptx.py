@@ -26,6 +26,8 @@ def _probe(out_f, out_u, inp_f, inp_u, code):
     y = C.from_order_key(C.order_key(x))
     m = C.max_nan(x, y)
     lo, hi = C.row_band(i, np.int64(3), np.int64(5), np.int64(100))
+    js, je = C.block_kv_range(i, i + 4, np.int64(3), np.int64(5), np.int64(100))
+    lo = lo + js + je + (1 if C.tile_inside_band(i, i + 4, js, je, np.int64(3), np.int64(5)) else 0)
     r = C.rescale_factor(x, m)
     lse = C.lse_value(m, e + C.F32_ONE)
     lo2 = C.band_lo(i, np.int64(2))
