@@ -94,3 +94,15 @@ def geometry(p, out, lse):
     return qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff
 
 
+
+
+def scale_factors(scale):
+    """scale_value as two float32 factors (s1, s2), s2 a power of two, s1 * s2 = scale.
+
+    The kernels fold the scale into Q in float32. A finite scale_value outside float32's range
+    (SPEC uses it as given) is split so that q * s1 * s2 never overflows or underflows when
+    q * scale itself is representable; ordinary scales give (float32(scale), 1)."""
+    if scale == 0.0 or 2.0 ** -100 <= abs(scale) <= 2.0 ** 100:
+        return np.array([scale, 1.0], dtype=np.float32)
+    e = int(np.round(np.log2(abs(scale)) / 2))
+    return np.array([scale / 2.0 ** e, 2.0 ** e], dtype=np.float32)

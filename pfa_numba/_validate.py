@@ -63,7 +63,11 @@ def check_scale_value(value):
             or isinstance(value, (complex, np.complexfloating))):
         raise TypeError(f"scale_value must be a real number (int or float), got "
                         f"{type(value).__name__}: {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"scale_value must be finite, got an int beyond the float range: "
+                         f"{value}") from None
     if not np.isfinite(value):
         raise ValueError(f"scale_value must be finite, got {value}")
     return value
@@ -166,16 +170,14 @@ def check_seq_lengths(name, value, batch, max_len):
     if value is None:
         return np.full(batch, max_len, dtype=np.int64)
     arr = _int_vector(name, value)
-    if arr.size == 1:
-        arr = np.full(batch, arr[0], dtype=np.int64)
-    elif arr.size != batch:
+    if arr.size != 1 and arr.size != batch:
         raise ValueError(f"{name} must have 1 or B = {batch} values, got {arr.size}: "
                          f"{arr.tolist()}")
     bad = (arr < 0) | (arr > max_len)
     if bad.any():
         raise ValueError(f"{name} values must be in [0, {max_len}], got {int(arr[bad][0])} "
                          f"(in {arr.tolist()})")
-    return arr
+    return np.full(batch, arr[0], dtype=np.int64) if arr.size == 1 else arr
 
 
 def check_cumulative_ends(name, value, total):

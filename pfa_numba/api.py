@@ -138,15 +138,14 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
     V.check_device(device)
     tensors = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
                "pse_shift": pse_shift}
-    on_cuda = {name: V.is_cuda_array(x) for name, x in tensors.items() if x is not None}
-    for name, flag in on_cuda.items():
-        if flag != on_cuda["query"]:
-            where = "a CUDA array" if flag else "a host (NumPy) array"
+    query_on_cuda = V.is_cuda_array(query)
+    for name, x in tensors.items():
+        if x is not None and V.is_cuda_array(x) != query_on_cuda:
+            where = "a CUDA array" if not query_on_cuda else "a host (NumPy) array"
             raise RuntimeError(f"{name} is {where} but query is "
-                               f"{'a CUDA array' if on_cuda['query'] else 'a host (NumPy) array'}: "
+                               f"{'a CUDA array' if query_on_cuda else 'a host (NumPy) array'}: "
                                f"query, key, value, attn_mask and pse_shift must live on the same "
-                               f"device (got {type(tensors[name]).__name__} for {name})")
-    query_on_cuda = on_cuda["query"]
+                               f"device (got {type(x).__name__} for {name})")
     device = device or ("cuda" if query_on_cuda else "cpu")
     quant = (deq_scale1, quant_scale1, deq_scale2, quant_scale2, quant_offset2)
     rest = (num_heads, scale_value, pre_tokens, next_tokens, input_layout, num_key_value_heads,

@@ -24,7 +24,8 @@ from numba import njit, prange
 
 from . import config
 from ._geometry import (P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE,
-                        P_ROWS, P_THREADS, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, geometry)
+                        P_ROWS, P_THREADS, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, geometry,
+                        scale_factors)
 from ._blas import gemm_rm, scratch
 from ._plan import storage_code
 from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32_NEG_INF, F32_ONE,
@@ -119,8 +120,8 @@ def _mask_row(srow, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask16, moff, m
 
 
 @njit(fastmath=_FM, cache=True)
-def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scale, b,
-           g, i0, qb, sb, tb, acc, kb, vb, m, l, alpha, ints, flts, chars):
+def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scales,
+           b, g, i0, qb, sb, tb, acc, kb, vb, m, l, alpha, ints, flts, chars):
     """One work item: rows [i0, i0 + r) of the G query heads of kv head g in batch b."""
     G = params[P_G]
     D = params[P_D]
@@ -149,7 +150,11 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
         for rr in range(R):
             h = rr // nr
             off = boff[T_Q, b] + (g * G + h) * strides[T_Q, 0] + (i0 + rr - h * nr) * strides[T_Q, 1]
-            _load_row(q2[rr], q, off, strides[T_Q, 2], D, code, scale)
+            _load_row(q2[rr], q, off, strides[T_Q, 2], D, code, scales[0])
+            if scales[1] != F32_ONE:      # a scale_value beyond float32's range, in two factors
+                qrow = q2[rr]
+                for d in range(D):
+                    qrow[d] = qrow[d] * scales[1]
             m[rr] = F32_NEG_INF
             l[rr] = F32_ZERO
         a2[:, :] = F32_ZERO
@@ -255,7 +260,7 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work, params,
-               scale):
+               scales):
     """Run every work item; thread t takes items t, t + T, ... (items are sorted by cost)."""
     G = params[P_G]
     D = params[P_D]
@@ -276,7 +281,7 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
         ints, flts, chars = scratch()
         for w in range(t, n_items, nthr):
             _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params,
-                   scale, work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, m, l,
+                   scales, work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, m, l,
                    alpha, ints, flts, chars)
 
 
@@ -553,7 +558,7 @@ def run(p):
                                 lens, work, params, qp)
             else:
                 _attention(qf, kf, vf, o_flat, l_flat, f_flat, mask8, mask16, pse, strides,
-                           boff, lens, work, params, np.float32(p.scale))
+                           boff, lens, work, params, scale_factors(p.scale))
     if int8_out:
         out = quantize_output(p, out, flags)
     return out, (lse if p.want_lse else None)

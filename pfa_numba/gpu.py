@@ -29,7 +29,7 @@ from ._core import (CODE_BF16, CODE_F16, CODE_I8, F16_MASK_SCALE, F32_NEG_INF, F
                     rescale_factor, round_f16, round_half_even, row_band, saturate_int8, widen)
 from ._arrays import array_kind, to_kind
 from ._geometry import (P_CODE, P_D, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE, T_K, T_L, T_M,
-                        T_O, T_P, T_Q, T_V, geometry)
+                        T_O, T_P, T_Q, T_V, geometry, scale_factors)
 
 SIMULATOR = bool(getattr(cuda, "simulator", None)) or cuda.__name__.endswith("simulator")
 
@@ -75,7 +75,7 @@ def kernel_source(dpad, bq, bkv):
     """The float kernel's Python source for the given compile-time sizes (before cuda.jit).
 
     Arguments: q, k, v (flat storage), out, lse, mask8, mask16, pse, strides, boff, lens,
-    params, qtiles, fparams (float32: scale), scale2, offset2 (float16-rounded output
+    params, qtiles, fparams (float32: scale_value as two factors), scale2, offset2 (float16-rounded output
     quantization scales, 1 or H values; read only when the output code is CODE_I8)."""
     DP, BQ, BKV = dpad, bq, bkv
 
@@ -100,6 +100,7 @@ def kernel_source(dpad, bq, bkv):
         inner_precise = params[P_IP]
         want_lse = params[P_LSE] != 0
         scale = fparams[0]
+        scale_hi = fparams[1]      # 1, or the second factor of a scale beyond float32's range
         g = n // G
         ql = lens[0, b]
         kl = lens[1, b]
@@ -120,7 +121,7 @@ def kernel_source(dpad, bq, bkv):
         if active:
             q_off = boff[T_Q, b] + n * strides[T_Q, 0] + i * strides[T_Q, 1]
             for d in range(D):
-                qv[d] = widen(q[q_off + d * strides[T_Q, 2]], code) * scale
+                qv[d] = widen(q[q_off + d * strides[T_Q, 2]], code) * scale * scale_hi
                 acc[d] = F32_ZERO
         for t in range(ntiles):
             j0 = jstart + t * BKV
@@ -427,7 +428,7 @@ def run(p, meta=None, query=None):
         q_ = p.quant
         fparams = np.array([q_.deq1, np.float16(p.scale), q_.quant1, q_.deq2], np.float32)
     else:
-        fparams = np.array([p.scale], np.float32)
+        fparams = scale_factors(p.scale)
     if int8_out:   # float16-rounded output quantization scales, 1 or H values
         s2 = p.quant.scale2.astype(np.float16).astype(np.float32)
         o2 = p.quant.offset2.astype(np.float16).astype(np.float32)
