@@ -7,6 +7,19 @@ torch). :class:`Meta` lets the planner work on CUDA arrays through metadata-only
 import numpy as np
 
 
+def checked(name, fn, x):
+    """``fn(x)`` for CUDA array argument ``name``, with its failures as the errors of SPEC 10:
+    a malformed __cuda_array_interface__ is a TypeError, a missing CUDA driver a RuntimeError."""
+    try:
+        return fn(x)
+    except ImportError as exc:         # numba's CudaSupportError: no driver, no device
+        raise RuntimeError(f"{name} is a CUDA array ({type(x).__name__}) but CUDA is not "
+                           f"usable here: {exc}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise TypeError(f"{name} has a malformed __cuda_array_interface__ "
+                        f"({type(x).__name__}): {type(exc).__name__}: {exc}") from None
+
+
 def simulated(x):
     """True for the CUDA simulator's device arrays (NUMBA_ENABLE_CUDASIM=1): they hold host
     memory and have no __cuda_array_interface__."""

@@ -155,7 +155,8 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
         from . import _arrays
         if device == "cpu" or _arrays.simulated(query):
             # computed on the host: copy in, compute, return the query's kind
-            host = {name: None if x is None else _arrays.to_host(x) for name, x in tensors.items()}
+            host = {name: None if x is None else _arrays.checked(name, _arrays.to_host, x)
+                    for name, x in tensors.items()}
             problem = plan(host["query"], host["key"], host["value"], host["attn_mask"],
                            actual_seq_lengths, actual_seq_lengths_kv, host["pse_shift"], quant,
                            *rest)
@@ -164,7 +165,8 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
             lse = None if lse is None else _arrays.to_kind(lse, query)
             return (out, lse) if problem.want_lse else out
         meta = _arrays.Meta()
-        tensors = {name: None if x is None else meta.make(x) for name, x in tensors.items()}
+        tensors = {name: None if x is None else _arrays.checked(name, meta.make, x)
+                   for name, x in tensors.items()}
     problem = plan(tensors["query"], tensors["key"], tensors["value"], tensors["attn_mask"],
                    actual_seq_lengths, actual_seq_lengths_kv, tensors["pse_shift"], quant, *rest)
     backend = dispatch.choose(problem, device)

@@ -54,3 +54,24 @@ def test_meta_planning_recovers_every_device_pointer(layout):
         assert ptr == a.__array_interface__["data"][0] and a.size == b.size
     for a, b in zip(g_real[7:], g_meta[7:]):                                 # strides, offsets
         assert np.array_equal(a, b)
+
+
+def test_malformed_cuda_array_interface_is_a_type_error():
+    from pfa_numba import prompt_flash_attention
+
+    class Malformed:
+        __cuda_array_interface__ = {}
+
+    with pytest.raises(TypeError, match="query.*malformed"):
+        prompt_flash_attention(Malformed(), Malformed(), Malformed())
+
+
+def test_cuda_array_without_a_driver_is_a_runtime_error():
+    from numba import cuda as numba_cuda
+
+    from pfa_numba import prompt_flash_attention
+    if numba_cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    q = HostBackedCudaArray(np.ones((1, 1, 4, 16), np.float32))
+    with pytest.raises(RuntimeError, match="query.*CUDA"):
+        prompt_flash_attention(q, q, q, num_heads=1, input_layout="BNSD", device="cpu")

@@ -28,7 +28,7 @@ import warnings
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pfa_numba import prompt_flash_attention, trans_quant_param
@@ -153,6 +153,11 @@ def pse_dtype(dtype):
 
 def build_base(c):
     """The valid call ``c`` describes, as a dict of every argument by name."""
+    with np.errstate(under="ignore"):
+        return _build_base(c)
+
+
+def _build_base(c):
     rng = np.random.default_rng(c["seed"])
     dtype = DTYPES[c["dtype"]]
     qs, ks = qkv_shapes(c)
@@ -181,8 +186,8 @@ def build_base(c):
         elif c["mask"] == "2":
             call["attn_mask"] = (rng.random((sq, skv)) < 0.3).astype(np.uint8)
         if c["pse"]:
-            call["pse_shift"] = rng.standard_normal((1, c["N"], sq, skv)).astype(np.float32
-                                                                                 ).astype(pse_dtype(dtype))
+            pse = rng.standard_normal((1, c["N"], sq, skv)).astype(np.float32)
+            call["pse_shift"] = pse.astype(pse_dtype(dtype))
     if c["mask"] == "band":
         call["attn_mask"] = band_mask()
     if c["kind"].startswith("int8"):
@@ -292,18 +297,20 @@ def m_qkv_dtype(data, call, c):
         bad += [d for d in (F16, BF16, F32, I8) if d != cur]
     dt = np.dtype(_pick(data, bad, "dtype"))
     for name in (("query", "key", "value") if target == "all" else (target,)):
-        call[name] = call[name].astype(dt)
+        if isinstance(call[name], np.ndarray):
+            call[name] = call[name].astype(dt)
     return (T,)
 
 
 def m_qkv_not_array(data, call, c):
     target = _pick(data, ["query", "key", "value"], "target")
     kind = _pick(data, ["list", "None", "float", "str", "tuple", "memoryview"], "replacement")
-    x = call[target]
+    x = np.asarray(call[target])
     call[target] = {"list": lambda: x.astype(np.float32).tolist(), "None": lambda: None,
                     "float": lambda: 1.0, "str": lambda: "query",
                     "tuple": lambda: tuple(x.astype(np.float32).reshape(-1).tolist()),
-                    "memoryview": lambda: memoryview(np.ascontiguousarray(x).view(np.uint8))}[kind]()
+                    "memoryview": lambda: memoryview(np.ascontiguousarray(x).view(np.uint8)),
+                    }[kind]()
     return (T,)
 
 
@@ -392,7 +399,8 @@ def m_mask_dtype(data, call, c):
     dt = np.dtype(_pick(data, bad, "mask dtype"))
     mode = call["sparse_mode"]
     if mode in (2, 3, 4):
-        call["attn_mask"] = band_mask(dt)
+        call["attn_mask"] = band_mask(_pick(data, [np.float16, np.float32, np.int32, np.int16],
+                                            "band mask dtype"))
         return (T,)
     if c["layout"] == "TND":   # mode 0: no user mask at all with TND
         call["attn_mask"] = np.zeros((1, 1), dt)
@@ -511,10 +519,13 @@ def m_tokens(data, call, c):
                                                            -2 ** 62, -2 ** 63]))
     pre, nxt = data.draw(value, label="pre_tokens"), data.draw(value, label="next_tokens")
     call["pre_tokens"], call["next_tokens"] = pre, nxt
-    int8_out_mode4 = call["quant_scale2"] is not None and call["sparse_mode"] == 4
-    if tokens_valid(pre, nxt, tokens_used(call), int8_out_mode4):
-        return VALID
-    return (R,)
+
+    def judge(final):       # judged on the final call (another mutation may add a mask)
+        int8_out_mode4 = final["quant_scale2"] is not None and final["sparse_mode"] == 4
+        if tokens_valid(pre, nxt, tokens_used(final), int8_out_mode4):
+            return VALID
+        return (R,)
+    return judge
 
 
 def m_nkv(data, call, c):
@@ -558,7 +569,7 @@ def m_quant(data, call, c):
         "drop_deq2": ("deq_scale2", None, R),
         "deq1_f64": ("deq_scale1", np.array([1e-3]), T),
         "deq2_f16": ("deq_scale2", np.array([0.01], np.float16), T),
-        "deq_mixed": ("deq_scale1", trans_quant_param(f32(1e-3)), T),
+        "deq_mixed": ("deq_scale1", trans_quant_param(f32(1e-3)), T),   # deq2 stays float32
         "qs1_f16": ("quant_scale1", np.array([127], np.float16), T),
         "qs1_u64": ("quant_scale1", trans_quant_param(f32(127.0)), T),
         "deq1_shape2": ("deq_scale1", np.full(2, 1e-3, np.float32), R),
@@ -589,8 +600,6 @@ def m_quant(data, call, c):
     if how in ("o2_dtype", "o2_shape"):
         # the offset must follow quant_scale2 (the dtype check may come before the shape one)
         exc = (T, R)
-    if how == "deq_mixed":   # deq_scale1 uint64, deq_scale2 float32
-        pass
     return exc if isinstance(exc, tuple) else (exc,)
 
 
@@ -647,17 +656,32 @@ def s_add_s2(data, call, c):
     return MAYBE
 
 
+def s_byteorder(data, call, c):
+    """Non-native byte order (SPEC does not say whether '>f2' is 'float16'): valid or an error,
+    never a misread."""
+    names = data.draw(st.lists(st.sampled_from(["query", "key", "value", "pse_shift",
+                                                "quant_scale2", "deq_scale1"]), min_size=1,
+                               max_size=3, unique=True), label="byte-swapped")
+    for name in names:
+        x = call[name]
+        if isinstance(x, np.ndarray) and x.dtype.itemsize > 1 and x.dtype.kind in "fiu":
+            call[name] = x.astype(x.dtype.newbyteorder())
+    return MAYBE
+
+
 def s_cuda(data, call, c):
     call["device"] = "cuda"         # RuntimeError without a usable CUDA backend
     return MAYBE
 
 
 STRUCTURAL = dict(s_layout=s_layout, s_dtype=s_dtype, s_heads=s_heads, s_mode=s_mode,
-                  s_zero=s_zero, s_add_s2=s_add_s2, s_cuda=s_cuda)
+                  s_zero=s_zero, s_add_s2=s_add_s2, s_cuda=s_cuda, s_byteorder=s_byteorder)
 
 
 # ---- valid: the call stays valid -----------------------------------------------------------
 def _view(x, kind):
+    if x.dtype.hasobject:
+        return x
     if kind == "F":
         return np.asfortranarray(x)
     if kind == "rev":
@@ -677,12 +701,16 @@ def _view(x, kind):
         y = buf[1:1 + x.nbytes].view(x.dtype).reshape(x.shape)
         y[...] = x
         return y
-    if kind == "broadcast0" and x.ndim and x.shape[0] == 1:
-        return np.broadcast_to(x, x.shape)      # read-only view
+    if kind == "bcast" and x.ndim and x.shape[0]:
+        return np.broadcast_to(x[:1], x.shape)  # zero stride, read-only (values change: fine)
+    if kind == "struct" and x.ndim:             # byte strides not a multiple of the item size
+        rec = np.zeros(x.shape, dtype=[("pad", "u1"), ("x", x.dtype)])
+        rec["x"] = x
+        return rec["x"]
     return x
 
 
-def v_views(data, call, c):
+def v_views(data, call, c, untouched):
     names = data.draw(st.lists(st.sampled_from(["query", "key", "value", "attn_mask",
                                                 "pse_shift"] + list(QUANT)),
                                min_size=1, max_size=4, unique=True), label="viewed")
@@ -690,15 +718,18 @@ def v_views(data, call, c):
         x = call[name]
         if not isinstance(x, np.ndarray) or x.shape[-2:] == (2048, 2048):
             continue
-        call[name] = _view(x, _pick(data, ["F", "rev", "ro", "pad", "unaligned",
-                                           "broadcast0"], f"{name} view"))
+        call[name] = _view(x, _pick(data, ["F", "rev", "ro", "pad", "unaligned", "bcast",
+                                           "struct"], f"{name} view"))
     return VALID
 
 
-def v_scalars(data, call, c):
-    name = _pick(data, ["num_heads", "num_key_value_heads", "sparse_mode", "inner_precise",
-                        "pre_tokens", "next_tokens", "scale_value", "input_layout", "device"],
-                 "scalar form")
+def v_scalars(data, call, c, untouched):
+    names = [k for k in ("num_heads", "num_key_value_heads", "sparse_mode", "inner_precise",
+                         "pre_tokens", "next_tokens", "scale_value", "input_layout", "device")
+             if k in untouched]
+    if not names:
+        return VALID
+    name = _pick(data, names, "scalar form")
     x = call[name]
     if name == "input_layout":
         call[name] = np.str_(x)
@@ -716,8 +747,11 @@ def v_scalars(data, call, c):
     return VALID
 
 
-def v_lengths(data, call, c):
-    which = _pick(data, ["actual_seq_lengths", "actual_seq_lengths_kv"], "which")
+def v_lengths(data, call, c, untouched):
+    names = [k for k in ("actual_seq_lengths", "actual_seq_lengths_kv") if k in untouched]
+    if not names:
+        return VALID
+    which = _pick(data, names, "which")
     x = call[which]
     if x is None and c["layout"] != "TND":
         full = c["Sq"] if which == "actual_seq_lengths" else c["Skv"]
@@ -786,14 +820,16 @@ def snapshot(call):
 def mutation_plans(draw):
     kind = draw(st.sampled_from(["independent+dependent", "structural", "valid", "limits"]))
     if kind == "limits":
-        return ["limits"] + draw(st.lists(st.sampled_from(list(VALID_MUTS)), max_size=1))
+        return ["limits"]
     plan = []
     if kind == "structural":
         plan.append(draw(st.sampled_from(list(STRUCTURAL))))
         plan += draw(st.lists(st.sampled_from(list(INDEPENDENT)), max_size=1, unique=True))
     elif kind == "independent+dependent":
-        plan += draw(st.lists(st.sampled_from(list(INDEPENDENT) + list(DEPENDENT)),
-                              min_size=1, max_size=3, unique=True))
+        # at most one dependent mutation (two could edit the same array), applied first
+        plan += draw(st.lists(st.sampled_from(list(DEPENDENT)), max_size=1))
+        plan += draw(st.lists(st.sampled_from(list(INDEPENDENT)), min_size=1 - len(plan),
+                              max_size=2, unique=True))
     plan += draw(st.lists(st.sampled_from(list(VALID_MUTS)), min_size=1 if kind == "valid"
                           else 0, max_size=2, unique=True))
     return plan
@@ -816,7 +852,17 @@ def test_fuzzed_calls_raise_only_spec_errors(data):
     c = data.draw(base_specs(), label="base")
     call = build_base(c)
     plan = data.draw(mutation_plans(), label="mutations")
-    expects = [ALL_MUTS[name](data, call, c) for name in plan]
+    base = dict(call)
+    expects = []
+    for name in plan:
+        if name in VALID_MUTS:
+            # only arguments that still hold their base value (a valid form of an invalid
+            # value could make it valid again)
+            untouched = {k for k in call if call[k] is base[k]}
+            expects.append(VALID_MUTS[name](data, call, c, untouched))
+        else:
+            expects.append(ALL_MUTS[name](data, call, c))
+    expects = [e(call) if callable(e) else e for e in expects]
     certain = [e for e in expects if isinstance(e, tuple)]
     maybe = any(e is MAYBE for e in expects)
     text = describe(call)
@@ -831,6 +877,8 @@ def test_fuzzed_calls_raise_only_spec_errors(data):
     except Exception as e:     # anything else is a bug
         pytest.fail(f"{type(e).__name__} (not TypeError/ValueError/RuntimeError): {e}\n"
                     f"mutations {plan}\n{text}")
+    event("raised " + type(exc).__name__ if exc is not None else "returned")
+    event("expected: " + ("maybe" if maybe else "error" if certain else "valid"))
     after = snapshot(call)
     for k in before:
         assert before[k] == after[k], f"{k} was modified by the call\nmutations {plan}\n{text}"
@@ -863,3 +911,32 @@ def test_fuzzed_calls_raise_only_spec_errors(data):
                 assert_matches_reference(out, args, kwargs, out.dtype, lse=lse)
             except AssertionError as e:
                 raise AssertionError(f"{e}\nmutations {plan}\n{text}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# regressions: library bugs the fuzzer found (fixed in e2ef097), as minimal reproductions
+# --------------------------------------------------------------------------------------------
+_Q = np.ones((1, 2, 16), np.float16)
+
+
+def test_query_none_is_a_type_error():
+    """BUG-1: query=None raised KeyError('query') in api.py (SPEC 1/10: TypeError)."""
+    with pytest.raises(TypeError, match="query"):
+        prompt_flash_attention(None, _Q, _Q)
+
+
+def test_huge_int_scale_value_is_a_value_error():
+    """BUG-2: scale_value=10**400 raised OverflowError from float() (SPEC 10: an int that is
+    infinite as a float is a ValueError, like scale_value=inf)."""
+    with pytest.raises(ValueError, match="scale_value"):
+        prompt_flash_attention(_Q, _Q, _Q, scale_value=10 ** 400)
+
+
+@pytest.mark.parametrize("which", ["actual_seq_lengths", "actual_seq_lengths_kv"])
+@pytest.mark.parametrize("value", [-1, 99])
+def test_length_one_value_checked_when_batch_is_zero(which, value):
+    """BUG-3: with B = 0 a length-1 actual length was broadcast to nothing and never
+    range-checked (SPEC 6: values in [0, Sq] / [0, Skv], ValueError otherwise)."""
+    q = np.ones((0, 3, 16), np.float16)
+    with pytest.raises(ValueError, match=which):
+        prompt_flash_attention(q, q, q, **{which: [value]})

@@ -22,8 +22,7 @@ import warnings
 
 import ml_dtypes
 import numpy as np
-import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pfa_numba import config, prompt_flash_attention, reference, trans_quant_param
@@ -131,10 +130,16 @@ def view_variant(x, kind, fill):
         y = buf[1:1 + x.nbytes].view(x.dtype).reshape(x.shape)
         y[...] = x
         return y
+    if kind == "struct":     # a field of a structured array: byte strides not a multiple of
+        rec = np.zeros(x.shape, dtype=[("pad", "u1"), ("x", x.dtype)])   # the item size
+        rec["x"] = x
+        return rec["x"]
+    if kind == "bcast":      # zero stride on the first axis (every batch holds batch 0)
+        return np.broadcast_to(x[:1], x.shape) if x.shape[0] else x
     raise AssertionError(kind)
 
 
-VIEWS = ("c", "c", "c", "F", "rev", "ro", "pad", "step2", "unaligned")
+VIEWS = ("c", "c", "c", "F", "rev", "ro", "pad", "step2", "unaligned", "struct", "bcast")
 
 
 def _as_form(values, form):
@@ -150,7 +155,7 @@ def _as_form(values, form):
     raise AssertionError(form)
 
 
-LEN_FORMS = ("list", "tuple", "list_np", "int64", "int32", "uint64")
+LEN_FORMS = ("list", "tuple", "list_np", "int64", "int32", "uint8", "uint64")
 
 # the (2048, 2048) masks of modes 2-4, built once, read-only (their content is never read)
 _MASK2048 = {}
@@ -225,14 +230,16 @@ def heads(draw, max_n=8):
 
 
 @st.composite
-def user_mask_spec(draw, dtype_name, modes_fp16_ok):
-    choices = ["bool", "int8", "uint8"] + (["float16"] if modes_fp16_ok else [])
+def user_mask_spec(draw, fp16_ok):
+    """A user mask (modes 0, 1); float16 (additive, deprecated) only for a float16 query."""
+    choices = ["bool", "int8", "uint8"] + (["float16"] if fp16_ok else [])
     return dict(shape=draw(st.sampled_from(["2", "3B", "31", "4B", "41"])),
                 pad=(draw(st.integers(0, 4)), draw(st.integers(0, 4))),
                 dtype=draw(st.sampled_from(choices)),
                 density=draw(st.sampled_from([0.0, 0.2, 0.5, 0.9, 1.0])),
                 full_row=draw(st.booleans()),
-                view=draw(st.sampled_from(["c", "c", "F", "rev", "step2", "ro"])))
+                view=draw(st.sampled_from(["c", "c", "F", "rev", "step2", "ro", "struct",
+                                           "bcast"])))
 
 
 @st.composite
@@ -249,7 +256,8 @@ def pse_spec(draw):
                 spread=draw(st.sampled_from([0.5, 2.0, 8.0])),
                 specials=draw(st.lists(st.sampled_from(["-inf", "-inf-row", "+inf", "nan"]),
                                        max_size=2, unique=True)),
-                view=draw(st.sampled_from(["c", "c", "F", "rev", "ro", "pad"])))
+                view=draw(st.sampled_from(["c", "c", "F", "rev", "ro", "pad", "struct",
+                                           "bcast"])))
 
 
 @st.composite
@@ -277,9 +285,9 @@ def float_specs(draw):
         sp["Skv"] = skv = draw(st.integers(0, 40))
         sp["sparse_mode"] = mode = draw(st.sampled_from([0, 0, 1, 2, 3, 4]))
         if mode == 0:
-            sp["mask"] = draw(st.one_of(st.none(), user_mask_spec(dt, dt == "fp16")))
+            sp["mask"] = draw(st.one_of(st.none(), user_mask_spec(dt == "fp16")))
         elif mode == 1:
-            sp["mask"] = draw(user_mask_spec(dt, dt == "fp16"))
+            sp["mask"] = draw(user_mask_spec(dt == "fp16"))
         else:
             sp["mask"] = draw(band_mask_spec())
         sp["pse"] = draw(st.one_of(st.none(), pse_spec()))
@@ -359,6 +367,11 @@ def _pse(rng, ps, dtype, batch, n, sq, skv, qlen, klen):
 
 def build_float(sp):
     """(args, kwargs, info) of the call that ``sp`` (from :func:`float_specs`) describes."""
+    with np.errstate(under="ignore"):
+        return _build_float(sp)
+
+
+def _build_float(sp):
     rng = np.random.default_rng(sp["seed"])
     dtype = DTYPES[sp["dtype"]]
     layout, n, nkv, d = sp["layout"], sp["N"], sp["Nkv"], sp["D"]
@@ -449,9 +462,68 @@ def test_float_calls_match_reference(sp):
         assert lse.dtype == F32 and lse.shape == lse_shape
     # a float16 additive mask (modes 0/1 only) is deprecated; nothing else warns that way
     assert bool(deprecations) == info["fp16_mask"], deprecations
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), np.errstate(under="ignore", over="ignore"):   # reference
         warnings.simplefilter("ignore", DeprecationWarning)
+        assert_float_output(out, args, kw, dtype, lse)
+
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def _finite(x):
+    x = np.asarray(x).astype(np.float64)
+    return np.where(np.isfinite(x), x, 0.0)
+
+
+def score_bound(args, kw):
+    """An upper bound of |s| over every (b, n, i, j): |scale| max |q . k| + max |pse|."""
+    q, k = args[0], args[1]
+    n, layout = kw["num_heads"], kw["input_layout"]
+    if layout == "TND":
+        q4, k4 = _finite(q).transpose(1, 0, 2)[None], _finite(k).transpose(1, 0, 2)[None]
+    else:
+        q4 = _finite(bnsd(q, layout, n))
+        k4 = _finite(bnsd(k, layout, kw["num_key_value_heads"] or n))
+    if q4.size == 0 or k4.size == 0:
+        return 0.0
+    k4 = np.repeat(k4, q4.shape[1] // k4.shape[1], axis=1)
+    dots = np.abs(np.einsum("bnid,bnjd->bnij", q4, k4))
+    pse = args[6]
+    return (abs(float(kw["scale_value"])) * float(dots.max(initial=0.0))
+            + (float(np.abs(_finite(pse)).max(initial=0.0)) if pse is not None else 0.0))
+
+
+def assert_float_output(out, args, kw, dtype, lse):
+    """``assert_matches_reference`` (the kernel error at most twice that of the reference run in
+    the input dtype, plus one ulp).
+
+    Its yardstick rounds every score once. A float32 kernel forms a score from D float32
+    products, the scale and pse (SPEC 2: float32 accumulation), about sqrt(D) + 2 roundings of
+    |s|; with large logits (|s| in the hundreds) that dominates: e.g. 7e-5 where the yardstick
+    gives 2e-6. So for float32 inputs only, when the yardstick check fails, the error may
+    instead be up to what score errors of (sqrt(D) + 2) float32 ulps of max |s| can do to a
+    softmax-weighted mean of V (each moves an output by at most 2 |dS| max|V|); NaN/inf
+    patterns and softmax_lse are checked as before."""
+    try:
         assert_matches_reference(out, args, kw, dtype, lse=lse)
+        return
+    except AssertionError:
+        if dtype != F32:
+            raise
+    event("float32: large-logit fallback bound")
+    assert_matches_reference(out, args, kw, dtype, lse=lse, k_factor=1e300)   # patterns, lse
+    ref = reference.prompt_flash_attention(*args, **kw)
+    fin = np.isfinite(ref)
+    if not fin.any():
+        return
+    d = args[0].shape[-1] if kw["input_layout"] != "BSH" else args[0].shape[-1] // kw["num_heads"]
+    vmax = float(np.abs(_finite(args[2])).max(initial=0.0))
+    ds = (math.sqrt(d) + 2) * EPS32 * score_bound(args, kw)
+    scale = max(1.0, float(np.abs(ref[fin]).max()))
+    bound = 17 * EPS32 * scale + 2 * ds * vmax
+    err = float(np.abs(out.astype(np.float64)[fin] - ref[fin]).max())
+    assert err <= bound, (f"float32: max |kernel - ref| = {err:.3e} > {bound:.3e} (score "
+                          f"error model {ds:.3e}, max|V| {vmax:.3g})")
 
 
 @PROFILE_SETTINGS
@@ -496,9 +568,9 @@ def quant_specs(draw):
     sp["Skv"] = skv = draw(st.integers(0, 24))
     sp["sparse_mode"] = mode = draw(st.sampled_from([0, 0, 1, 2, 3, 4]))
     if mode == 0:
-        sp["mask"] = draw(st.one_of(st.none(), user_mask_spec(dt, dt == "fp16")))
+        sp["mask"] = draw(st.one_of(st.none(), user_mask_spec(dt == "fp16")))
     elif mode == 1:
-        sp["mask"] = draw(user_mask_spec(dt, dt == "fp16"))
+        sp["mask"] = draw(user_mask_spec(dt == "fp16"))
     else:
         sp["mask"] = draw(band_mask_spec())
     sp["pse"] = draw(st.one_of(st.none(), pse_spec()))
@@ -512,17 +584,21 @@ def quant_specs(draw):
         sp["deq_dtype"] = draw(st.sampled_from(["float32", "uint64"]))
         sp["deq1_factor"] = draw(st.sampled_from([0.3, 1.0, 3.0, 10.0]))
         sp["qs1"] = draw(st.sampled_from([127.0, 100.0, 50.0, 20.0]))
-        sp["deq2_factor"] = draw(st.sampled_from([1.0, 0.5, 2.0]))
+        # 3000: the float16 output overflows to +-inf on some rows
+        sp["deq2_factor"] = draw(st.sampled_from([1.0, 0.5, 2.0, 3000.0]))
         sp["scale"] = draw(st.sampled_from([1.0, 1, 0.5, 2.0, np.float32(0.7)]))
     else:
         sp["scale"] = draw(st.one_of(st.just(1.0 / math.sqrt(sp["D"])),
                                      st.sampled_from([0, 1, 0.5, -0.25, np.float16(0.2)])))
         sp["spread"] = draw(st.sampled_from([0.3, 1.0, 2.0]))
     if out_int8:
+        # int8 inputs: a fraction of 0.9 / (deq2 * 128), so that one P8 step (deq2 * |V| / l,
+        # l >= 1) moves an output by less than one LSB; float inputs: absolute scales
         sp["s2_range"] = draw(st.sampled_from(
             [(0.05, 0.3), (0.2, 1.0)] if dt == "int8" else [(1.0, 10.0), (10.0, 60.0)]))
         sp["offset2"] = draw(st.sampled_from([None, "zero", "random"]))
         sp["s2_bf16"] = dt == "bf16" and draw(st.booleans())
+    sp["lse"] = draw(st.booleans())
     sp["tiles"] = draw(tile_values)
     sp["seed"] = draw(st.integers(0, 2 ** 32 - 1))
     return sp
@@ -535,6 +611,11 @@ def _channel_shape(kind, n, d):
 
 def build_quant(sp):
     """(args, kwargs, dtype) of the quantized call that ``sp`` (:func:`quant_specs`) describes."""
+    with np.errstate(under="ignore"):
+        return _build_quant(sp)
+
+
+def _build_quant(sp):
     rng = np.random.default_rng(sp["seed"])
     layout, n, nkv, d = sp["layout"], sp["N"], sp["Nkv"], sp["D"]
     b, sq, skv = sp["B"], sp["Sq"], sp["Skv"]
@@ -562,7 +643,10 @@ def build_quant(sp):
     if sp["kind"] != "int8->float16":
         shape = _channel_shape(sp["s2_shape"], n, d)
         sdt = BF16 if sp["s2_bf16"] else F32
-        s2 = rng.uniform(*sp["s2_range"], size=shape).astype(np.float32).astype(sdt)
+        unit = 1.0
+        if dtype == I8:
+            unit = 0.9 / (decoded(kw["deq_scale2"]) * 128)
+        s2 = (rng.uniform(*sp["s2_range"], size=shape) * unit).astype(np.float32).astype(sdt)
         kw["quant_scale2"] = s2
         if sp["offset2"] == "zero":
             kw["quant_offset2"] = np.zeros(shape, sdt)
@@ -583,47 +667,133 @@ def build_quant(sp):
     return (q, k, v, mask, asl, aslkv, pse), kw, dtype
 
 
-def assert_int8_within_one_lsb(got, want):
-    assert got.dtype == I8 and got.shape == want.shape
-    diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
-    assert diff.size == 0 or diff.max() <= 1, (
-        f"int8 output differs by {diff.max()} LSB at "
-        f"{np.unravel_index(np.argmax(diff), diff.shape)}")
+def bnsd(x, layout, n):
+    """An input (query/key/value) or output array of ``layout`` as (B, heads, S, D)."""
+    x = np.asarray(x)
+    if layout == "BSH":
+        b, s_, h = x.shape
+        return x.reshape(b, s_, n, h // n).transpose(0, 2, 1, 3)
+    if layout == "BSND":
+        return x.transpose(0, 2, 1, 3)
+    return x
 
 
-def assert_fp16_within_p8_steps(got, want, deq2, v):
-    """One fp16 ulp plus two P8 steps of one unit (each changes O by deq2 * |V| / l, l >= 1)."""
-    assert got.dtype == F16 and got.shape == want.shape
+def bnsd_out(x, layout, n):
+    return x.transpose(0, 2, 1, 3) if layout == "BNSD_BSND" else bnsd(x, layout, n)
+
+
+def decoded(deq):
+    if deq.dtype == np.uint64:
+        return float((deq & np.uint64(0xFFFFE000)).astype(np.uint32).view(np.float32)[0])
+    return float(deq[0])
+
+
+def float32_formed_rows(args, kw):
+    """(B, N, Sq) rows of an int8 call in which some score fp16(A * deq1) depends on how the
+    product is formed: SPEC 8 lets it be formed in float32 (then rounded to fp16, a double
+    rounding) or exactly, and the two fp16 values differ by one ulp. Such a row may legitimately
+    differ from the exact reference by more than the tolerances below (the changed score moves
+    every weight of its row); no other row may."""
+    n, layout = kw["num_heads"], kw["input_layout"]
+    nkv = kw["num_key_value_heads"] or n
+    q = bnsd(args[0], layout, n).astype(np.int64)
+    k = bnsd(args[1], layout, nkv).astype(np.int64)
+    k = np.repeat(k, n // nkv, axis=1)
+    a = np.einsum("bnid,bnjd->bnij", q, k)
+    deq1 = decoded(kw["deq_scale1"])
+    exact = (a * deq1).astype(np.float16)
+    via_f32 = (a.astype(np.float32) * np.float32(deq1)).astype(np.float16)
+    return (exact != via_f32).any(axis=-1)
+
+
+def check_rows(bad, exempt, what):
+    """Elements failing a check (B, N, Sq, X) must all lie in exempt rows (B, N, Sq)."""
+    rows = bad.any(axis=tuple(range(3, bad.ndim)))
+    unexplained = rows & ~exempt
+    assert not unexplained.any(), (f"{what} at (b, n, i) = "
+                                   f"{np.argwhere(unexplained)[:3].tolist()} (no float32-formed "
+                                   f"score there)")
+
+
+F16_OVERFLOW = 65520.0     # values at or beyond round to +-inf in float16
+
+
+def fp16_out_bad(got, want, deq2, v):
+    """Elements beyond one fp16 ulp plus two P8 steps of one unit (each changes O by
+    deq2 * |V| / l, l >= 1); an overflow to +-inf (SPEC 10: IEEE, never wrapped) must match up to
+    that bound. Returns the boolean array of failing elements."""
     g = got.astype(np.float64)
-    assert np.array_equal(np.isnan(g), np.isnan(want))
-    ok = ~np.isnan(want)
-    if not ok.any():
-        return
-    ulp = np.spacing(np.abs(want[ok]).astype(np.float16)).astype(np.float64)
+    bad = np.isnan(g) != np.isnan(want)
+    ok = ~np.isnan(want) & ~bad
     vmax = float(np.abs(v.astype(np.float64)).max()) if v.size else 0.0
-    bound = ulp + 2 * float(deq2) * vmax
-    err = np.abs(g[ok] - want[ok])
-    assert (err <= bound).all(), f"max err {err.max():.3e} > {bound.max():.3e}"
+    slack = 2 * float(deq2) * vmax
+    with np.errstate(over="ignore", invalid="ignore"):
+        ulp = np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)
+        ulp = np.where(np.isfinite(ulp), ulp, 0.0)
+        near = np.abs(want) + slack + ulp >= F16_OVERFLOW
+        inf_g, inf_w = np.isinf(g), np.isinf(want)
+        bad |= ok & (inf_g != inf_w) & ~near
+        bad |= ok & inf_g & inf_w & (np.sign(g) != np.sign(want))
+        fin = ok & ~inf_g & ~inf_w
+        bad |= fin & (np.abs(g - want) > ulp + slack)
+    return bad
 
 
 @PROFILE_SETTINGS
 @given(sp=quant_specs())
 def test_quant_calls_match_reference(sp):
+    """int8 outputs within 1 LSB of the reference, float16 outputs of the int8 pipeline within
+    one ulp plus two P8 steps (tests/test_quant.py explains both), softmax_lse within 1e-4
+    relative; rows whose scores SPEC 8 lets be formed in float32 are exempt."""
     args, kw, dtype = build_quant(sp)
     allargs = list(args) + [kw.get(k) for k in ("deq_scale1", "quant_scale1", "deq_scale2",
                                                   "quant_scale2", "quant_offset2")]
     before = snapshot(allargs)
     with tiles(sp["tiles"]), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        got = prompt_flash_attention(*args, **kw)
-        want = reference.prompt_flash_attention(*args, **kw)
+        got = prompt_flash_attention(*args, **kw, return_softmax_lse=sp["lse"])
+        with np.errstate(under="ignore", over="ignore"):
+            want, want_lse = reference.prompt_flash_attention(*args, **kw,
+                                                              return_softmax_lse=True)
     assert_unchanged(allargs, before)
-    out_shape, _ = expected_shapes(args, kw)
-    assert got.shape == out_shape
+    if sp["lse"]:
+        got, lse = got
+    out_shape, lse_shape = expected_shapes(args, kw)
+    assert got.shape == out_shape == want.shape
+    assert got.dtype == (F16 if sp["kind"] == "int8->float16" else I8)
+    layout, n = kw["input_layout"], kw["num_heads"]
+    g4, w4 = bnsd_out(got, layout, n), bnsd_out(want, layout, n)
+    exempt = (float32_formed_rows(args, kw) if dtype == I8
+              else np.zeros(g4.shape[:3], bool))
+    if exempt.any():
+        event("int8 rows with a float32-formed score")
     if sp["kind"] == "int8->float16":
-        deq2 = kw["deq_scale2"]
-        if deq2.dtype == np.uint64:
-            deq2 = (deq2 & np.uint64(0xFFFFE000)).astype(np.uint32).view(np.float32)
-        assert_fp16_within_p8_steps(got, want, deq2[0], args[2])
+        check_rows(fp16_out_bad(g4, w4, decoded(kw["deq_scale2"]), args[2]), exempt,
+                   "float16 output beyond one ulp + 2 deq2 max|V|")
     else:
-        assert_int8_within_one_lsb(got, want)
+        diff = np.abs(g4.astype(np.int32) - w4.astype(np.int32))
+        check_rows(diff > 1, exempt, f"int8 output differs by {diff.max(initial=0)} LSB")
+    if sp["lse"]:
+        assert lse.dtype == F32 and lse.shape == lse_shape == want_lse.shape
+        neg = np.isneginf(want_lse)
+        assert np.array_equal(np.isneginf(lse), neg), "rows with -inf softmax_lse differ"
+        with np.errstate(invalid="ignore"):
+            lerr = np.where(neg, 0.0, np.abs(lse.astype(np.float64) - want_lse))
+        bound = 1e-4 * np.maximum(1.0, np.abs(np.where(neg, 0.0, want_lse)))
+        check_rows(lerr > bound, exempt, "softmax_lse error beyond 1e-4 relative")
+
+
+# --------------------------------------------------------------------------------------------
+# regression: a library bug found here (fixed in e2ef097), as a minimal reproduction
+# --------------------------------------------------------------------------------------------
+def test_scale_value_beyond_float32_range():
+    """BUG-4: a finite scale_value beyond the float32 range (1e39) was cast to float32 inf
+    before scaling, so small scores became inf and the output NaN (SPEC 4: s = scale_value *
+    dot, used as given; SPEC 10 rejects only NaN/infinite scale_value)."""
+    q = np.full((1, 1, 16), 1e-20, np.float32)       # dot(q, k) = 1.6e-39, s = 1.6 exactly
+    k = np.full((1, 2, 16), 1e-20, np.float32)
+    v = np.stack([np.zeros(16, np.float32), np.ones(16, np.float32)])[None]
+    out, lse = prompt_flash_attention(q, k, v, scale_value=1e39, return_softmax_lse=True)
+    # both scores equal: the mean of the two value rows; lse = s + log(2)
+    np.testing.assert_allclose(out, np.full((1, 1, 16), 0.5, np.float32), rtol=1e-6)
+    np.testing.assert_allclose(lse.ravel(), [1e39 * 16 * 1e-40 + math.log(2)], rtol=1e-5)
