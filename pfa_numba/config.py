@@ -20,7 +20,7 @@ CPU_BAND_TILE_DIV = 8
 
 #: LLVM fast-math flags for the CPU kernels. Only flags that keep inf/NaN semantics: masking,
 #: the -inf softmax_lse of empty rows and NaN propagation rely on them, so never 'nnan' or
-#: 'ninf' (and therefore never ``fastmath=True``). 'reassoc' lets the row sums vectorise;
+#: 'ninf' (and so never the all-flags boolean form). 'reassoc' lets the row sums vectorise;
 #: 'contract' allows FMA; 'arcp', 'nsz' and 'afn' cost no inf/NaN behaviour.
 CPU_FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
 
