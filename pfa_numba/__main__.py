@@ -106,7 +106,10 @@ def warmup(args):
             ("float32 storage", lambda: prompt_flash_attention(
                 q32, q32, q32, num_heads=1, input_layout="BNSD")),
             ("int8 pipeline", lambda: prompt_flash_attention(
-                q8, q8, q8, num_heads=1, input_layout="BNSD", **scales))]
+                q8, q8, q8, num_heads=1, input_layout="BNSD", **scales)),
+            ("int8 output quantization", lambda: [prompt_flash_attention(
+                x, x, x, num_heads=1, input_layout="BNSD", quant_scale2=scales["deq_scale1"])
+                for x in (q16, q32)])]
     cache = numba.config.CACHE_DIR or "next to the package's modules (__pycache__)"
     print(f"compiling the CPU kernels into Numba's cache ({cache}):")
     for name, job in jobs:

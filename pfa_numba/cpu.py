@@ -31,9 +31,9 @@ from ._plan import storage_code
 from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32_NEG_INF, F32_ONE,
                     F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32,
                     block_kv_range, exp_nonpos, f16_to_f32, f32_as_u32, f32_to_f16,
-                    from_order_key, lse_value, max_nan, order_key, rescale_factor, round_f16,
-                    round_half_even, row_band, saturate_int8, store, tile_inside_band, u32_as_f32,
-                    widen)
+                    from_order_key, lse_value, max_nan, order_key, quantize_output,
+                    rescale_factor, round_f16, round_half_even, row_band, saturate_int8, store,
+                    tile_inside_band, u32_as_f32, widen)
 
 _FM = set(config.CPU_FASTMATH)
 
@@ -560,30 +560,35 @@ def run(p):
                 _attention(qf, kf, vf, o_flat, l_flat, f_flat, mask8, mask16, pse, strides,
                            boff, lens, work, params, scale_factors(p.scale))
     if int8_out:
-        out = quantize_output(p, out, flags)
+        out = quantize_int8_output(p, out, flags)
     return out, (lse if p.want_lse else None)
 
 
-def quantize_output(p, o, flags):
-    """SPEC 8 output quantization: y = clip(rhe(fp16(fp16(fp16(O) * fp16(s2[c])) + fp16(o2[c]))),
-    -128, 127), NaN -> 0; rows that are structural zeros (flags 0) stay 0."""
+@njit(parallel=True, cache=True)
+def _quantize_rows(o, code, flags, scale2, offset2, y):
+    """y[b, n, i, :] = _core.quantize_output of the rows computed (flags 1); the others stay 0.
+    o, y: (B, N, Sq, D) views; scale2/offset2: float16-rounded, 1 or N*D values."""
+    B, N, S, D = o.shape
+    per_channel = scale2.size > 1
+    for b in prange(B):
+        for n in range(N):
+            for i in range(S):
+                if flags[b, n, i, 0] == 0:
+                    continue
+                for d in range(D):
+                    c = n * D + d if per_channel else 0
+                    y[b, n, i, d] = np.int8(quantize_output(widen(o[b, n, i, d], code),
+                                                            scale2[c], offset2[c]))
+
+
+def quantize_int8_output(p, o, flags):
+    """SPEC 8 output quantization of the float result ``o`` (float16 or float32, in the output
+    layout) into a new int8 array; rows that are structural zeros (flags 0) stay 0."""
     q = p.quant
-    s2 = q.scale2.astype(np.float16)
-    o2 = q.offset2.astype(np.float16)
-    if s2.size > 1:   # per channel: element (n, d) is flat[n*D + d]
-        shape = {"BSH": (p.N * p.D,), "BNSD": (p.N, 1, p.D)}.get(p.layout, (p.N, p.D))
-        s2, o2 = s2.reshape(shape), o2.reshape(shape)
-    computed = flags[..., 0].astype(bool)                    # (B, N, Sq)
-    if p.layout == "BSH":
-        computed = np.repeat(computed.transpose(0, 2, 1), p.D, axis=2)
-    elif p.layout == "BNSD":
-        computed = computed[..., None]
-    else:                                                    # BSND, BNSD_BSND: (B, Sq, N, D)
-        computed = computed.transpose(0, 2, 1)[..., None]
-    with np.errstate(invalid="ignore", over="ignore"):
-        y = o.astype(np.float16) * s2
-        y = (y + o2).astype(np.float16)
-        y = np.clip(np.rint(y.astype(np.float32)), -128, 127)
-    y[np.isnan(y)] = 0
-    y = np.where(computed, y, 0)
-    return y.astype(np.int8)
+    s2 = q.scale2.astype(np.float16).astype(np.float32)
+    o2 = q.offset2.astype(np.float16).astype(np.float32)
+    code = CODE_F16 if o.dtype == np.float16 else CODE_F32
+    y = np.zeros(p.out_shape, dtype=np.int8)
+    _quantize_rows(p.out_view(o).view(np.uint16 if code == CODE_F16 else np.float32), code,
+                   flags, s2, o2, p.out_view(y))
+    return y
