@@ -24,6 +24,10 @@ CPU_BAND_TILE_DIV = 8
 #: 'contract' allows FMA; 'arcp', 'nsz' and 'afn' cost no inf/NaN behaviour.
 CPU_FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
 
+#: bf16 tile products on Intel AMX where the CPU and OS offer it (pfa_numba._amx). False: the
+#: float32 BLAS path for every dtype.
+CPU_AMX = True
+
 #: Numba threads used by one call (None: numba.get_num_threads() at call time).
 CPU_THREADS = None
 

@@ -26,11 +26,15 @@ from . import config
 from ._geometry import (P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE,
                         P_ROWS, P_THREADS, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, geometry,
                         scale_factors)
+from . import _amx
+from ._amx import gemm_bf16, padded, tile_config
 from ._blas import gemm_rm, scratch
+from ._vector import wide_vectors
 from ._plan import storage_code
 from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32_NEG_INF, F32_ONE,
                     F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32,
-                    block_kv_range, exp_nonpos, f16_to_f32, f32_as_u32, f32_to_f16,
+                    block_kv_range, exp_nonpos, f16_to_f32, f32_as_u32, f32_to_bf16,
+                    f32_to_f16,
                     from_order_key, lse_value, max_nan, order_key, quantize_output,
                     rescale_factor, round_f16, round_half_even, row_band, saturate_int8, store,
                     tile_inside_band, u32_as_f32, widen)
@@ -47,6 +51,7 @@ _FM = set(config.CPU_FASTMATH)
 def _load_row(dst, src, off, stride, n, code, factor):
     """dst[:n] = widen(src[off + d*stride]) * factor, one loop per storage code so each
     vectorises (and a contiguous source is read through a slice)."""
+    wide_vectors()
     if stride == 1:
         seg = src[off:off + n]
         if code == CODE_F16:
@@ -66,6 +71,7 @@ def _load_row(dst, src, off, stride, n, code, factor):
 @njit(fastmath=_FM, cache=True)
 def _all_finite(buf, n):
     """True when buf[:n] holds no inf or NaN (x * 0 is 0 only for finite x)."""
+    wide_vectors()
     chk = F32_ZERO
     for i in range(n):
         chk += buf[i] * F32_ZERO
@@ -75,6 +81,7 @@ def _all_finite(buf, n):
 @njit(fastmath=_FM, cache=True)
 def _row_max(row, n):
     """max of row[:n] through order-preserving int keys (vectorises; -inf / NaN exact)."""
+    wide_vectors()
     mk = order_key(F32_NEG_INF)
     for c in range(n):
         kx = order_key(row[c])
@@ -85,6 +92,7 @@ def _row_max(row, n):
 @njit(fastmath=_FM, cache=True)
 def _exp_row(row, n, m):
     """row[:n] = exp(row[:n] - m) in place; returns the sum."""
+    wide_vectors()
     s = F32_ZERO
     for c in range(n):
         p = exp_nonpos(row[c] - m)
@@ -97,6 +105,7 @@ def _exp_row(row, n, m):
 def _mask_row(srow, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask16, moff, msk, mask_kind,
               pse, poff, psk, has_pse, code):
     """Scores of one row of one tile -> pse added, fp16 mask added, dropped columns at -inf."""
+    wide_vectors()
     if has_pse:
         for c in range(nc):
             srow[c] += widen(pse[poff + c * psk], code)
@@ -120,6 +129,54 @@ def _mask_row(srow, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask16, moff, m
 
 
 @njit(fastmath=_FM, cache=True)
+def _prepare_row(srow, nc, i, n, b, j0, inside, kl, pre_e, next_e, mask8, mask16, pse, strides,
+                 boff, mask_kind, has_pse, code):
+    """Scores of row i (query head n) of one tile, in place: pse and fp16 mask added, columns
+    outside the band or masked set to -inf."""
+    _mask_row(srow, nc, j0, i, kl, pre_e, next_e, inside,
+              mask8, mask16, boff[T_M, b] + i * strides[T_M, 1] + j0 * strides[T_M, 2],
+              strides[T_M, 2], mask_kind, pse,
+              boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1] + j0 * strides[T_P, 2],
+              strides[T_P, 2], has_pse, code)
+
+
+@njit(fastmath=_FM, cache=True)
+def _online_row(srow, nc, rr, m, l, alpha, prow, split):
+    """Online-softmax step of one row: update m and l, set alpha (the acc rescale factor) and
+    turn the scores into p = exp(s - m): in place, or (``split``) into bf16 hi / lo parts in
+    prow[:nc] and prow[ld:ld + nc]."""
+    m_old = m[rr]
+    m_new = max_nan(m_old, _row_max(srow, nc))
+    if m_new == F32_NEG_INF:
+        if split:
+            _amx_zero_p(prow, nc)
+        else:
+            srow[:nc] = F32_ZERO
+        alpha[rr] = F32_ONE
+        return
+    a = rescale_factor(m_old, m_new)
+    if split:
+        s = _exp_row_split(srow, nc, m_new, prow)
+    else:
+        s = _exp_row(srow, nc, m_new)
+    l[rr] = l[rr] * a + s
+    m[rr] = m_new
+    alpha[rr] = a
+
+
+@njit(fastmath=_FM, cache=True)
+def _rescale_rows(acc, ld, R, D, alpha):
+    """acc[rr, :D] *= alpha[rr] for the rows whose running max moved."""
+    wide_vectors()
+    for rr in range(R):
+        a = alpha[rr]
+        if a != F32_ONE:
+            arow = acc[rr * ld:rr * ld + D]
+            for d in range(D):
+                arow[d] = arow[d] * a
+
+
+@njit(fastmath=_FM, cache=True)
 def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scales,
            b, g, i0, qb, sb, tb, acc, kb, vb, m, l, alpha, ints, flts, chars):
     """One work item: rows [i0, i0 + r) of the G query heads of kv head g in batch b."""
@@ -128,10 +185,6 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
     code = params[P_CODE]
     mask_kind = params[P_MASK]
     has_pse = params[P_PSE] != 0
-    inner_precise = params[P_IP]
-    want_lse = params[P_LSE] != 0
-    want_flags = params[P_FLAGS] != 0
-    ocode = params[P_OCODE]
     rph = params[P_ROWS]
     tk = params[P_COLS]
     ql = lens[0, b]
@@ -179,62 +232,65 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
             # step 2: update m and l, p = exp(s - m) in place
             for rr in range(R):
                 h = rr // nr
-                i = i0 + rr - h * nr
                 srow = s2[rr]
                 if any_user or not inside:
-                    n = g * G + h
-                    _mask_row(srow, nc, j0, i, kl, pre_e, next_e, inside,
-                              mask8, mask16, boff[T_M, b] + i * strides[T_M, 1] + j0 * strides[T_M, 2],
-                              strides[T_M, 2], mask_kind, pse,
-                              boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1] + j0 * strides[T_P, 2],
-                              strides[T_P, 2], has_pse, code)
-                m_old = m[rr]
-                m_new = max_nan(m_old, _row_max(srow, nc))
-                if m_new == F32_NEG_INF:
-                    srow[:] = F32_ZERO
-                    alpha[rr] = F32_ONE
-                    continue
-                a = rescale_factor(m_old, m_new)
-                l[rr] = l[rr] * a + _exp_row(srow, nc, m_new)
-                m[rr] = m_new
-                alpha[rr] = a
+                    _prepare_row(srow, nc, i0 + rr - h * nr, g * G + h, b, j0, inside, kl,
+                                 pre_e, next_e, mask8, mask16, pse, strides, boff, mask_kind,
+                                 has_pse, code)
+                _online_row(srow, nc, rr, m, l, alpha, srow, False)
             # step 3: rescale acc, then acc += P V (BLAS with beta = 1)
+            _rescale_rows(acc, D, R, D, alpha)
             if v_finite:
-                for rr in range(R):
-                    a = alpha[rr]
-                    if a != F32_ONE:
-                        arow = a2[rr]
-                        for d in range(D):
-                            arow[d] = arow[d] * a
                 gemm_rm(ints, flts, chars, R, D, nc, sb, 0, nc, False, vb, 0, D, acc, 0, D,
                         F32_ONE)
             else:
-                # non-finite V in this tile: BLAS would turn 0 * inf into NaN for rows that do
-                # not read that column, so add only the columns each row keeps
-                for rr in range(R):
-                    arow = a2[rr]
-                    a = alpha[rr]
-                    for d in range(D):
-                        arow[d] = arow[d] * a
-                    for c in range(nc):
-                        p = s2[rr, c]
-                        if p != F32_ZERO:
-                            vrow = v2[c]
-                            for d in range(D):
-                                arow[d] += p * vrow[d]
+                _add_pv_exact(acc, D, R, D, sb, nc, nc, vb, D, 1)
+    _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, nr, acc, D, m, l, tb,
+            jstart < jend)
 
-    # finalize: deferred division, rounding to the output storage, softmax_lse
+
+@njit(fastmath=_FM, cache=True)
+def _add_pv_exact(acc, ld, R, D, p, ldp, nc, vb, ldv, pair):
+    """acc[rr] += sum over the columns c with p[rr, c] != 0 of p[rr, c] * V[c] (V holding inf
+    or NaN: BLAS would turn 0 * inf into NaN for rows that do not read that column).
+    V[c, d] is vb[(c // pair) * ldv + d * pair + c % pair] (pair 1: row-major; 2: VNNI bf16)."""
+    wide_vectors()
     for rr in range(R):
+        arow = acc[rr * ld:rr * ld + D]
+        for c in range(nc):
+            pv = p[rr * ldp + c]
+            if pv != F32_ZERO:
+                base = (c // pair) * ldv + c % pair
+                for d in range(D):
+                    arow[d] += pv * widen(vb[base + d * pair], CODE_BF16 if pair == 2 else CODE_F32)
+
+
+@njit(fastmath=_FM, cache=True)
+def _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, nr, acc, ld, m, l, tb,
+            computed):
+    """Deferred division, rounding to the output storage and softmax_lse of one work item
+    (acc row rr at acc[rr * ld:]); rows with nothing kept follow SPEC 5."""
+    G = params[P_G]
+    D = params[P_D]
+    code = params[P_CODE]
+    inner_precise = params[P_IP]
+    want_lse = params[P_LSE] != 0
+    want_flags = params[P_FLAGS] != 0
+    ocode = params[P_OCODE]
+    kl = lens[1, b]
+    pre_e = lens[2, b]
+    next_e = lens[3, b]
+    for rr in range(G * nr):
         h = rr // nr
         i = i0 + rr - h * nr
         n = g * G + h
         o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
         osd = strides[T_O, 2]
         l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
-        mm = m[rr] if jstart < jend else F32_NEG_INF
+        mm = m[rr] if computed else F32_NEG_INF
         if mm != F32_NEG_INF:
             lr = l[rr]
-            arow = a2[rr]
+            arow = acc[rr * ld:rr * ld + D]
             for d in range(D):
                 store(out, o_off + d * osd, arow[d] / lr, ocode)
             if want_lse:
@@ -256,6 +312,234 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
                     store(out, o_off + d * osd, trow[d] / cnt, ocode)
                 if want_flags:
                     flags[l_off] = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 on AMX: tile products in bf16 tile registers, the softmax as above
+# ---------------------------------------------------------------------------------------------
+
+@njit(inline="always")
+def _subnormal_key(u):
+    """< 0x7F exactly when the bf16 bits u are a nonzero subnormal (AMX reads those as 0)."""
+    return (np.uint32(u) & np.uint32(0x7FFF)) - np.uint32(1)
+
+
+@njit(fastmath=_FM, cache=True)
+def _amx_pack_rows(dst, ld, src, base, row_stride, sd, n_rows, D, Dp):
+    """dst[r * ld + d] = src[base + r * row_stride + d * sd] (bf16 bits), columns D..Dp zero.
+    Returns the smallest subnormal key seen."""
+    wide_vectors()
+    key = np.uint32(0xFFFFFFFF)
+    for r in range(n_rows):
+        drow = dst[r * ld:r * ld + Dp]
+        off = base + r * row_stride
+        if sd == 1:
+            seg = src[off:off + D]
+            for d in range(D):
+                u = seg[d]
+                drow[d] = u
+                key = min(key, _subnormal_key(u))
+        else:
+            for d in range(D):
+                u = src[off + d * sd]
+                drow[d] = u
+                key = min(key, _subnormal_key(u))
+        for d in range(D, Dp):
+            drow[d] = 0
+    return key
+
+
+@njit(fastmath=_FM, cache=True)
+def _bf16_scan(buf, n):
+    """(smallest subnormal key, largest exponent field) of the bf16 bits buf[:n]: a nonzero
+    subnormal makes the key < 0x7F, an inf or NaN makes the exponent 0x7F80."""
+    wide_vectors()
+    key = np.uint32(0xFFFFFFFF)
+    ex = np.uint32(0)
+    for i in range(n):
+        u = np.uint32(buf[i])
+        key = min(key, (u & np.uint32(0x7FFF)) - np.uint32(1))
+        ex = max(ex, u & np.uint32(0x7F80))
+    return key, ex
+
+
+@njit(fastmath=_FM, cache=True)
+def _amx_pack_k(kt, src, base, row_stride, sd, nc, ncp, D, Dp, tmp):
+    """K tile (nc rows from src) as the VNNI B operand of S = Q K^T: as uint32 pairs,
+    kt[p, c] = (K[c, 2p], K[c, 2p + 1]) with ld ncp, zero-padded to ncp columns and Dp / 2
+    pairs. Transposed through ``tmp`` (16 x Dp / 2 uint32) in blocks of 16 rows."""
+    wide_vectors()
+    kt32 = kt[:ncp * Dp].view(np.uint32)
+    half = D // 2
+    for c0 in range(0, nc, 16):
+        cn = min(16, nc - c0)
+        for cc in range(cn):
+            off = base + (c0 + cc) * row_stride
+            t = tmp[cc * half:(cc + 1) * half]
+            if sd == 1:
+                seg = src[off:off + D]
+                for p in range(half):
+                    t[p] = np.uint32(seg[2 * p]) | (np.uint32(seg[2 * p + 1]) << np.uint32(16))
+            else:
+                for p in range(half):
+                    t[p] = (np.uint32(src[off + 2 * p * sd])
+                            | (np.uint32(src[off + (2 * p + 1) * sd]) << np.uint32(16)))
+        for p in range(half):
+            dst = kt32[p * ncp + c0:p * ncp + c0 + cn]
+            for cc in range(cn):
+                dst[cc] = tmp[cc * half + p]
+    for p in range(half):
+        kt32[p * ncp + nc:(p + 1) * ncp] = 0
+    kt32[half * ncp:(Dp // 2) * ncp] = 0
+
+
+@njit(fastmath=_FM, cache=True)
+def _amx_pack_v(vv, src, base, row_stride, sd, nc, ncp, D, Dp):
+    """V tile as the VNNI B operand of P V: as uint32 pairs, vv[c // 2, d] = (V[c, d],
+    V[c + 1, d]) with ld Dp; rows nc..ncp and columns D..Dp zero."""
+    wide_vectors()
+    vv32 = vv[:ncp * Dp].view(np.uint32)
+    for c in range(0, nc, 2):
+        dst = vv32[(c // 2) * Dp:(c // 2) * Dp + Dp]
+        a = base + c * row_stride
+        b = a + row_stride
+        if c + 1 == nc:
+            for d in range(D):
+                dst[d] = np.uint32(src[a + d * sd])
+        elif sd == 1:
+            ra = src[a:a + D]
+            rb = src[b:b + D]
+            for d in range(D):
+                dst[d] = np.uint32(ra[d]) | (np.uint32(rb[d]) << np.uint32(16))
+        else:
+            for d in range(D):
+                dst[d] = np.uint32(src[a + d * sd]) | (np.uint32(src[b + d * sd]) << np.uint32(16))
+        dst[D:] = 0
+    vv32[((nc + 1) // 2) * Dp:(ncp // 2) * Dp] = 0
+
+
+@njit(fastmath=_FM, cache=True)
+def _exp_row_split(row, n, m, prow):
+    """p = exp(row[:n] - m) as bf16 hi = bf16(p) in prow[c] and lo = bf16(p - hi) in
+    prow[n_pad + c] (n_pad = len(prow) // 2); returns the float32 sum of p."""
+    wide_vectors()
+    ld = prow.size // 2
+    hi = prow[:ld]
+    lo = prow[ld:]
+    s = F32_ZERO
+    for c in range(n):
+        p = exp_nonpos(row[c] - m)
+        s += p
+        # hi: p truncated to bf16 (a NaN p is a quiet NaN, which truncation keeps);
+        # lo: the exact rest p - hi, rounded to nearest even
+        u = f32_as_u32(p)
+        hu = u & np.uint32(0xFFFF0000)
+        hi[c] = np.uint16(u >> np.uint32(16))
+        w = f32_as_u32(p - u32_as_f32(hu))
+        lo[c] = np.uint16((w + np.uint32(0x7FFF) + ((w >> np.uint32(16)) & np.uint32(1)))
+                          >> np.uint32(16))
+    for c in range(n, ld):
+        hi[c] = 0
+        lo[c] = 0
+    return s
+
+
+@njit(fastmath=_FM, cache=True)
+def _amx_zero_p(prow, n):
+    prow[:] = 0
+
+
+@njit(fastmath=_FM, cache=True)
+def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scales,
+               b, g, i0, cfg, qh, kt, vv, tmp, sb, pp, acc, tb, m, l, alpha):
+    """One work item of a bf16 problem on AMX (see :func:`_block`). Returns False, having
+    written nothing, when an input of the item is a bf16 subnormal (AMX reads those as 0)."""
+    G = params[P_G]
+    D = params[P_D]
+    code = params[P_CODE]
+    mask_kind = params[P_MASK]
+    has_pse = params[P_PSE] != 0
+    rph = params[P_ROWS]
+    tk = params[P_COLS]
+    ql = lens[0, b]
+    kl = lens[1, b]
+    pre_e = lens[2, b]
+    next_e = lens[3, b]
+    i1 = min(i0 + rph, ql)
+    nr = i1 - i0
+    R = G * nr
+    Rp = padded(R)
+    Dp = padded(D)
+    jstart, jend = block_kv_range(i0, i1, pre_e, next_e, kl)
+    if jstart < jend:
+        for h in range(G):
+            key = _amx_pack_rows(qh[h * nr * Dp:], Dp, q,
+                                 boff[T_Q, b] + (g * G + h) * strides[T_Q, 0] + i0 * strides[T_Q, 1],
+                                 strides[T_Q, 1], strides[T_Q, 2], nr, D, Dp)
+            if key < _SUBNORMAL_LIMIT:
+                return False
+        for rr in range(R):
+            m[rr] = F32_NEG_INF
+            l[rr] = F32_ZERO
+        acc[:Rp * Dp] = F32_ZERO
+        k_base = boff[T_K, b] + g * strides[T_K, 0]
+        v_base = boff[T_V, b] + g * strides[T_V, 0]
+        any_user = mask_kind != 0 or has_pse
+        two_factors = scales[1] != F32_ONE
+        for j0 in range(jstart, jend, tk):
+            j1 = min(j0 + tk, jend)
+            nc = j1 - j0
+            ncp = padded(nc)
+            _amx_pack_k(kt, k, k_base + j0 * strides[T_K, 1], strides[T_K, 1],
+                        strides[T_K, 2], nc, ncp, D, Dp, tmp)
+            _amx_pack_v(vv, v, v_base + j0 * strides[T_V, 1], strides[T_V, 1],
+                        strides[T_V, 2], nc, ncp, D, Dp)
+            key_k, _ = _bf16_scan(kt, ncp * Dp)
+            key_v, ex = _bf16_scan(vv, ncp * Dp)
+            if key_k < _SUBNORMAL_LIMIT or key_v < _TINY_V_LIMIT:
+                return False
+            v_finite = ex != np.uint32(0x7F80)
+            # step 1: scores S = Q K^T on AMX, then scaled
+            gemm_bf16(cfg, qh, -1, Dp, kt, 2 * ncp, sb, ncp, Rp, ncp, Dp, False)
+            s2 = sb[:Rp * ncp].reshape(Rp, ncp)
+            inside = tile_inside_band(i0, i1, j0, j1, pre_e, next_e)
+            p2 = pp[:2 * Rp * ncp].reshape(Rp, 2 * ncp)
+            for rr in range(R):
+                h = rr // nr
+                srow = s2[rr]
+                _scale_row(srow, nc, scales[0])
+                if two_factors:
+                    _scale_row(srow, nc, scales[1])
+                if any_user or not inside:
+                    _prepare_row(srow, nc, i0 + rr - h * nr, g * G + h, b, j0, inside, kl,
+                                 pre_e, next_e, mask8, mask16, pse, strides, boff, mask_kind,
+                                 has_pse, code)
+                _online_row(srow, nc, rr, m, l, alpha, p2[rr], v_finite)
+            _rescale_rows(acc, Dp, R, D, alpha)
+            if v_finite:
+                # P hi and lo parts: one interleaved row-major buffer, lda 2 ncp, lo at + ncp
+                gemm_bf16(cfg, pp, ncp, 2 * ncp, vv, 2 * Dp, acc, Dp, Rp, Dp, ncp, True)
+            else:
+                _add_pv_exact(acc, Dp, R, D, sb, ncp, nc, vv, 2 * Dp, 2)
+    _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, nr, acc, Dp, m, l, tb,
+            jstart < jend)
+    return True
+
+
+@njit(fastmath=_FM, cache=True)
+def _scale_row(row, n, f):
+    wide_vectors()
+    for c in range(n):
+        row[c] = row[c] * f
+
+
+#: AMX reads bf16 subnormals as zero and flushes products below float32's normal range (2^-126)
+#: to zero. Work items whose Q or K hold a subnormal, or whose V holds a nonzero value below
+#: 2^-100 (so that p * v with p >= 2^-26 could be flushed), take the float32 path. Scores are
+#: scaled after the product, so a scale beyond 2^64 (lost products could matter) does too.
+_SUBNORMAL_LIMIT = np.uint32(0x7F)               # key (bits & 0x7FFF) - 1 below: subnormal
+_TINY_V_LIMIT = np.uint32((127 - 100) << 7) - np.uint32(1)
+AMX_MAX_SCALE = 2.0 ** 64
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -283,6 +567,50 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
             _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params,
                    scales, work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, m, l,
                    alpha, ints, flts, chars)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work,
+                   params, scales):
+    """:func:`_attention` for bf16 storage on AMX; a work item with subnormal inputs is
+    computed by :func:`_block` instead."""
+    G = params[P_G]
+    D = params[P_D]
+    rows = G * params[P_ROWS]
+    tk = params[P_COLS]
+    nthr = params[P_THREADS]
+    n_items = work.shape[0]
+    Rp = padded(rows)
+    Cp = padded(tk)
+    Dp = padded(D)
+    for t in prange(nthr):
+        cfg = tile_config()
+        qh = np.empty(Rp * Dp, np.uint16)
+        kt = np.empty(Cp * Dp, np.uint16)
+        vv = np.empty(Cp * Dp, np.uint16)
+        tmp = np.empty(16 * Dp, np.uint32)
+        pp = np.empty(2 * Rp * Cp, np.uint16)
+        sb = np.empty(Rp * Cp, np.float32)
+        acc = np.empty(Rp * Dp, np.float32)
+        tb = np.empty(D, np.float32)
+        m = np.empty(rows, np.float32)
+        l = np.empty(rows, np.float32)
+        alpha = np.empty(rows, np.float32)
+        qb = np.empty(0, np.float32)
+        kb = np.empty(0, np.float32)
+        vb = np.empty(0, np.float32)
+        ints, flts, chars = scratch()
+        for w in range(t, n_items, nthr):
+            if not _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens,
+                              params, scales, work[w, 0], work[w, 1], work[w, 2], cfg, qh, kt,
+                              vv, tmp, sb, pp, acc, tb, m, l, alpha):
+                if qb.size == 0:
+                    qb = np.empty(rows * D, np.float32)
+                    kb = np.empty(tk * D, np.float32)
+                    vb = np.empty(tk * D, np.float32)
+                _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens,
+                       params, scales, work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb,
+                       vb, m, l, alpha, ints, flts, chars)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,6 +853,12 @@ def tile_shape(p):
     return q_rows, kv_cols
 
 
+def use_amx(p):
+    """bf16 problems run their tile products on AMX where this process can (config.CPU_AMX)."""
+    return (p.code == CODE_BF16 and bool(config.CPU_AMX) and abs(p.scale) <= AMX_MAX_SCALE
+            and _amx.available())
+
+
 def run(p):
     """Compute a planned problem on the CPU; returns (out, lse or None) as NumPy arrays."""
     quant = p.quant
@@ -557,8 +891,9 @@ def run(p):
                 _attention_int8(qf, kf, vf, o_flat, l_flat, f_flat, mask8, pse, strides, boff,
                                 lens, work, params, qp)
             else:
-                _attention(qf, kf, vf, o_flat, l_flat, f_flat, mask8, mask16, pse, strides,
-                           boff, lens, work, params, scale_factors(p.scale))
+                kernel = _attention_amx if use_amx(p) else _attention
+                kernel(qf, kf, vf, o_flat, l_flat, f_flat, mask8, mask16, pse, strides, boff,
+                       lens, work, params, scale_factors(p.scale))
     if int8_out:
         out = quantize_int8_output(p, out, flags)
     return out, (lse if p.want_lse else None)

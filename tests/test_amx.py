@@ -1,0 +1,112 @@
+"""The AMX path of the CPU kernel (bf16 tile products, pfa_numba._amx).
+
+On a CPU with AMX every bf16 test of the suite runs on it; these tests add what is particular to
+it: the tile product itself, agreement with the float32 BLAS path, the subnormal fallback (AMX
+reads bf16 subnormals as zero) and non-finite values. Without AMX they are skipped, and say so.
+"""
+import numpy as np
+import pytest
+
+from pfa_numba import _amx, config, prompt_flash_attention, reference
+from _cases import BF16, assert_matches_reference, qkv
+
+pytestmark = pytest.mark.skipif(not _amx.available(),
+                                reason="this CPU or OS offers no AMX-BF16 (tested where it does)")
+
+
+def _bf16(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(BF16)
+
+
+@pytest.mark.parametrize("accumulate,two_parts", [(False, False), (True, False), (True, True)])
+def test_gemm_bf16_against_numpy(accumulate, two_parts):
+    rng = np.random.default_rng(0)
+    m, n, k = 64, 96, 160
+    a, a2, b = _bf16(rng, m, k), _bf16(rng, m, k), _bf16(rng, k, n)
+    flat_a = np.concatenate([a.view(np.uint16).ravel(), a2.view(np.uint16).ravel()])
+    ldb = 2 * n + 32                                      # a pair-row longer than the data
+    vnni = np.zeros((k // 2, ldb), np.uint16)
+    vnni[:, :2 * n] = b.view(np.uint16).reshape(k // 2, 2, n).transpose(0, 2, 1).reshape(k // 2, -1)
+    ldc = n + 16
+    c = np.full((m, ldc), 0.5, np.float32)
+    _amx.gemm_bf16(_amx.tile_config(), flat_a, m * k if two_parts else -1, k, vnni.ravel(), ldb,
+                   c.ravel(), ldc, m, n, k, accumulate)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    if two_parts:
+        want += a2.astype(np.float64) @ b.astype(np.float64)
+    if accumulate:
+        want += 0.5
+    # float32 accumulation of exact products
+    bound = 4 * k * np.finfo(np.float32).eps * (np.abs(a.astype(np.float64)) @ np.abs(
+        b.astype(np.float64)) * (2 if two_parts else 1) + 0.5)
+    assert (np.abs(c[:, :n] - want) <= bound).all()
+    assert (c[:, n:] == 0.5).all()                        # columns past n untouched
+
+
+@pytest.mark.parametrize("mode", [0, 3, 4])
+@pytest.mark.parametrize("sq,skv,d,n,nkv", [(37, 70, 16, 4, 2), (130, 530, 48, 3, 1),
+                                            (600, 700, 128, 2, 2)])
+def test_agrees_with_the_float32_path(monkeypatch, mode, sq, skv, d, n, nkv):
+    rng = np.random.default_rng(sq + skv + d)
+    q, k, v = qkv(rng, "BNSD", BF16, 2, n, nkv, sq, skv, d)
+    mask = np.triu(np.ones((2048, 2048), bool), 1) if mode else None
+    kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", sparse_mode=mode,
+              scale_value=d ** -0.5, pre_tokens=40, next_tokens=9)
+    out, lse = prompt_flash_attention(q, k, v, mask, **kw, return_softmax_lse=True)
+    assert_matches_reference(out, (q, k, v, mask), kw, BF16, lse=lse)
+    monkeypatch.setattr(config, "CPU_AMX", False)
+    out32, lse32 = prompt_flash_attention(q, k, v, mask, **kw, return_softmax_lse=True)
+    # both round a float32 result to bf16: one bf16 ulp apart at most, plus float32 rounding
+    # differences near zero (relative to the size of the terms summed, here about max |out|)
+    a, b = out.astype(np.float64), out32.astype(np.float64)
+    big = np.maximum(np.abs(a), np.abs(b))
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(big, 2.0 ** -126))) - 7)
+    assert (np.abs(a - b) <= ulp + 1e-5 * big.max()).all()
+    np.testing.assert_allclose(lse, lse32, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "v tiny", "scale"])
+def test_tiny_values_are_not_flushed(where):
+    """AMX reads bf16 subnormals as 0 and flushes subnormal products: work items where that
+    could matter take the float32 path."""
+    rng = np.random.default_rng(5)
+    q, k, v = qkv(rng, "BNSD", BF16, 1, 2, 2, 40, 50, 32)
+    tiny = np.array(1e-39, np.float32).astype(BF16)        # a bf16 subnormal
+    assert 0 < float(tiny) < np.finfo(np.float32).tiny
+    big = np.array(3e37, np.float32).astype(BF16)
+    scale = 1.0
+    if where == "q":       # q subnormal, k large: scores of order one
+        q[0, 1] = (q[0, 1].astype(np.float32) * float(tiny)).astype(BF16)
+        k[0, 1] = (k[0, 1].astype(np.float32) * float(big)).astype(BF16)
+    elif where == "k":
+        k[0, 0] = (k[0, 0].astype(np.float32) * float(tiny)).astype(BF16)
+        q[0, 0] = (q[0, 0].astype(np.float32) * float(big)).astype(BF16)
+    elif where == "v":     # v subnormal in one head: the output is of subnormal size there
+        v[0, 1] = (v[0, 1].astype(np.float32) * 3e-39).astype(BF16)
+    elif where == "v tiny":  # v normal but p * v subnormal for the smaller p
+        v[0, 1] = (v[0, 1].astype(np.float32) * 1e-37).astype(BF16)
+    else:                  # q . k products below float32's range, made order one by the scale
+        q = (q.astype(np.float32) * 1e-20).astype(BF16)
+        k = (k.astype(np.float32) * 1e-20).astype(BF16)
+        scale = 1e38
+    kw = dict(num_heads=2, input_layout="BNSD", scale_value=scale)
+    out = prompt_flash_attention(q, k, v, **kw)
+    assert np.isfinite(out.astype(np.float32)).all()
+    assert_matches_reference(out, (q, k, v), kw, BF16)
+    if where.startswith("v"):      # the tolerance floor above is absolute: check head 1 at its scale
+        ref = reference.prompt_flash_attention(q, k, v, **kw)[0, 1]
+        assert (np.abs(out[0, 1].astype(np.float64) - ref) <= 0.01 * np.abs(ref).max()).all()
+
+
+def test_non_finite_values_stay_in_their_rows():
+    rng = np.random.default_rng(6)
+    q, k, v = qkv(rng, "BNSD", BF16, 1, 2, 2, 100, 100, 64)
+    m = np.triu(np.ones((2048, 2048), bool), 1)
+    v[0, 0, 70, 3] = np.inf            # read from row 70 on (causal)
+    v[0, 1, 40, :] = np.nan            # read from row 40 on
+    kw = dict(num_heads=2, input_layout="BNSD", sparse_mode=2)
+    out = prompt_flash_attention(q, k, v, m, **kw)
+    assert_matches_reference(out, (q, k, v, m), kw, BF16)
+    o = out.astype(np.float32)
+    assert np.isfinite(o[0, 0, :70]).all() and np.isfinite(o[0, 1, :40]).all()
+    assert np.isnan(o[0, 1, 40:]).all()
