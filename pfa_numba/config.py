@@ -13,10 +13,14 @@ Compiler flags are read once, when the kernels are compiled.
 CPU_Q_ROWS = 512
 CPU_KV_COLS = 512
 
+#: A tile the band cuts (a causal diagonal, a band edge) is computed CPU_SUB_ROWS rows at a
+#: time (rounded up to a multiple of 32), each over just the columns those rows can keep.
+CPU_SUB_ROWS = 64
+
 #: A band narrower than the tiles wastes the scores outside it: for a finite band of width W
 #: (= preE + nextE + 1) both tile sides become max(CPU_BAND_TILE_MIN, W // CPU_BAND_TILE_DIV).
-CPU_BAND_TILE_MIN = 64
-CPU_BAND_TILE_DIV = 8
+CPU_BAND_TILE_MIN = 128
+CPU_BAND_TILE_DIV = 2
 
 #: LLVM fast-math flags for the CPU kernels. Only flags that keep inf/NaN semantics: masking,
 #: the -inf softmax_lse of empty rows and NaN propagation rely on them, so never 'nnan' or

@@ -24,10 +24,10 @@ from numba import njit, prange
 
 from . import config
 from ._geometry import (P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE,
-                        P_ROWS, P_THREADS, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, geometry,
+                        P_ROWS, P_SUB, P_THREADS, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, geometry,
                         scale_factors)
 from . import _amx
-from ._amx import gemm_bf16, padded, tile_config
+from ._amx import BLOCK, gemm_bf16, padded, tile_config
 from ._blas import gemm_rm, scratch
 from ._vector import wide_vectors
 from ._plan import storage_code
@@ -177,43 +177,83 @@ def _rescale_rows(acc, ld, R, D, alpha):
 
 
 @njit(fastmath=_FM, cache=True)
+def _item(params, lens, b, i0):
+    """Geometry of work item (b, i0): (i1, R, jstart, jend). Its R = G * (i1 - i0) rows are
+    stacked position-major: row rr is query position i0 + rr // G of query head g * G + rr % G;
+    only kv columns [jstart, jend) can be kept by any of them."""
+    G = params[P_G]
+    i1 = min(i0 + params[P_ROWS], lens[0, b])
+    jstart, jend = block_kv_range(i0, i1, lens[2, b], lens[3, b], lens[1, b])
+    return i1, G * (i1 - i0), jstart, jend
+
+
+@njit(fastmath=_FM, cache=True)
+def _segment(params, lens, b, i0, i1, j0, j1, r0, R, align):
+    """The next row segment [r0, r1) of a kv tile [j0, j1), and its columns [cl, ch).
+
+    A tile wholly inside the band is one segment of all R rows. A tile the band cuts is taken
+    CPU_SUB_ROWS rows at a time (a multiple of ``align``), each over only the columns its rows
+    can keep (cl a multiple of ``align`` from j0): on a causal diagonal or a band edge this
+    skips most of the cut-off triangle. Returns (r1, cl, ch, inside); cl >= ch: nothing kept.
+    """
+    G = params[P_G]
+    pre_e = lens[2, b]
+    next_e = lens[3, b]
+    if tile_inside_band(i0, i1, j0, j1, pre_e, next_e):
+        return R, j0, j1, True
+    r1 = min(R, r0 + params[P_SUB])
+    p0 = i0 + r0 // G
+    p1 = i0 + (r1 - 1) // G + 1
+    lo, hi = block_kv_range(p0, p1, pre_e, next_e, lens[1, b])
+    cl = j0 + (max(lo - j0, 0) // align) * align
+    ch = min(j1, hi)
+    return r1, cl, ch, tile_inside_band(p0, p1, cl, ch, pre_e, next_e)
+
+
+@njit(fastmath=_FM, cache=True)
+def _softmax_rows(s2, r0, r1, nc, p2, split, inside, i0, g, b, cl, mask8, mask16, pse, params,
+                  strides, boff, lens, scale, m, l, alpha):
+    """Rows [r0, r1) of a segment's scores s2[rr - r0, :nc] (columns from cl): scaled by
+    ``scale`` (when not 1), masked where needed, then the online-softmax step; p goes in place
+    or (``split``) into p2[rr - r0] as bf16 hi / lo parts."""
+    G = params[P_G]
+    mask_kind = params[P_MASK]
+    has_pse = params[P_PSE] != 0
+    any_user = mask_kind != 0 or has_pse
+    for rr in range(r0, r1):
+        srow = s2[rr - r0]
+        if scale != F32_ONE:
+            _scale_row(srow, nc, scale)
+        if any_user or not inside:
+            _prepare_row(srow, nc, i0 + rr // G, g * G + rr % G, b, cl, inside, lens[1, b],
+                         lens[2, b], lens[3, b], mask8, mask16, pse, strides, boff, mask_kind,
+                         has_pse, params[P_CODE])
+        _online_row(srow, nc, rr, m, l, alpha, p2[rr - r0], split)
+
+
+@njit(fastmath=_FM, cache=True)
 def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scales,
            b, g, i0, qb, sb, tb, acc, kb, vb, m, l, alpha, ints, flts, chars):
-    """One work item: rows [i0, i0 + r) of the G query heads of kv head g in batch b."""
+    """One work item on float32 BLAS: rows of positions [i0, i1) of the G query heads of kv
+    head g in batch b (see :func:`_item`)."""
     G = params[P_G]
     D = params[P_D]
     code = params[P_CODE]
-    mask_kind = params[P_MASK]
-    has_pse = params[P_PSE] != 0
-    rph = params[P_ROWS]
     tk = params[P_COLS]
-    ql = lens[0, b]
-    kl = lens[1, b]
-    pre_e = lens[2, b]
-    next_e = lens[3, b]
-    i1 = min(i0 + rph, ql)
-    nr = i1 - i0
-    R = G * nr
-    # the kv columns any row of this block may keep (tiles outside are skipped)
-    jstart, jend = block_kv_range(i0, i1, pre_e, next_e, kl)
-
-    a2 = acc[:R * D].reshape(R, D)
+    i1, R, jstart, jend = _item(params, lens, b, i0)
     if jstart < jend:
-        q2 = qb[:R * D].reshape(R, D)
         for rr in range(R):
-            h = rr // nr
-            off = boff[T_Q, b] + (g * G + h) * strides[T_Q, 0] + (i0 + rr - h * nr) * strides[T_Q, 1]
-            _load_row(q2[rr], q, off, strides[T_Q, 2], D, code, scales[0])
+            off = (boff[T_Q, b] + (g * G + rr % G) * strides[T_Q, 0]
+                   + (i0 + rr // G) * strides[T_Q, 1])
+            qrow = qb[rr * D:(rr + 1) * D]
+            _load_row(qrow, q, off, strides[T_Q, 2], D, code, scales[0])
             if scales[1] != F32_ONE:      # a scale_value beyond float32's range, in two factors
-                qrow = q2[rr]
-                for d in range(D):
-                    qrow[d] = qrow[d] * scales[1]
+                _scale_row(qrow, D, scales[1])
             m[rr] = F32_NEG_INF
             l[rr] = F32_ZERO
-        a2[:, :] = F32_ZERO
+        acc[:R * D] = F32_ZERO
         k_base = boff[T_K, b] + g * strides[T_K, 0]
         v_base = boff[T_V, b] + g * strides[T_V, 0]
-        any_user = mask_kind != 0 or has_pse
         for j0 in range(jstart, jend, tk):
             j1 = min(j0 + tk, jend)
             nc = j1 - j0
@@ -225,27 +265,27 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
                 _load_row(v2[c], v, v_base + (j0 + c) * strides[T_V, 1], strides[T_V, 2], D,
                           code, F32_ONE)
             v_finite = _all_finite(vb, nc * D)
-            s2 = sb[:R * nc].reshape(R, nc)
-            # step 1: scores S = Q K^T
-            gemm_rm(ints, flts, chars, R, nc, D, qb, 0, D, True, kb, 0, D, sb, 0, nc, F32_ZERO)
-            inside = tile_inside_band(i0, i1, j0, j1, pre_e, next_e)
-            # step 2: update m and l, p = exp(s - m) in place
-            for rr in range(R):
-                h = rr // nr
-                srow = s2[rr]
-                if any_user or not inside:
-                    _prepare_row(srow, nc, i0 + rr - h * nr, g * G + h, b, j0, inside, kl,
-                                 pre_e, next_e, mask8, mask16, pse, strides, boff, mask_kind,
-                                 has_pse, code)
-                _online_row(srow, nc, rr, m, l, alpha, srow, False)
-            # step 3: rescale acc, then acc += P V (BLAS with beta = 1)
-            _rescale_rows(acc, D, R, D, alpha)
-            if v_finite:
-                gemm_rm(ints, flts, chars, R, D, nc, sb, 0, nc, False, vb, 0, D, acc, 0, D,
-                        F32_ONE)
-            else:
-                _add_pv_exact(acc, D, R, D, sb, nc, nc, vb, D, 1)
-    _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, nr, acc, D, m, l, tb,
+            r0 = 0
+            while r0 < R:
+                r1, cl, ch, inside = _segment(params, lens, b, i0, i1, j0, j1, r0, R, 1)
+                ns = ch - cl
+                if ns > 0:
+                    nrow = r1 - r0
+                    kc = (cl - j0) * D
+                    # S = Q K^T; softmax; acc = acc * alpha + P V (BLAS with beta = 1)
+                    gemm_rm(ints, flts, chars, nrow, ns, D, qb, r0 * D, D, True, kb, kc, D, sb,
+                            0, ns, F32_ZERO)
+                    s2 = sb[:nrow * ns].reshape(nrow, ns)
+                    _softmax_rows(s2, r0, r1, ns, s2, False, inside, i0, g, b, cl, mask8, mask16,
+                                  pse, params, strides, boff, lens, F32_ONE, m, l, alpha)
+                    _rescale_rows(acc[r0 * D:], D, nrow, D, alpha[r0:])
+                    if v_finite:
+                        gemm_rm(ints, flts, chars, nrow, D, ns, sb, 0, ns, False, vb, kc, D, acc,
+                                r0 * D, D, F32_ONE)
+                    else:
+                        _add_pv_exact(acc[r0 * D:], D, nrow, D, sb, ns, ns, vb[kc:], D, 1)
+                r0 = r1
+    _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, i1, acc, D, m, l, tb,
             jstart < jend)
 
 
@@ -266,7 +306,7 @@ def _add_pv_exact(acc, ld, R, D, p, ldp, nc, vb, ldv, pair):
 
 
 @njit(fastmath=_FM, cache=True)
-def _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, nr, acc, ld, m, l, tb,
+def _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, i1, acc, ld, m, l, tb,
             computed):
     """Deferred division, rounding to the output storage and softmax_lse of one work item
     (acc row rr at acc[rr * ld:]); rows with nothing kept follow SPEC 5."""
@@ -280,10 +320,9 @@ def _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, nr, acc, 
     kl = lens[1, b]
     pre_e = lens[2, b]
     next_e = lens[3, b]
-    for rr in range(G * nr):
-        h = rr // nr
-        i = i0 + rr - h * nr
-        n = g * G + h
+    for rr in range(G * (i1 - i0)):
+        i = i0 + rr // G
+        n = g * G + rr % G
         o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
         osd = strides[T_O, 2]
         l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
@@ -453,39 +492,25 @@ def _amx_zero_p(prow, n):
 def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scales,
                b, g, i0, cfg, qh, kt, vv, tmp, sb, pp, acc, tb, m, l, alpha):
     """One work item of a bf16 problem on AMX (see :func:`_block`). Returns False, having
-    written nothing, when an input of the item is a bf16 subnormal (AMX reads those as 0)."""
+    written nothing, when an input of the item could be flushed by AMX (see _SUBNORMAL_LIMIT)."""
     G = params[P_G]
     D = params[P_D]
-    code = params[P_CODE]
-    mask_kind = params[P_MASK]
-    has_pse = params[P_PSE] != 0
-    rph = params[P_ROWS]
     tk = params[P_COLS]
-    ql = lens[0, b]
-    kl = lens[1, b]
-    pre_e = lens[2, b]
-    next_e = lens[3, b]
-    i1 = min(i0 + rph, ql)
-    nr = i1 - i0
-    R = G * nr
-    Rp = padded(R)
     Dp = padded(D)
-    jstart, jend = block_kv_range(i0, i1, pre_e, next_e, kl)
+    i1, R, jstart, jend = _item(params, lens, b, i0)
     if jstart < jend:
-        for h in range(G):
-            key = _amx_pack_rows(qh[h * nr * Dp:], Dp, q,
+        for h in range(G):       # head h: rows h, h + G, ... (position-major)
+            key = _amx_pack_rows(qh[h * Dp:], G * Dp, q,
                                  boff[T_Q, b] + (g * G + h) * strides[T_Q, 0] + i0 * strides[T_Q, 1],
-                                 strides[T_Q, 1], strides[T_Q, 2], nr, D, Dp)
+                                 strides[T_Q, 1], strides[T_Q, 2], i1 - i0, D, Dp)
             if key < _SUBNORMAL_LIMIT:
                 return False
         for rr in range(R):
             m[rr] = F32_NEG_INF
             l[rr] = F32_ZERO
-        acc[:Rp * Dp] = F32_ZERO
+        acc[:padded(R) * Dp] = F32_ZERO
         k_base = boff[T_K, b] + g * strides[T_K, 0]
         v_base = boff[T_V, b] + g * strides[T_V, 0]
-        any_user = mask_kind != 0 or has_pse
-        two_factors = scales[1] != F32_ONE
         for j0 in range(jstart, jend, tk):
             j1 = min(j0 + tk, jend)
             nc = j1 - j0
@@ -499,29 +524,32 @@ def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
             if key_k < _SUBNORMAL_LIMIT or key_v < _TINY_V_LIMIT:
                 return False
             v_finite = ex != np.uint32(0x7F80)
-            # step 1: scores S = Q K^T on AMX, then scaled
-            gemm_bf16(cfg, qh, -1, Dp, kt, 2 * ncp, sb, ncp, Rp, ncp, Dp, False)
-            s2 = sb[:Rp * ncp].reshape(Rp, ncp)
-            inside = tile_inside_band(i0, i1, j0, j1, pre_e, next_e)
-            p2 = pp[:2 * Rp * ncp].reshape(Rp, 2 * ncp)
-            for rr in range(R):
-                h = rr // nr
-                srow = s2[rr]
-                _scale_row(srow, nc, scales[0])
-                if two_factors:
-                    _scale_row(srow, nc, scales[1])
-                if any_user or not inside:
-                    _prepare_row(srow, nc, i0 + rr - h * nr, g * G + h, b, j0, inside, kl,
-                                 pre_e, next_e, mask8, mask16, pse, strides, boff, mask_kind,
-                                 has_pse, code)
-                _online_row(srow, nc, rr, m, l, alpha, p2[rr], v_finite)
-            _rescale_rows(acc, Dp, R, D, alpha)
-            if v_finite:
-                # P hi and lo parts: one interleaved row-major buffer, lda 2 ncp, lo at + ncp
-                gemm_bf16(cfg, pp, ncp, 2 * ncp, vv, 2 * Dp, acc, Dp, Rp, Dp, ncp, True)
-            else:
-                _add_pv_exact(acc, Dp, R, D, sb, ncp, nc, vv, 2 * Dp, 2)
-    _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, nr, acc, Dp, m, l, tb,
+            r0 = 0
+            while r0 < R:
+                r1, cl, ch, inside = _segment(params, lens, b, i0, i1, j0, j1, r0, R, BLOCK)
+                ns = ch - cl
+                if ns > 0:
+                    nrow = r1 - r0
+                    nrp = padded(nrow)
+                    nsp = padded(ns)
+                    c0 = cl - j0
+                    # S = Q K^T on AMX, scaled in the softmax pass
+                    gemm_bf16(cfg, qh[r0 * Dp:], -1, Dp, kt[2 * c0:], 2 * ncp, sb, nsp, nrp, nsp,
+                              Dp, False)
+                    s2 = sb[:nrp * nsp].reshape(nrp, nsp)
+                    p2 = pp[:2 * nrp * nsp].reshape(nrp, 2 * nsp)
+                    _softmax_rows(s2, r0, r1, ns, p2, v_finite, inside, i0, g, b, cl, mask8,
+                                  mask16, pse, params, strides, boff, lens, scales[0], m, l, alpha)
+                    _rescale_rows(acc[r0 * Dp:], Dp, nrow, D, alpha[r0:])
+                    if v_finite:
+                        # P as bf16 hi and lo parts, interleaved per row: lda 2 nsp, lo at + nsp
+                        gemm_bf16(cfg, pp, nsp, 2 * nsp, vv[c0 * Dp:], 2 * Dp, acc[r0 * Dp:], Dp,
+                                  nrp, Dp, nsp, True)
+                    else:
+                        _add_pv_exact(acc[r0 * Dp:], Dp, nrow, D, sb, nsp, ns, vv[c0 * Dp:],
+                                      2 * Dp, 2)
+                r0 = r1
+    _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, i1, acc, Dp, m, l, tb,
             jstart < jend)
     return True
 
@@ -853,6 +881,11 @@ def tile_shape(p):
     return q_rows, kv_cols
 
 
+def sub_rows():
+    """Rows per segment of a tile the band cuts (config.CPU_SUB_ROWS, a multiple of 32)."""
+    return max(1, -(-int(config.CPU_SUB_ROWS) // BLOCK)) * BLOCK
+
+
 def use_amx(p):
     """bf16 problems run their tile products on AMX where this process can (config.CPU_AMX)."""
     return (p.code == CODE_BF16 and bool(config.CPU_AMX) and abs(p.scale) <= AMX_MAX_SCALE
@@ -880,7 +913,7 @@ def run(p):
         ocode = CODE_F16 if direct_dtype == np.float16 else storage_code(np.dtype(direct_dtype))
         params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None,
                            p.inner_precise, p.want_lse or int8_out, rows_per_head, kv_cols,
-                           nthreads, ocode, int8_out], dtype=np.int64)
+                           nthreads, ocode, int8_out, sub_rows()], dtype=np.int64)
         lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e]).astype(np.int64)
         qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out, lse)
         l_flat, f_flat = lse.reshape(-1), flags.reshape(-1)

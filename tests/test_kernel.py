@@ -90,6 +90,25 @@ def test_default_tiles(dt, mode):
     assert_matches_reference(out, args, kw, DTYPES[dt])
 
 
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("mode,tok,heads", [("2", (2147483647, 0), (3, 1)),
+                                            ("3", (2147483647, 0), (4, 2)),
+                                            ("4", (40, 17), (6, 2)), ("0m", (-20, 90), (2, 2)),
+                                            ("4", (0, 0), (1, 1))])
+def test_tiles_cut_by_the_band_in_row_segments(monkeypatch, dt, mode, tok, heads):
+    """Tiles the band cuts are computed in row segments, each over the columns its rows keep:
+    segments of 32 rows that split the G heads of a query position, tiles of odd sizes."""
+    monkeypatch.setattr(config, "CPU_Q_ROWS", 150)
+    monkeypatch.setattr(config, "CPU_KV_COLS", 97)
+    monkeypatch.setattr(config, "CPU_SUB_ROWS", 1)       # rounded up to 32
+    monkeypatch.setattr(config, "CPU_BAND_TILE_MIN", 150)
+    rng = np.random.default_rng(21)
+    n, nkv = heads
+    args, kw = _call_args(rng, dt, "BSND", mode, 2, n, nkv, 210, 260, 32, tok, 1)
+    out, lse = prompt_flash_attention(*args, **kw, return_softmax_lse=True)
+    assert_matches_reference(out, args, kw, DTYPES[dt], lse=lse)
+
+
 def test_seed_example():
     q = k = v = np.ones((1, 16, 256, 16), dtype=np.float16)
     out = prompt_flash_attention(q, k, v, None, None, None, None, None, None, None, None, None,
