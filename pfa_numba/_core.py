@@ -67,6 +67,8 @@ _P3 = np.float32(4.1665795894e-2)
 _P4 = np.float32(1.6666665459e-1)
 _P5 = np.float32(5.0000001201e-1)
 _HALF = np.float32(0.5)
+_EXP_MAGIC = np.float32(12582912.0)                 # 1.5 * 2^23
+_EXP_MAGIC_BITS = np.int32(0x4B400000)              # its bits: + n for |n| < 2^22
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,20 +308,23 @@ def exp_f32(x):
 
 @jit
 def exp_nonpos(x):
-    """exp for x <= 0 (the softmax's s - max), -inf and NaN: fewer selects than exp_f32.
+    """exp for x <= 0 (the softmax's s - max), -inf and NaN: fewer operations than exp_f32.
 
-    Same polynomial as :func:`exp_f32`; exp(-inf) = 0, NaN stays NaN, results below float32's
-    normal range are 0.
+    Same polynomial as :func:`exp_f32`; exp(-inf) = 0, NaN stays NaN (every select is written
+    so that a NaN falls through it), results below float32's normal range are 0. n = round(x /
+    ln 2) comes from the low mantissa bits of x * log2(e) + 1.5 * 2^23 read as an integer, so
+    2^n and n need no float rounding instruction (the integer step also keeps fast-math
+    reassociation from cancelling the magic constant).
     """
     x = np.float32(x)
-    xc = x if x > _EXP_LO else _EXP_LO
-    n = floor_f32(xc * _LOG2E + _HALF)
+    xc = _EXP_LO if x < _EXP_LO else x
+    ni = np.int32(f32_as_i32(xc * _LOG2E + _EXP_MAGIC) - _EXP_MAGIC_BITS)   # 32-bit lanes
+    n = np.float32(ni)
     r = xc - n * _LN2_HI - n * _LN2_LO
     z = r * r
     y = (((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5) * z + r + F32_ONE
-    y = y * pow2_f32(n)
-    y = y if x > _EXP_LO else F32_ZERO
-    return y if x == x else x
+    y = y * i32_as_f32(np.int32(ni + np.int32(127)) << np.int32(23))
+    return F32_ZERO if x < _EXP_LO else y
 
 
 @jit

@@ -16,6 +16,7 @@ CPU_KV_COLS = 512
 #: A tile the band cuts (a causal diagonal, a band edge) is computed CPU_SUB_ROWS rows at a
 #: time (rounded up to a multiple of 32), each over just the columns those rows can keep.
 CPU_SUB_ROWS = 64
+CPU_SEG_ROWS = 128
 
 #: A band narrower than the tiles wastes the scores outside it: for a finite band of width W
 #: (= preE + nextE + 1) both tile sides become max(CPU_BAND_TILE_MIN, W // CPU_BAND_TILE_DIV).

@@ -24,7 +24,7 @@ from numba import njit, prange
 
 from . import config
 from ._geometry import (P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE,
-                        P_ROWS, P_SUB, P_THREADS, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, geometry,
+                        P_ROWS, P_SEG, P_SUB, P_THREADS, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, geometry,
                         scale_factors)
 from . import _amx
 from ._amx import BLOCK, gemm_bf16, padded, tile_config
@@ -200,7 +200,7 @@ def _segment(params, lens, b, i0, i1, j0, j1, r0, R, align):
     pre_e = lens[2, b]
     next_e = lens[3, b]
     if tile_inside_band(i0, i1, j0, j1, pre_e, next_e):
-        return R, j0, j1, True
+        return min(R, r0 + params[P_SEG]), j0, j1, True
     r1 = min(R, r0 + params[P_SUB])
     p0 = i0 + r0 // G
     p1 = i0 + (r1 - 1) // G + 1
@@ -886,6 +886,11 @@ def sub_rows():
     return max(1, -(-int(config.CPU_SUB_ROWS) // BLOCK)) * BLOCK
 
 
+def seg_rows():
+    """Rows per segment of a tile inside the band (config.CPU_SEG_ROWS, a multiple of 32)."""
+    return max(1, -(-int(config.CPU_SEG_ROWS) // BLOCK)) * BLOCK
+
+
 def use_amx(p):
     """bf16 problems run their tile products on AMX where this process can (config.CPU_AMX)."""
     return (p.code == CODE_BF16 and bool(config.CPU_AMX) and abs(p.scale) <= AMX_MAX_SCALE
@@ -913,7 +918,7 @@ def run(p):
         ocode = CODE_F16 if direct_dtype == np.float16 else storage_code(np.dtype(direct_dtype))
         params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None,
                            p.inner_precise, p.want_lse or int8_out, rows_per_head, kv_cols,
-                           nthreads, ocode, int8_out, sub_rows()], dtype=np.int64)
+                           nthreads, ocode, int8_out, sub_rows(), seg_rows()], dtype=np.int64)
         lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e]).astype(np.int64)
         qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out, lse)
         l_flat, f_flat = lse.reshape(-1), flags.reshape(-1)

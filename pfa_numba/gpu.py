@@ -423,7 +423,7 @@ def run(p, meta=None, query=None):
     qtiles = max(1, -(-int(rows.max()) // bq))
     ocode = CODE_I8 if int8_out else (CODE_F16 if int8_in else p.code)
     params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None, p.inner_precise,
-                       p.want_lse, 0, 0, 0, ocode, 0, 0], dtype=np.int64)
+                       p.want_lse, 0, 0, 0, ocode, 0, 0, 0], dtype=np.int64)
     if int8_in:
         q_ = p.quant
         fparams = np.array([q_.deq1, np.float16(p.scale), q_.quant1, q_.deq2], np.float32)
