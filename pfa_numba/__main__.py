@@ -101,6 +101,9 @@ def warmup(args):
     q8 = np.ones((1, 1, 4, 32), np.int8)
     scales = dict(deq_scale1=np.ones(1, np.float32), quant_scale1=np.ones(1, np.float32),
                   deq_scale2=np.ones(1, np.float32))
+    import ml_dtypes
+    from pfa_numba import _amx
+    qb = q16.astype(ml_dtypes.bfloat16)
     jobs = [("uint16 storage (float16, bfloat16)", lambda: prompt_flash_attention(
                 q16, q16, q16, num_heads=1, input_layout="BNSD")),
             ("float32 storage", lambda: prompt_flash_attention(
@@ -110,6 +113,9 @@ def warmup(args):
             ("int8 output quantization", lambda: [prompt_flash_attention(
                 x, x, x, num_heads=1, input_layout="BNSD", quant_scale2=scales["deq_scale1"])
                 for x in (q16, q32)])]
+    if _amx.available():
+        jobs.append(("bfloat16 on AMX", lambda: prompt_flash_attention(
+            qb, qb, qb, num_heads=1, input_layout="BNSD")))
     cache = numba.config.CACHE_DIR or "next to the package's modules (__pycache__)"
     print(f"compiling the CPU kernels into Numba's cache ({cache}):")
     for name, job in jobs:
@@ -136,6 +142,9 @@ def info(args):
     print(f"  threads        {numba.get_num_threads()} (NUMBA_NUM_THREADS), threading layer "
           f"{numba.config.THREADING_LAYER}")
     print(f"  cache          {numba.config.CACHE_DIR or os.path.dirname(pfa_numba.__file__)}")
+    from pfa_numba import _amx
+    print(f"  AMX (bf16)     " + ("used for bfloat16 tile products" if _amx.available() else
+                                  "not available: bfloat16 runs on float32 BLAS"))
     for backend in dispatch.BACKENDS:
         device = backend.devices[0]
         why = backend.not_supported_reasons(None, device)

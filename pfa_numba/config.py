@@ -14,12 +14,20 @@ CPU_Q_ROWS = 512
 CPU_KV_COLS = 512
 
 #: A tile the band cuts (a causal diagonal, a band edge) is computed CPU_SUB_ROWS rows at a
-#: time (rounded up to a multiple of 32), each over just the columns those rows can keep.
+#: time (rounded up to a multiple of 32), each over just the columns those rows can keep; a
+#: tile inside the band CPU_SEG_ROWS rows at a time. Measured 2026-11-29, 2 threads, medians:
+#: causal (4, 32, 512, 128) fp32 137 ms without row segments, 101 ms with 128-row ones (torch
+#: 110 ms); sub rows 32 / 64 / 128 / 256 within noise of each other for causal and band 256,
+#: 64 kept for narrow bands. Inside tiles, fp32 (1, 16, 2048, 128): 64 / 128 / 256 / 512 rows
+#: 329 / 293 / 273 / 260 ms (bf16 on AMX: no difference beyond noise), so 512 = whole tiles.
 CPU_SUB_ROWS = 64
-CPU_SEG_ROWS = 128
+CPU_SEG_ROWS = 512
 
 #: A band narrower than the tiles wastes the scores outside it: for a finite band of width W
 #: (= preE + nextE + 1) both tile sides become max(CPU_BAND_TILE_MIN, W // CPU_BAND_TILE_DIV).
+#: Measured 2026-11-29 (fp32 (1, 16, 2048, 128), pre = next = 256, before row segments):
+#: tiles 64 / 128 / 256 / 513 ran 90 / 81 / 74 / 90 ms; with row segments cutting the band's
+#: edge triangles, 256-wide tiles (W // 2) keep most of that gain for wide and narrow bands.
 CPU_BAND_TILE_MIN = 128
 CPU_BAND_TILE_DIV = 2
 

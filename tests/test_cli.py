@@ -12,7 +12,7 @@ def _run(*args):
 
 def test_info_lists_backends_threads_and_cache():
     out = _run("info")
-    for word in ("numba", "backend cpu", "backend cuda", "threads", "cache"):
+    for word in ("numba", "backend cpu", "backend cuda", "threads", "cache", "AMX (bf16)"):
         assert word in out
 
 
@@ -20,6 +20,8 @@ def test_warmup_compiles_every_cpu_kernel():
     out = _run("warmup")
     for word in ("uint16 storage", "float32 storage", "int8 pipeline"):
         assert word in out
+    from pfa_numba import _amx
+    assert ("bfloat16 on AMX" in out) == _amx.available()
 
 
 def test_import_and_cpu_work_without_numba_cuda():
