@@ -3,16 +3,16 @@
 CPUs with AMX (Sapphire Rapids and later) multiply bfloat16 matrices in 1 KiB tile registers at
 several times the float32 FMA rate. A bf16 query/key/value is already exact in bfloat16, so the
 score product ``Q K^T`` runs on AMX with no rounding of its inputs, and the float32
-probabilities enter ``P V`` as a sum of two bfloat16 parts (hi + lo, relative error 2^-18, far
-below the bfloat16 output's rounding). Products accumulate in float32.
+probabilities enter ``P V`` as a sum of two bfloat16 parts (hi + lo, relative error below
+2^-16, far below the bfloat16 output's rounding). Products accumulate in float32.
 
 The instructions are reached through LLVM's ``llvm.x86.*`` AMX intrinsics; tile numbers are
 compile-time literals. Every tile is configured as 16 rows x 64 bytes (16 x 32 bf16, or
 16 x 16 float32): a product step multiplies a 32 x 32 bf16 block of A by a 32 x 32 block of B
 into a 32 x 32 float32 block of C held in tiles 0-3 (A in 4-5, B in 6-7).
 
-AMX treats subnormal inputs as zero, so callers check their bf16 inputs for subnormals
-(:func:`min_subnormal_key`) and take the float32 path where they occur.
+AMX reads subnormal inputs as zero and flushes products below float32's normal range to zero,
+so the CPU kernel scans its bf16 inputs and takes the float32 path where that could matter.
 """
 import ctypes
 import platform

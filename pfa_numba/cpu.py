@@ -459,8 +459,9 @@ def _amx_pack_v(vv, src, base, row_stride, sd, nc, ncp, D, Dp):
 
 @njit(fastmath=_FM, cache=True)
 def _exp_row_split(row, n, m, prow):
-    """p = exp(row[:n] - m) as bf16 hi = bf16(p) in prow[c] and lo = bf16(p - hi) in
-    prow[n_pad + c] (n_pad = len(prow) // 2); returns the float32 sum of p."""
+    """p = exp(row[:n] - m) as two bf16 parts: hi (p truncated) in prow[c], lo (the rest,
+    rounded to nearest even) in prow[n_pad + c], n_pad = len(prow) // 2; hi + lo is p to a
+    relative 2^-16. Returns the float32 sum of p."""
     wide_vectors()
     ld = prow.size // 2
     hi = prow[:ld]
