@@ -48,24 +48,26 @@ _FM = set(config.CPU_FASTMATH)
 # ---------------------------------------------------------------------------------------------
 
 @njit(fastmath=_FM, cache=True)
-def _load_row(dst, src, off, stride, n, code, factor):
-    """dst[:n] = widen(src[off + d*stride]) * factor, one loop per storage code so each
-    vectorises (and a contiguous source is read through a slice)."""
+def _load_row(dst, r, src, off, stride, n, code, factor):
+    """dst[r, :n] = widen(src[off + d*stride]) * factor, one loop per storage code so each
+    vectorises. Rows are addressed by index and the source through unsigned indices: no
+    array views (each costs reference counting) and no negative-index checks (which stop
+    the vectoriser)."""
     wide_vectors()
     if stride == 1:
-        seg = src[off:off + n]
+        base = np.uint64(off)
         if code == CODE_F16:
             for d in range(n):
-                dst[d] = f16_to_f32(seg[d]) * factor
+                dst[r, d] = f16_to_f32(src[base + np.uint64(d)]) * factor
         elif code == CODE_BF16:
             for d in range(n):
-                dst[d] = bf16_to_f32(seg[d]) * factor
+                dst[r, d] = bf16_to_f32(src[base + np.uint64(d)]) * factor
         else:
             for d in range(n):
-                dst[d] = np.float32(seg[d]) * factor
+                dst[r, d] = np.float32(src[base + np.uint64(d)]) * factor
     else:
         for d in range(n):
-            dst[d] = widen(src[off + d * stride], code) * factor
+            dst[r, d] = widen(src[off + d * stride], code) * factor
 
 
 @njit(fastmath=_FM, cache=True)
@@ -79,33 +81,35 @@ def _all_finite(buf, n):
 
 
 @njit(fastmath=_FM, cache=True)
-def _row_max(row, n):
-    """max of row[:n] through order-preserving int keys (vectorises; -inf / NaN exact)."""
+def _row_max(s2, r, n):
+    """max of s2[r, :n] through order-preserving int keys (vectorises; -inf / NaN exact)."""
     wide_vectors()
     mk = order_key(F32_NEG_INF)
     for c in range(n):
-        kx = order_key(row[c])
+        kx = order_key(s2[r, c])
         mk = kx if kx > mk else mk
     return from_order_key(mk)
 
 
 @njit(fastmath=_FM, cache=True)
-def _exp_row(row, n, m):
-    """row[:n] = exp(row[:n] - m) in place; returns the sum."""
+def _exp_row(s2, r, n, m):
+    """s2[r, :n] = exp(s2[r, :n] - m) in place; returns the sum."""
     wide_vectors()
     s = F32_ZERO
     for c in range(n):
-        p = exp_nonpos(row[c] - m)
-        row[c] = p
+        p = exp_nonpos(s2[r, c] - m)
+        s2[r, c] = p
         s += p
     return s
 
 
 @njit(fastmath=_FM, cache=True)
-def _mask_row(srow, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask16, moff, msk, mask_kind,
+def _mask_row(s2, r, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask16, moff, msk, mask_kind,
               pse, poff, psk, has_pse, code):
-    """Scores of one row of one tile -> pse added, fp16 mask added, dropped columns at -inf."""
+    """Scores s2[r] of one row of one tile -> pse added, fp16 mask added, dropped columns at
+    -inf."""
     wide_vectors()
+    srow = s2[r]
     if has_pse:
         for c in range(nc):
             srow[c] += widen(pse[poff + c * psk], code)
@@ -129,11 +133,11 @@ def _mask_row(srow, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask16, moff, m
 
 
 @njit(fastmath=_FM, cache=True)
-def _prepare_row(srow, nc, i, n, b, j0, inside, kl, pre_e, next_e, mask8, mask16, pse, strides,
-                 boff, mask_kind, has_pse, code):
-    """Scores of row i (query head n) of one tile, in place: pse and fp16 mask added, columns
-    outside the band or masked set to -inf."""
-    _mask_row(srow, nc, j0, i, kl, pre_e, next_e, inside,
+def _prepare_row(s2, r, nc, i, n, b, j0, inside, kl, pre_e, next_e, mask8, mask16, pse,
+                 strides, boff, mask_kind, has_pse, code):
+    """Scores s2[r] of position i (query head n) of one tile, in place: pse and fp16 mask
+    added, columns outside the band or masked set to -inf."""
+    _mask_row(s2, r, nc, j0, i, kl, pre_e, next_e, inside,
               mask8, mask16, boff[T_M, b] + i * strides[T_M, 1] + j0 * strides[T_M, 2],
               strides[T_M, 2], mask_kind, pse,
               boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1] + j0 * strides[T_P, 2],
@@ -141,24 +145,24 @@ def _prepare_row(srow, nc, i, n, b, j0, inside, kl, pre_e, next_e, mask8, mask16
 
 
 @njit(fastmath=_FM, cache=True)
-def _online_row(srow, nc, rr, m, l, alpha, prow, split):
-    """Online-softmax step of one row: update m and l, set alpha (the acc rescale factor) and
-    turn the scores into p = exp(s - m): in place, or (``split``) into bf16 hi / lo parts in
-    prow[:nc] and prow[ld:ld + nc]."""
+def _online_row(s2, r, nc, rr, m, l, alpha, p3, split):
+    """Online-softmax step of scores s2[r, :nc] (query row rr): update m and l, set alpha (the
+    acc rescale factor) and turn the scores into p = exp(s - m): in place, or (``split``)
+    into bf16 hi / lo parts p3[r, 0] and p3[r, 1]."""
     m_old = m[rr]
-    m_new = max_nan(m_old, _row_max(srow, nc))
+    m_new = max_nan(m_old, _row_max(s2, r, nc))
     if m_new == F32_NEG_INF:
         if split:
-            _amx_zero_p(prow, nc)
+            p3[r, :, :] = 0
         else:
-            srow[:nc] = F32_ZERO
+            s2[r, :nc] = F32_ZERO
         alpha[rr] = F32_ONE
         return
     a = rescale_factor(m_old, m_new)
     if split:
-        s = _exp_row_split(srow, nc, m_new, prow)
+        s = _exp_row_split(s2, r, nc, m_new, p3)
     else:
-        s = _exp_row(srow, nc, m_new)
+        s = _exp_row(s2, r, nc, m_new)
     l[rr] = l[rr] * a + s
     m[rr] = m_new
     alpha[rr] = a
@@ -166,14 +170,14 @@ def _online_row(srow, nc, rr, m, l, alpha, prow, split):
 
 @njit(fastmath=_FM, cache=True)
 def _rescale_rows(acc, ld, R, D, alpha):
-    """acc[rr, :D] *= alpha[rr] for the rows whose running max moved."""
+    """acc[rr, :D] *= alpha[rr] (acc rows of ld values) for the rows whose running max moved."""
     wide_vectors()
+    a2 = acc[:R * ld].reshape(R, ld)
     for rr in range(R):
         a = alpha[rr]
         if a != F32_ONE:
-            arow = acc[rr * ld:rr * ld + D]
             for d in range(D):
-                arow[d] = arow[d] * a
+                a2[rr, d] = a2[rr, d] * a
 
 
 @njit(fastmath=_FM, cache=True)
@@ -211,24 +215,24 @@ def _segment(params, lens, b, i0, i1, j0, j1, r0, R, align):
 
 
 @njit(fastmath=_FM, cache=True)
-def _softmax_rows(s2, r0, r1, nc, p2, split, inside, i0, g, b, cl, mask8, mask16, pse, params,
+def _softmax_rows(s2, r0, r1, nc, p3, split, inside, i0, g, b, cl, mask8, mask16, pse, params,
                   strides, boff, lens, scale, m, l, alpha):
     """Rows [r0, r1) of a segment's scores s2[rr - r0, :nc] (columns from cl): scaled by
     ``scale`` (when not 1), masked where needed, then the online-softmax step; p goes in place
-    or (``split``) into p2[rr - r0] as bf16 hi / lo parts."""
+    or (``split``) into p3[rr - r0] as bf16 hi / lo parts."""
     G = params[P_G]
     mask_kind = params[P_MASK]
     has_pse = params[P_PSE] != 0
     any_user = mask_kind != 0 or has_pse
     for rr in range(r0, r1):
-        srow = s2[rr - r0]
+        r = rr - r0
         if scale != F32_ONE:
-            _scale_row(srow, nc, scale)
+            _scale_row(s2, r, nc, scale)
         if any_user or not inside:
-            _prepare_row(srow, nc, i0 + rr // G, g * G + rr % G, b, cl, inside, lens[1, b],
+            _prepare_row(s2, r, nc, i0 + rr // G, g * G + rr % G, b, cl, inside, lens[1, b],
                          lens[2, b], lens[3, b], mask8, mask16, pse, strides, boff, mask_kind,
                          has_pse, params[P_CODE])
-        _online_row(srow, nc, rr, m, l, alpha, p2[rr - r0], split)
+        _online_row(s2, r, nc, rr, m, l, alpha, p3, split)
 
 
 @njit(fastmath=_FM, cache=True)
@@ -241,14 +245,15 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
     code = params[P_CODE]
     tk = params[P_COLS]
     i1, R, jstart, jend = _item(params, lens, b, i0)
+    no_p3 = np.empty((1, 2, 1), np.uint16)        # the in-place softmax writes no bf16 parts
     if jstart < jend:
+        q2 = qb[:R * D].reshape(R, D)
         for rr in range(R):
             off = (boff[T_Q, b] + (g * G + rr % G) * strides[T_Q, 0]
                    + (i0 + rr // G) * strides[T_Q, 1])
-            qrow = qb[rr * D:(rr + 1) * D]
-            _load_row(qrow, q, off, strides[T_Q, 2], D, code, scales[0])
+            _load_row(q2, rr, q, off, strides[T_Q, 2], D, code, scales[0])
             if scales[1] != F32_ONE:      # a scale_value beyond float32's range, in two factors
-                _scale_row(qrow, D, scales[1])
+                _scale_row(q2, rr, D, scales[1])
             m[rr] = F32_NEG_INF
             l[rr] = F32_ZERO
         acc[:R * D] = F32_ZERO
@@ -260,9 +265,9 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
             k2 = kb[:nc * D].reshape(nc, D)
             v2 = vb[:nc * D].reshape(nc, D)
             for c in range(nc):
-                _load_row(k2[c], k, k_base + (j0 + c) * strides[T_K, 1], strides[T_K, 2], D,
+                _load_row(k2, c, k, k_base + (j0 + c) * strides[T_K, 1], strides[T_K, 2], D,
                           code, F32_ONE)
-                _load_row(v2[c], v, v_base + (j0 + c) * strides[T_V, 1], strides[T_V, 2], D,
+                _load_row(v2, c, v, v_base + (j0 + c) * strides[T_V, 1], strides[T_V, 2], D,
                           code, F32_ONE)
             v_finite = _all_finite(vb, nc * D)
             r0 = 0
@@ -276,8 +281,8 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
                     gemm_rm(ints, flts, chars, nrow, ns, D, qb, r0 * D, D, True, kb, kc, D, sb,
                             0, ns, F32_ZERO)
                     s2 = sb[:nrow * ns].reshape(nrow, ns)
-                    _softmax_rows(s2, r0, r1, ns, s2, False, inside, i0, g, b, cl, mask8, mask16,
-                                  pse, params, strides, boff, lens, F32_ONE, m, l, alpha)
+                    _softmax_rows(s2, r0, r1, ns, no_p3, False, inside, i0, g, b, cl, mask8,
+                                  mask16, pse, params, strides, boff, lens, F32_ONE, m, l, alpha)
                     _rescale_rows(acc[r0 * D:], D, nrow, D, alpha[r0:])
                     if v_finite:
                         gemm_rm(ints, flts, chars, nrow, D, ns, sb, 0, ns, False, vb, kc, D, acc,
@@ -458,35 +463,23 @@ def _amx_pack_v(vv, src, base, row_stride, sd, nc, ncp, D, Dp):
 
 
 @njit(fastmath=_FM, cache=True)
-def _exp_row_split(row, n, m, prow):
-    """p = exp(row[:n] - m) as two bf16 parts: hi (p truncated) in prow[c], lo (the rest,
-    rounded to nearest even) in prow[n_pad + c], n_pad = len(prow) // 2; hi + lo is p to a
-    relative 2^-16. Returns the float32 sum of p."""
+def _exp_row_split(s2, r, n, m, p3):
+    """p = exp(s2[r, :n] - m) as two bf16 parts: hi (p truncated) in p3[r, 0], lo (the rest,
+    rounded to nearest even) in p3[r, 1]; hi + lo is p to a relative 2^-16, columns past n
+    are zero. Returns the float32 sum of p."""
     wide_vectors()
-    ld = prow.size // 2
-    hi = prow[:ld]
-    lo = prow[ld:]
     s = F32_ZERO
     for c in range(n):
-        p = exp_nonpos(row[c] - m)
+        p = exp_nonpos(s2[r, c] - m)
         s += p
-        # hi: p truncated to bf16 (a NaN p is a quiet NaN, which truncation keeps);
-        # lo: the exact rest p - hi, rounded to nearest even
+        # a NaN p is a quiet NaN, which truncation keeps
         u = f32_as_u32(p)
-        hu = u & np.uint32(0xFFFF0000)
-        hi[c] = np.uint16(u >> np.uint32(16))
-        w = f32_as_u32(p - u32_as_f32(hu))
-        lo[c] = np.uint16((w + np.uint32(0x7FFF) + ((w >> np.uint32(16)) & np.uint32(1)))
-                          >> np.uint32(16))
-    for c in range(n, ld):
-        hi[c] = 0
-        lo[c] = 0
+        p3[r, 0, c] = np.uint16(u >> np.uint32(16))
+        w = f32_as_u32(p - u32_as_f32(u & np.uint32(0xFFFF0000)))
+        p3[r, 1, c] = np.uint16((w + np.uint32(0x7FFF) + ((w >> np.uint32(16)) & np.uint32(1)))
+                                >> np.uint32(16))
+    p3[r, :, n:] = 0
     return s
-
-
-@njit(fastmath=_FM, cache=True)
-def _amx_zero_p(prow, n):
-    prow[:] = 0
 
 
 @njit(fastmath=_FM, cache=True)
@@ -538,8 +531,8 @@ def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
                     gemm_bf16(cfg, qh[r0 * Dp:], -1, Dp, kt[2 * c0:], 2 * ncp, sb, nsp, nrp, nsp,
                               Dp, False)
                     s2 = sb[:nrp * nsp].reshape(nrp, nsp)
-                    p2 = pp[:2 * nrp * nsp].reshape(nrp, 2 * nsp)
-                    _softmax_rows(s2, r0, r1, ns, p2, v_finite, inside, i0, g, b, cl, mask8,
+                    p3 = pp[:2 * nrp * nsp].reshape(nrp, 2, nsp)
+                    _softmax_rows(s2, r0, r1, ns, p3, v_finite, inside, i0, g, b, cl, mask8,
                                   mask16, pse, params, strides, boff, lens, scales[0], m, l, alpha)
                     _rescale_rows(acc[r0 * Dp:], Dp, nrow, D, alpha[r0:])
                     if v_finite:
@@ -556,10 +549,10 @@ def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
 
 
 @njit(fastmath=_FM, cache=True)
-def _scale_row(row, n, f):
+def _scale_row(s2, r, n, f):
     wide_vectors()
     for c in range(n):
-        row[c] = row[c] * f
+        s2[r, c] = s2[r, c] * f
 
 
 #: AMX reads bf16 subnormals as zero and flushes products below float32's normal range (2^-126)
@@ -705,7 +698,7 @@ def _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, param
         for rr in range(R):
             h = rr // nr
             off = boff[T_Q, b] + (g * G + h) * strides[T_Q, 0] + (i0 + rr - h * nr) * strides[T_Q, 1]
-            _load_row(q2[rr], q, off, strides[T_Q, 2], D, CODE_F32, F32_ONE)
+            _load_row(q2, rr, q, off, strides[T_Q, 2], D, CODE_F32, F32_ONE)
             m[rr] = F32_NEG_INF
             l[rr] = F32_ZERO
         a2[:, :] = 0.0
@@ -715,8 +708,8 @@ def _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, param
                 nc = j1 - j0
                 k2 = kb[:nc * D].reshape(nc, D)
                 for c in range(nc):
-                    _load_row(k2[c], k, k_base + (j0 + c) * strides[T_K, 1], strides[T_K, 2], D,
-                              CODE_F32, F32_ONE)
+                    _load_row(k2, c, k, k_base + (j0 + c) * strides[T_K, 1], strides[T_K, 2],
+                              D, CODE_F32, F32_ONE)
                 s2 = sb[:R * nc].reshape(R, nc)
                 gemm_rm(ints, flts, chars, R, nc, D, qb, 0, D, True, kb, 0, D, sb, 0, nc,
                         F32_ZERO)
@@ -730,23 +723,23 @@ def _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, param
                                  boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1] + j0 * strides[T_P, 2],
                                  strides[T_P, 2], has_pse)
                     if mask_kind != 0 or not inside:
-                        _mask_row(srow, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask8,
+                        _mask_row(s2, rr, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask8,
                                   boff[T_M, b] + i * strides[T_M, 1] + j0 * strides[T_M, 2],
                                   strides[T_M, 2], mask_kind, pse, 0, 0, False, CODE_F16)
                     if step == 0:
-                        m[rr] = max_nan(m[rr], _row_max(srow, nc))
+                        m[rr] = max_nan(m[rr], _row_max(s2, rr, nc))
                         continue
                     mr = m[rr]
                     if mr == F32_NEG_INF:
                         srow[:] = F32_ZERO
                         continue
-                    l[rr] += _exp_row(srow, nc, mr)
+                    l[rr] += _exp_row(s2, rr, nc, mr)
                     for c in range(nc):
                         srow[c] = saturate_int8(round_half_even(srow[c] * qs1))
                 if step == 1:
                     v2 = vb[:nc * D].reshape(nc, D)
                     for c in range(nc):
-                        _load_row(v2[c], v, v_base + (j0 + c) * strides[T_V, 1],
+                        _load_row(v2, c, v, v_base + (j0 + c) * strides[T_V, 1],
                                   strides[T_V, 2], D, CODE_F32, F32_ONE)
                     t2 = tb[:R * D].reshape(R, D)
                     gemm_rm(ints, flts, chars, R, D, nc, sb, 0, nc, False, vb, 0, D, tb, 0, D,
