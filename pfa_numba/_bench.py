@@ -227,8 +227,12 @@ def run(cases, repeats=5, progress=True):
                 f()
                 times[name].append(time.perf_counter() - t0)
         med = {name: float(np.median(t)) for name, t in times.items()}
+        # ratio to pfa_numba: median over the repeats of (time / pfa_numba time in the same
+        # repeat), so a machine that speeds up or slows down between repeats shifts both
+        ratio = {name: float(np.median(np.array(t) / np.array(times["pfa_numba"])))
+                 for name, t in times.items()}
         out_mib = case.B * case.N * case.S * case.D * np.dtype(_dtype(case.dtype)).itemsize / 2 ** 20
-        results.append(dict(case=case, med=med, mem=mem, err=err, out_mib=out_mib,
+        results.append(dict(case=case, med=med, ratio=ratio, mem=mem, err=err, out_mib=out_mib,
                             tflops={n: case.useful_flops() / t / 1e12 for n, t in med.items()}))
         if progress and not tqdm:
             print(f"  {case.name}: " + ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in med.items()),
@@ -252,7 +256,8 @@ def environment():
 
 def markdown(results, peak_tflops):
     rows = [f"sgemm peak (NumPy BLAS, 2048^3 fp32): {peak_tflops:.3f} TFLOP/s. "
-            f"Ratios are torch (or NumPy) time / pfa_numba time: > 1 means pfa_numba is faster. "
+            f"Ratios are torch (or NumPy) time / pfa_numba time, the median over the repeats of "
+            f"the ratio within one repeat: > 1 means pfa_numba is faster. "
             f"TFLOP/s count useful (kept) pairs only.", "",
             "| case | pfa_numba ms | TFLOP/s | % sgemm peak | torch ms | torch / pfa | "
             "NumPy ms | NumPy / pfa | pfa extra MiB (output MiB) | max err vs ref |",
@@ -262,7 +267,7 @@ def markdown(results, peak_tflops):
         p = m["pfa_numba"]
 
         def cell(name):
-            return (f"{m[name] * 1e3:.1f}", f"{m[name] / p:.2f}") if name in m else ("-", "-")
+            return (f"{m[name] * 1e3:.1f}", f"{r['ratio'][name]:.2f}") if name in m else ("-", "-")
 
         tm, tr = cell("torch")
         nm, nr = cell("numpy")
@@ -277,8 +282,7 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     names = [r["case"].name for r in results]
-    ratio = [r["med"]["torch"] / r["med"]["pfa_numba"] if "torch" in r["med"] else np.nan
-             for r in results]
+    ratio = [r["ratio"].get("torch", np.nan) for r in results]
     fig, ax = plt.subplots(figsize=(9, 0.32 * len(names) + 1.5))
     y = np.arange(len(names))
     ax.barh(y, ratio, color=["tab:green" if x >= 1 else "tab:red" for x in ratio])
