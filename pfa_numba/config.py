@@ -19,9 +19,12 @@ CPU_KV_COLS = 512
 #: causal (4, 32, 512, 128) fp32 137 ms without row segments, 101 ms with 128-row ones (torch
 #: 110 ms); sub rows 32 / 64 / 128 / 256 within noise of each other for causal and band 256,
 #: 64 kept for narrow bands. Inside tiles, fp32 (1, 16, 2048, 128): 64 / 128 / 256 / 512 rows
-#: 329 / 293 / 273 / 260 ms (bf16 on AMX: no difference beyond noise), so 512 = whole tiles.
+#: 329 / 293 / 273 / 260 ms, so 512 = whole tiles. bf16 on AMX keeps its scores and bf16 P
+#: in L2 with short segments: (1, 16, 2048, 128), 2 threads, 64 / 128 / 256 / 512 rows ran
+#: 104 / 113 / 118 / 119 ms (1 thread: within noise).
 CPU_SUB_ROWS = 64
 CPU_SEG_ROWS = 512
+CPU_AMX_SEG_ROWS = 64
 
 #: A band narrower than the tiles wastes the scores outside it: for a finite band of width W
 #: (= preE + nextE + 1) both tile sides become max(CPU_BAND_TILE_MIN, W // CPU_BAND_TILE_DIV).

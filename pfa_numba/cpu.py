@@ -880,9 +880,11 @@ def sub_rows():
     return max(1, -(-int(config.CPU_SUB_ROWS) // BLOCK)) * BLOCK
 
 
-def seg_rows():
-    """Rows per segment of a tile inside the band (config.CPU_SEG_ROWS, a multiple of 32)."""
-    return max(1, -(-int(config.CPU_SEG_ROWS) // BLOCK)) * BLOCK
+def seg_rows(amx):
+    """Rows per segment of a tile inside the band (config.CPU_SEG_ROWS, or CPU_AMX_SEG_ROWS
+    for the AMX kernel; a multiple of 32)."""
+    rows = config.CPU_AMX_SEG_ROWS if amx else config.CPU_SEG_ROWS
+    return max(1, -(-int(rows) // BLOCK)) * BLOCK
 
 
 def use_amx(p):
@@ -910,9 +912,10 @@ def run(p):
         nthreads = config.CPU_THREADS or numba.get_num_threads()
         nthreads = max(1, min(int(nthreads), work.shape[0]))
         ocode = CODE_F16 if direct_dtype == np.float16 else storage_code(np.dtype(direct_dtype))
+        amx = p.dtype != np.int8 and use_amx(p)
         params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None,
                            p.inner_precise, p.want_lse or int8_out, rows_per_head, kv_cols,
-                           nthreads, ocode, int8_out, sub_rows(), seg_rows()], dtype=np.int64)
+                           nthreads, ocode, int8_out, sub_rows(), seg_rows(amx)], dtype=np.int64)
         lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e]).astype(np.int64)
         qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out, lse)
         l_flat, f_flat = lse.reshape(-1), flags.reshape(-1)
@@ -923,7 +926,7 @@ def run(p):
                 _attention_int8(qf, kf, vf, o_flat, l_flat, f_flat, mask8, pse, strides, boff,
                                 lens, work, params, qp)
             else:
-                kernel = _attention_amx if use_amx(p) else _attention
+                kernel = _attention_amx if amx else _attention
                 kernel(qf, kf, vf, o_flat, l_flat, f_flat, mask8, mask16, pse, strides, boff,
                        lens, work, params, scale_factors(p.scale))
     if int8_out:

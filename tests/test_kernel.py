@@ -91,16 +91,20 @@ def test_default_tiles(dt, mode):
 
 
 @pytest.mark.parametrize("dt", list(DTYPES))
-@pytest.mark.parametrize("mode,tok,heads", [("2", (2147483647, 0), (3, 1)),
+@pytest.mark.parametrize("mode,tok,heads", [("0", (2147483647, 2147483647), (6, 2)),
+                                            ("2", (2147483647, 0), (3, 1)),
                                             ("3", (2147483647, 0), (4, 2)),
                                             ("4", (40, 17), (6, 2)), ("0m", (-20, 90), (2, 2)),
                                             ("4", (0, 0), (1, 1))])
 def test_tiles_cut_by_the_band_in_row_segments(monkeypatch, dt, mode, tok, heads):
     """Tiles the band cuts are computed in row segments, each over the columns its rows keep:
-    segments of 32 rows that split the G heads of a query position, tiles of odd sizes."""
+    segments of 32 rows that split the G heads of a query position, tiles of odd sizes; tiles
+    inside the band in segments of 64 rows."""
     monkeypatch.setattr(config, "CPU_Q_ROWS", 150)
     monkeypatch.setattr(config, "CPU_KV_COLS", 97)
     monkeypatch.setattr(config, "CPU_SUB_ROWS", 1)       # rounded up to 32
+    monkeypatch.setattr(config, "CPU_SEG_ROWS", 40)      # tiles inside the band: 64 rows
+    monkeypatch.setattr(config, "CPU_AMX_SEG_ROWS", 33)
     monkeypatch.setattr(config, "CPU_BAND_TILE_MIN", 150)
     rng = np.random.default_rng(21)
     n, nkv = heads
