@@ -143,7 +143,7 @@ def info(args):
           f"{numba.config.THREADING_LAYER}")
     print(f"  cache          {numba.config.CACHE_DIR or os.path.dirname(pfa_numba.__file__)}")
     from pfa_numba import _amx
-    print(f"  AMX (bf16)     " + ("used for bfloat16 tile products" if _amx.available() else
+    print("  AMX (bf16)     " + ("used for bfloat16 tile products" if _amx.available() else
                                   "not available: bfloat16 runs on float32 BLAS"))
     for backend in dispatch.BACKENDS:
         device = backend.devices[0]

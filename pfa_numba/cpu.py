@@ -33,8 +33,7 @@ from ._vector import wide_vectors
 from ._plan import storage_code
 from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32_NEG_INF, F32_ONE,
                     F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32,
-                    block_kv_range, exp_nonpos, f16_to_f32, f32_as_u32, f32_to_bf16,
-                    f32_to_f16,
+                    block_kv_range, exp_nonpos, f16_to_f32, f32_as_u32, f32_to_f16,
                     from_order_key, lse_value, max_nan, order_key, quantize_output,
                     rescale_factor, round_f16, round_half_even, row_band, saturate_int8, store,
                     tile_inside_band, u32_as_f32, widen)
