@@ -563,16 +563,18 @@ _TINY_V_LIMIT = np.uint32((127 - 100) << 7) - np.uint32(1)
 AMX_MAX_SCALE = 2.0 ** 64
 
 
+@njit(cache=True)
+def _sizes(params, work):
+    """(D, rows per work item over the G heads, kv columns per tile, threads, work items)."""
+    return (params[P_D], params[P_G] * params[P_ROWS], params[P_COLS], params[P_THREADS],
+            work.shape[0])
+
+
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work, params,
                scales):
     """Run every work item; thread t takes items t, t + T, ... (items are sorted by cost)."""
-    G = params[P_G]
-    D = params[P_D]
-    rows = G * params[P_ROWS]
-    tk = params[P_COLS]
-    nthr = params[P_THREADS]
-    n_items = work.shape[0]
+    D, rows, tk, nthr, n_items = _sizes(params, work)
     for t in prange(nthr):
         qb = np.empty(rows * D, np.float32)
         sb = np.empty(rows * tk, np.float32)
@@ -593,14 +595,9 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work,
                    params, scales):
-    """:func:`_attention` for bf16 storage on AMX; a work item with subnormal inputs is
-    computed by :func:`_block` instead."""
-    G = params[P_G]
-    D = params[P_D]
-    rows = G * params[P_ROWS]
-    tk = params[P_COLS]
-    nthr = params[P_THREADS]
-    n_items = work.shape[0]
+    """:func:`_attention` for bf16 storage on AMX; a work item with inputs AMX could flush
+    (see _SUBNORMAL_LIMIT) is computed by :func:`_block` instead."""
+    D, rows, tk, nthr, n_items = _sizes(params, work)
     Rp = padded(rows)
     Cp = padded(tk)
     Dp = padded(D)
@@ -787,12 +784,7 @@ def _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, param
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _attention_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, work, params, qp):
     """The int8 kernel: same work items and scheduling as :func:`_attention`."""
-    G = params[P_G]
-    D = params[P_D]
-    rows = G * params[P_ROWS]
-    tk = params[P_COLS]
-    nthr = params[P_THREADS]
-    n_items = work.shape[0]
+    D, rows, tk, nthr, n_items = _sizes(params, work)
     for t in prange(nthr):
         qb = np.empty(rows * D, np.float32)
         sb = np.empty(rows * tk, np.float32)
