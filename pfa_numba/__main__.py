@@ -142,9 +142,11 @@ def info(args):
     print(f"  threads        {numba.get_num_threads()} (NUMBA_NUM_THREADS), threading layer "
           f"{numba.config.THREADING_LAYER}")
     print(f"  cache          {numba.config.CACHE_DIR or os.path.dirname(pfa_numba.__file__)}")
-    from pfa_numba import _amx
+    from pfa_numba import _amx, _gemm
+    products = ("AVX-512 register blocks" if _gemm.available() else "BLAS sgemm (no AVX-512)")
+    print(f"  float32 tiles  {products}")
     print("  AMX (bf16)     " + ("used for bfloat16 tile products" if _amx.available() else
-                                  "not available: bfloat16 runs on float32 BLAS"))
+                                  "not available: bfloat16 runs on the float32 tiles"))
     for backend in dispatch.BACKENDS:
         device = backend.devices[0]
         why = backend.not_supported_reasons(None, device)

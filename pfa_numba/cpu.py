@@ -2,11 +2,15 @@
 
 Work items are (batch, kv head, query-row block). A work item holds the rows ``[i0, i0 + r)``
 of all G query heads that read one kv head, stacked into one ``(G*r, D)`` float32 block, so one
-loaded K/V tile serves the whole GQA group and the tile products are large BLAS GEMMs:
+loaded K/V tile serves the whole GQA group and the tile products are large GEMMs:
 
-    S = Q_block @ K_tile^T          (BLAS sgemm into a per-thread buffer)
+    S = Q_block @ K_tile^T          (into a per-thread buffer)
     per row: pse, fp16 mask, band / user mask (-inf), running max m, p = exp(s - m), sum l
-    acc = acc * exp(m_old - m_new);  acc += P @ V_tile   (sgemm with beta = 1)
+    acc = acc * exp(m_old - m_new);  acc += P @ V_tile   (accumulating in place)
+
+The products run on the register-blocked AVX-512 kernels of ``_gemm`` (K packed into K^T
+panels as it is loaded) or, on hosts without AVX-512, on SciPy's BLAS sgemm; bf16 storage runs
+them on AMX where the host has it (``_amx``).
 
 and the division by l happens once, at the end (deferred normalisation). Tiles that lie wholly
 outside the band or past kL are never visited; tiles wholly inside the band (with no user mask
@@ -24,11 +28,12 @@ from numba import njit, prange
 
 from . import config
 from ._geometry import (P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE,
-                        P_ROWS, P_SEG, P_SUB, P_THREADS, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, geometry,
+                        P_ROWS, P_SEG, P_SUB, P_THREADS, P_GEMM, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, geometry,
                         scale_factors)
-from . import _amx
+from . import _amx, _gemm
 from ._amx import BLOCK, gemm_bf16, padded, tile_config
 from ._blas import gemm_rm, scratch
+from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
 from ._vector import wide_vectors
 from ._plan import storage_code
 from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32_NEG_INF, F32_ONE,
@@ -235,14 +240,47 @@ def _softmax_rows(s2, r0, r1, nc, p3, split, inside, i0, g, b, cl, mask8, mask16
 
 
 @njit(fastmath=_FM, cache=True)
+def _pack_kt(kt, src, base, row_stride, sd, nc, D, code):
+    """K tile (nc rows from src, widened) as K^T panels for _gemm.scores: kt[p * PANEL * D +
+    d * PANEL + c] = K[p * PANEL + c, d]; the last panel's columns past nc are zero."""
+    wide_vectors()
+    for c in range(nc):
+        dst = (c // PANEL) * PANEL * D + c % PANEL
+        off = base + c * row_stride
+        for d in range(D):
+            kt[dst + d * PANEL] = widen(src[off + d * sd], code)
+    last = (nc // PANEL) * PANEL * D
+    for c in range(nc % PANEL, PANEL if nc % PANEL else 0):
+        for d in range(D):
+            kt[last + d * PANEL + c] = F32_ZERO
+
+
+@njit(fastmath=_FM, cache=True)
+def f32_widths(params):
+    """(acc / V row length, rows to allocate per item, columns per kv tile to allocate) of the
+    float32 kernel for ``params``: the register-blocked products (P_GEMM) read and write up to
+    MR - 1 rows past a segment's last, 16-lane acc / V rows and whole K^T panels; BLAS touches
+    exactly the data."""
+    D = params[P_D]
+    rows = params[P_G] * params[P_ROWS]
+    tk = params[P_COLS]
+    if params[P_GEMM] != 0:
+        return vector_width(D), rows + MR, panels(tk) * PANEL
+    return D, rows, tk
+
+
+@njit(fastmath=_FM, cache=True)
 def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scales,
            b, g, i0, qb, sb, tb, acc, kb, vb, m, l, alpha, ints, flts, chars):
-    """One work item on float32 BLAS: rows of positions [i0, i1) of the G query heads of kv
-    head g in batch b (see :func:`_item`)."""
+    """One work item in float32: rows of positions [i0, i1) of the G query heads of kv head g
+    in batch b (see :func:`_item`). The tile products run on the register-blocked kernels of
+    _gemm (params[P_GEMM]) or on BLAS."""
     G = params[P_G]
     D = params[P_D]
     code = params[P_CODE]
     tk = params[P_COLS]
+    own = params[P_GEMM] != 0
+    ldv = f32_widths(params)[0]          # row length of acc and of the V tile
     i1, R, jstart, jend = _item(params, lens, b, i0)
     no_p3 = np.empty((1, 2, 1), np.uint16)        # the in-place softmax writes no bf16 parts
     if jstart < jend:
@@ -255,41 +293,58 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
                 _scale_row(q2, rr, D, scales[1])
             m[rr] = F32_NEG_INF
             l[rr] = F32_ZERO
-        acc[:R * D] = F32_ZERO
+        acc[:] = F32_ZERO
         k_base = boff[T_K, b] + g * strides[T_K, 0]
         v_base = boff[T_V, b] + g * strides[T_V, 0]
         for j0 in range(jstart, jend, tk):
             j1 = min(j0 + tk, jend)
             nc = j1 - j0
-            k2 = kb[:nc * D].reshape(nc, D)
-            v2 = vb[:nc * D].reshape(nc, D)
+            v2 = vb[:nc * ldv].reshape(nc, ldv)
+            if own:
+                _pack_kt(kb, k, k_base + j0 * strides[T_K, 1], strides[T_K, 1], strides[T_K, 2],
+                         nc, D, code)
+            else:
+                k2 = kb[:nc * D].reshape(nc, D)
             for c in range(nc):
-                _load_row(k2, c, k, k_base + (j0 + c) * strides[T_K, 1], strides[T_K, 2], D,
-                          code, F32_ONE)
+                if not own:
+                    _load_row(k2, c, k, k_base + (j0 + c) * strides[T_K, 1], strides[T_K, 2], D,
+                              code, F32_ONE)
                 _load_row(v2, c, v, v_base + (j0 + c) * strides[T_V, 1], strides[T_V, 2], D,
                           code, F32_ONE)
-            v_finite = _all_finite(vb, nc * D)
+                v2[c, D:] = F32_ZERO
+            v_finite = _all_finite(vb, nc * ldv)
             r0 = 0
             while r0 < R:
-                r1, cl, ch, inside = _segment(params, lens, b, i0, i1, j0, j1, r0, R, 1)
+                r1, cl, ch, inside = _segment(params, lens, b, i0, i1, j0, j1, r0, R,
+                                              PANEL if own else 1)
                 ns = ch - cl
                 if ns > 0:
                     nrow = r1 - r0
-                    kc = (cl - j0) * D
-                    # S = Q K^T; softmax; acc = acc * alpha + P V (BLAS with beta = 1)
-                    gemm_rm(ints, flts, chars, nrow, ns, D, qb, r0 * D, D, True, kb, kc, D, sb,
-                            0, ns, F32_ZERO)
-                    s2 = sb[:nrow * ns].reshape(nrow, ns)
+                    # S = Q K^T; softmax; acc = acc * alpha + P V
+                    if own:
+                        lds = panels(ns) * PANEL
+                        scores(qb, r0 * D, D, kb, (cl - j0) * D, D, sb, lds, nrow, panels(ns))
+                    else:
+                        lds = ns
+                        gemm_rm(ints, flts, chars, nrow, ns, D, qb, r0 * D, D, True, kb,
+                                (cl - j0) * D, D, sb, 0, ns, F32_ZERO)
+                    s2 = sb[:nrow * lds].reshape(nrow, lds)
                     _softmax_rows(s2, r0, r1, ns, no_p3, False, inside, i0, g, b, cl, mask8,
                                   mask16, pse, params, strides, boff, lens, F32_ONE, m, l, alpha)
-                    _rescale_rows(acc[r0 * D:], D, nrow, D, alpha[r0:])
-                    if v_finite:
-                        gemm_rm(ints, flts, chars, nrow, D, ns, sb, 0, ns, False, vb, kc, D, acc,
-                                r0 * D, D, F32_ONE)
+                    _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, alpha[r0:])
+                    vo = (cl - j0) * ldv
+                    if not v_finite:
+                        _add_pv_exact(acc[r0 * ldv:], ldv, nrow, D, sb, lds, ns, vb[vo:], ldv, 1)
+                    elif own:
+                        # the register blocks also add the padding rows' P (zero) to the rows
+                        # below the segment: + 0 changes nothing
+                        sb[nrow * lds:padded_rows(nrow) * lds] = F32_ZERO
+                        accumulate(sb, lds, vb, vo, ldv, acc, r0 * ldv, ldv, nrow, ns)
                     else:
-                        _add_pv_exact(acc[r0 * D:], D, nrow, D, sb, ns, ns, vb[kc:], D, 1)
+                        gemm_rm(ints, flts, chars, nrow, D, ns, sb, 0, lds, False, vb, vo, ldv,
+                                acc, r0 * ldv, ldv, F32_ONE)
                 r0 = r1
-    _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, i1, acc, D, m, l, tb,
+    _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, i1, acc, ldv, m, l, tb,
             jstart < jend)
 
 
@@ -570,18 +625,24 @@ def _sizes(params, work):
             work.shape[0])
 
 
+@njit(fastmath=_FM, cache=True)
+def _f32_buffers(params):
+    """Per-thread buffers of :func:`_block`: (qb, sb, acc, kb, vb)."""
+    D = params[P_D]
+    ldv, rows, tkp = f32_widths(params)
+    qb = np.zeros(rows * D, np.float32)      # rows past a work item's stay finite
+    return (qb, np.empty(rows * tkp, np.float32), np.empty(rows * ldv, np.float32),
+            np.empty(tkp * D, np.float32), np.empty(tkp * ldv, np.float32))
+
+
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work, params,
                scales):
     """Run every work item; thread t takes items t, t + T, ... (items are sorted by cost)."""
     D, rows, tk, nthr, n_items = _sizes(params, work)
     for t in prange(nthr):
-        qb = np.empty(rows * D, np.float32)
-        sb = np.empty(rows * tk, np.float32)
+        qb, sb, acc, kb, vb = _f32_buffers(params)
         tb = np.empty(D, np.float32)
-        acc = np.empty(rows * D, np.float32)
-        kb = np.empty(tk * D, np.float32)
-        vb = np.empty(tk * D, np.float32)
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
         alpha = np.empty(rows, np.float32)
@@ -614,20 +675,16 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
         alpha = np.empty(rows, np.float32)
-        qb = np.empty(0, np.float32)
-        kb = np.empty(0, np.float32)
-        vb = np.empty(0, np.float32)
+        qb = sb2 = acc2 = kb = vb = np.empty(0, np.float32)
         ints, flts, chars = scratch()
         for w in range(t, n_items, nthr):
             if not _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens,
                               params, scales, work[w, 0], work[w, 1], work[w, 2], cfg, qh, kt,
                               vv, tmp, sb, pp, acc, tb, m, l, alpha):
                 if qb.size == 0:
-                    qb = np.empty(rows * D, np.float32)
-                    kb = np.empty(tk * D, np.float32)
-                    vb = np.empty(tk * D, np.float32)
+                    qb, sb2, acc2, kb, vb = _f32_buffers(params)
                 _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens,
-                       params, scales, work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb,
+                       params, scales, work[w, 0], work[w, 1], work[w, 2], qb, sb2, tb, acc2, kb,
                        vb, m, l, alpha, ints, flts, chars)
 
 
@@ -878,6 +935,12 @@ def seg_rows(amx):
     return max(1, -(-int(rows) // BLOCK)) * BLOCK
 
 
+def use_register_blocks():
+    """The float32 tile products run on _gemm's register blocks where the host has AVX-512
+    (config.CPU_AVX512_GEMM), else on BLAS."""
+    return bool(config.CPU_AVX512_GEMM) and _gemm.available()
+
+
 def use_amx(p):
     """bf16 problems run their tile products on AMX where this process can (config.CPU_AMX)."""
     return (p.code == CODE_BF16 and bool(config.CPU_AMX) and abs(p.scale) <= AMX_MAX_SCALE
@@ -906,7 +969,8 @@ def run(p):
         amx = p.dtype != np.int8 and use_amx(p)
         params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None,
                            p.inner_precise, p.want_lse or int8_out, rows_per_head, kv_cols,
-                           nthreads, ocode, int8_out, sub_rows(), seg_rows(amx)], dtype=np.int64)
+                           nthreads, ocode, int8_out, sub_rows(), seg_rows(amx),
+                           use_register_blocks()], dtype=np.int64)
         lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e]).astype(np.int64)
         qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out, lse)
         l_flat, f_flat = lse.reshape(-1), flags.reshape(-1)

@@ -1,6 +1,8 @@
 import numpy as np
 import pytest
 
+from pfa_numba import _gemm, config
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "quant: int8 quantization (SPEC section 8)")
@@ -10,3 +12,15 @@ def pytest_configure(config):
 def _numpy_warnings_stay_warnings():
     with np.errstate(all="warn"):
         yield
+
+
+@pytest.fixture(params=["register blocks", "blas"])
+def products(request, monkeypatch):
+    """Run a kernel test on each float32 product path (bf16 stays on AMX where the host has
+    it, except on the BLAS path)."""
+    if request.param == "register blocks" and not _gemm.available():
+        pytest.skip("this CPU has no AVX-512 (tested where it has)")
+    monkeypatch.setattr(config, "CPU_AVX512_GEMM", request.param != "blas")
+    if request.param == "blas":
+        monkeypatch.setattr(config, "CPU_AMX", False)  # bf16 through BLAS too
+    return request.param

@@ -12,7 +12,8 @@ def _run(*args):
 
 def test_info_lists_backends_threads_and_cache():
     out = _run("info")
-    for word in ("numba", "backend cpu", "backend cuda", "threads", "cache", "AMX (bf16)"):
+    for word in ("numba", "backend cpu", "backend cuda", "threads", "cache", "AMX (bf16)",
+                 "float32 tiles"):
         assert word in out
 
 

@@ -1,0 +1,116 @@
+"""The register-blocked float32 tile products (pfa_numba._gemm) and the CPU kernel on them.
+
+On an AVX-512 host every float32 / float16 test of the suite runs on these products; here they
+are checked against NumPy at the edges of their layout (rows that are not a multiple of the
+block, partial K^T panels, row lengths with a 16, 32 or 48-lane tail, inner dimensions of one),
+and the kernel is checked on both product paths (register blocks and BLAS) at head dims the
+layout pads. Without AVX-512 the product tests are skipped, and say so.
+"""
+import numpy as np
+import pytest
+
+from pfa_numba import _gemm, config, prompt_flash_attention
+from _cases import DTYPES, assert_matches_reference, qkv
+
+needs_avx512 = pytest.mark.skipif(not _gemm.available(),
+                                  reason="this CPU has no AVX-512 (tested where it has)")
+MR, P = _gemm.MR, _gemm.PANEL
+
+
+def _f32(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _bound(a, b, k):
+    """float32 accumulation of k products, relative to the magnitudes summed."""
+    return 2 * k * np.finfo(np.float32).eps * (np.abs(a.astype(np.float64))
+                                               @ np.abs(b.astype(np.float64)))
+
+
+@needs_avx512
+@pytest.mark.parametrize("rows,d,n_panels", [(1, 1, 1), (5, 3, 2), (6, 16, 1), (7, 40, 3),
+                                             (13, 128, 2), (64, 64, 1)])
+def test_scores_against_numpy(rows, d, n_panels):
+    rng = np.random.default_rng(rows * 100 + d)
+    ldq = d + 3                                        # rows of Q further apart than D
+    q = _f32(rng, _gemm.padded_rows(rows), ldq)
+    k = _f32(rng, n_panels * P, d)
+    kt = np.ascontiguousarray(k.reshape(n_panels, P, d).transpose(0, 2, 1)).ravel()
+    lds = n_panels * P + 16
+    s = np.full((_gemm.padded_rows(rows) + 2, lds), 7.0, np.float32)
+    q_off = 5
+    qf = np.concatenate([np.zeros(q_off, np.float32), q.ravel()])
+    kt_off = 11
+    ktf = np.concatenate([np.zeros(kt_off, np.float32), kt])
+    _gemm.scores(qf, q_off, ldq, ktf, kt_off, d, s.ravel(), lds, rows, n_panels)
+    want = q[:, :d].astype(np.float64) @ k.T.astype(np.float64)
+    got = s[:_gemm.padded_rows(rows), :n_panels * P]
+    assert (np.abs(got - want) <= _bound(q[:, :d], k.T, d)).all()
+    assert (s[:, n_panels * P:] == 7.0).all()          # columns past the panels untouched
+    assert (s[_gemm.padded_rows(rows):] == 7.0).all()  # rows past the blocks untouched
+
+
+@needs_avx512
+@pytest.mark.parametrize("rows,k,ldv", [(1, 1, 16), (5, 7, 48), (6, 64, 64), (7, 33, 80),
+                                        (12, 100, 128), (13, 512, 144)])
+def test_accumulate_against_numpy(rows, k, ldv):
+    rng = np.random.default_rng(rows * 1000 + k + ldv)
+    rp = _gemm.padded_rows(rows)
+    ldp = k + 5
+    p = rng.random((rp, ldp)).astype(np.float32)
+    v = _f32(rng, k + 2, ldv)
+    ldacc = ldv + 16
+    acc = _f32(rng, rp + 2, ldacc)
+    before = acc.copy()
+    v_off = 2 * ldv                                    # V starts at its third row
+    _gemm.accumulate(p.ravel(), ldp, v.ravel(), v_off, ldv, acc.ravel(), ldacc, ldacc, rows, k)
+    pk, vk = p[:, :k], v[2:2 + k]
+    want = before[1:rp + 1, :ldv].astype(np.float64) + pk.astype(np.float64) @ vk.astype(
+        np.float64)
+    bound = _bound(pk, vk, k + 1) + 2 * np.finfo(np.float32).eps * np.abs(want)
+    assert (np.abs(acc[1:rp + 1, :ldv] - want) <= bound).all()
+    assert np.array_equal(acc[0], before[0])           # the row before acc_off untouched
+    assert np.array_equal(acc[1:, ldv:], before[1:, ldv:])   # columns past ldv untouched
+    assert np.array_equal(acc[rp + 1:], before[rp + 1:])     # rows past the blocks untouched
+
+
+def _head_dim(dt, d):
+    """bfloat16 needs D % 16 == 0: 1, 3, 17, 100, 200 -> 16, 48, 80, 112, 208 (row tails of
+    1, 3, 1, 3, 1 vectors past whole 64-column blocks)."""
+    return {1: 16, 3: 48, 17: 80, 100: 112, 200: 208}[d] if dt == "bf16" else d
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("d", [1, 3, 17, 100, 200])        # bf16 (D % 16 == 0): see _head_dim
+@pytest.mark.parametrize("mode,tok", [("0", (2147483647, 2147483647)), ("4", (40, 17)),
+                                      ("3", (2147483647, 0))])
+def test_kernel_on_both_product_paths(products, monkeypatch, dt, d, mode, tok):
+    """Head dims the register blocks pad (16-lane rows, D < 16), odd tiles, band-cut tiles in
+    32-row segments, GQA with a ragged last work item."""
+    monkeypatch.setattr(config, "CPU_Q_ROWS", 150)
+    monkeypatch.setattr(config, "CPU_KV_COLS", 97)
+    monkeypatch.setattr(config, "CPU_SUB_ROWS", 1)
+    monkeypatch.setattr(config, "CPU_BAND_TILE_MIN", 150)
+    d = _head_dim(dt, d)
+    rng = np.random.default_rng(d * 7 + len(mode))
+    n, nkv, sq, skv = 6, 2, 173, 230
+    q, k, v = qkv(rng, "BNSD", DTYPES[dt], 1, n, nkv, sq, skv, d)
+    mask = np.triu(np.ones((2048, 2048), bool), 1) if mode != "0" else None
+    kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", sparse_mode=int(mode),
+              scale_value=d ** -0.5, pre_tokens=tok[0], next_tokens=tok[1])
+    out, lse = prompt_flash_attention(q, k, v, mask, **kw, return_softmax_lse=True)
+    assert_matches_reference(out, (q, k, v, mask), kw, DTYPES[dt], lse=lse)
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_non_finite_values_stay_in_their_rows(products, dt):
+    """inf in V (only rows that keep its column see it) and NaN in Q (only its own row), on
+    both product paths."""
+    rng = np.random.default_rng(5)
+    q, k, v = qkv(rng, "BNSD", DTYPES[dt], 1, 2, 2, 70, 90, 32)
+    v[0, 0, 40, 3] = np.inf
+    q[0, 1, 10, 5] = np.nan
+    mask = np.triu(np.ones((2048, 2048), bool), 1)
+    kw = dict(num_heads=2, input_layout="BNSD", sparse_mode=3, scale_value=0.2)
+    out = prompt_flash_attention(q, k, v, mask, **kw)
+    assert_matches_reference(out, (q, k, v, mask), kw, DTYPES[dt])
