@@ -34,7 +34,7 @@ from . import _amx, _gemm
 from ._amx import BLOCK, gemm_bf16, padded, tile_config
 from ._blas import gemm_rm, scratch
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
-from ._vector import wide_vectors
+from ._vector import prefetch, wide_vectors
 from ._plan import storage_code
 from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32_NEG_INF, F32_ONE,
                     F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32,
@@ -239,6 +239,18 @@ def _softmax_rows(s2, r0, r1, nc, p3, split, inside, i0, g, b, cl, mask8, mask16
         _online_row(s2, r, nc, rr, m, l, alpha, p3, split)
 
 
+_PF_ROWS = 8          # K / V rows are prefetched this many rows ahead of their load
+
+
+@njit(fastmath=_FM, cache=True)
+def _prefetch_row(src, off, n):
+    """Prefetch the cache lines of src[off:off + n] (a K or V row: rows of one head lie N * D
+    apart in BSH / BSND inputs, too far for the hardware prefetcher)."""
+    for x in range(0, n, 64 // src.itemsize):
+        prefetch(src, off + x)
+    prefetch(src, off + n - 1)
+
+
 @njit(fastmath=_FM, cache=True)
 def _pack_kt(kt, src, base, row_stride, sd, nc, D, code):
     """K tile (nc rows from src, widened) as K^T panels for _gemm.scores: kt[p * PANEL * D +
@@ -247,6 +259,8 @@ def _pack_kt(kt, src, base, row_stride, sd, nc, D, code):
     for c in range(nc):
         dst = (c // PANEL) * PANEL * D + c % PANEL
         off = base + c * row_stride
+        if c + _PF_ROWS < nc:
+            _prefetch_row(src, off + _PF_ROWS * row_stride, D * sd)
         for d in range(D):
             kt[dst + d * PANEL] = widen(src[off + d * sd], code)
     last = (nc // PANEL) * PANEL * D
@@ -309,6 +323,9 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
                 if not own:
                     _load_row(k2, c, k, k_base + (j0 + c) * strides[T_K, 1], strides[T_K, 2], D,
                               code, F32_ONE)
+                if c + _PF_ROWS < nc:
+                    _prefetch_row(v, v_base + (j0 + c + _PF_ROWS) * strides[T_V, 1],
+                                  D * strides[T_V, 2])
                 _load_row(v2, c, v, v_base + (j0 + c) * strides[T_V, 1], strides[T_V, 2], D,
                           code, F32_ONE)
                 v2[c, D:] = F32_ZERO
