@@ -329,13 +329,16 @@ def exp_nonpos(x):
 
 @jit
 def order_key(x):
-    """float32 -> int32 with the same order (-inf smallest, +NaN largest).
+    """float32 -> int32 with the same order (-inf smallest, NaN of either sign largest).
 
     An integer max vectorises where a float max does not; the map is its own inverse
     (see :func:`from_order_key`).
     """
     x = np.float32(x)
     i = f32_as_i32(x)
+    a = i & np.int32(0x7FFFFFFF)
+    # every NaN as a positive one: x86's default NaN (inf - inf, 0 * inf) has the sign bit set
+    i = a if a > np.int32(0x7F800000) else i
     return i ^ ((i >> np.int32(31)) & np.int32(0x7FFFFFFF))
 
 

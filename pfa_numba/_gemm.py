@@ -40,6 +40,7 @@ PANEL = 64
 _F32 = ir.FloatType()
 _V = ir.VectorType(_F32, LANES)
 _I32 = ir.IntType(32)
+_VI = ir.VectorType(_I32, LANES)
 _I64 = ir.IntType(64)
 
 _available = None
@@ -57,12 +58,29 @@ def available():
     return _available
 
 
-def _fma(builder, a, b, c):
-    name = f"llvm.fma.v{LANES}f32"
+def _function(builder, name, ret, args):
     fn = builder.module.globals.get(name)
     if fn is None:
-        fn = ir.Function(builder.module, ir.FunctionType(_V, [_V, _V, _V]), name)
-    return builder.call(fn, [a, b, c])
+        fn = ir.Function(builder.module, ir.FunctionType(ret, args), name)
+    return fn
+
+
+def _fma(builder, a, b, c):
+    return builder.call(_function(builder, f"llvm.fma.v{LANES}f32", _V, [_V, _V, _V]), [a, b, c])
+
+
+def _order_key(builder, x):
+    """_core.order_key of a float vector: a NaN of either sign as the positive one, then
+    i ^ ((i >> 31) & 0x7fffffff)."""
+    i = builder.bitcast(x, _VI)
+    a = builder.and_(i, ir.Constant(_VI, [0x7FFFFFFF] * LANES))
+    i = builder.select(builder.icmp_signed(">", a, ir.Constant(_VI, [0x7F800000] * LANES)), a, i)
+    sign = builder.ashr(i, ir.Constant(_VI, [31] * LANES))
+    return builder.xor(i, builder.and_(sign, ir.Constant(_VI, [0x7FFFFFFF] * LANES)))
+
+
+def _smax(builder, a, b):
+    return builder.select(builder.icmp_signed(">", a, b), a, b)
 
 
 def _splat(builder, x):
@@ -72,13 +90,16 @@ def _splat(builder, x):
 
 
 def _register_block(nv, accumulate):
-    """Intrinsic ``block(a, a_off, lda, b, b_off, ldb, c, c_off, ldc, k)``:
+    """Intrinsic ``block(a, a_off, lda, b, b_off, ldb, c, c_off, ldc, k, keys, keys_off)``:
     C[MR, nv * 16] (+)= A[MR, k] @ B[k, nv * 16]; A is read one broadcast element at a time,
-    B and C as rows of vectors (unaligned). ``accumulate`` False overwrites C."""
+    B and C as rows of vectors (unaligned). ``accumulate`` False overwrites C. With an int32
+    array ``keys`` (not None), keys[keys_off + r] becomes the max of itself and the order keys
+    (_core.order_key) of the MR x nv * 16 results of row r."""
 
     @intrinsic
-    def block(typingctx, a, a_off, lda, b, b_off, ldb, c, c_off, ldc, k):
-        sig = types.none(a, a_off, lda, b, b_off, ldb, c, c_off, ldc, k)
+    def block(typingctx, a, a_off, lda, b, b_off, ldb, c, c_off, ldc, k, keys, keys_off):
+        sig = types.none(a, a_off, lda, b, b_off, ldb, c, c_off, ldc, k, keys, keys_off)
+        want_keys = isinstance(keys, types.Array)
 
         def codegen(context, builder, sig, args):
             def base(i):
@@ -115,6 +136,18 @@ def _register_block(nv, accumulate):
             for r in range(MR):
                 for j in range(nv):
                     builder.store(builder.load(accs[r][j]), cvec[r][j], align=4)
+            if want_keys:
+                kp = base(10)
+                for r in range(MR):
+                    best = None
+                    for j in range(nv):
+                        key = _order_key(builder, builder.load(accs[r][j]))
+                        best = key if best is None else _smax(builder, best, key)
+                    top = builder.call(_function(builder, f"llvm.vector.reduce.smax.v{LANES}i32",
+                                                 _I32, [_VI]), [best])
+                    slot = builder.gep(kp, [ir.Constant(_I64, r)])
+                    old = builder.load(slot)
+                    builder.store(builder.select(builder.icmp_signed(">", top, old), top, old), slot)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -148,14 +181,16 @@ def vector_width(n):
 
 
 @njit(cache=True)
-def scores(q, q_off, ldq, kt, kt_off, D, s, lds, rows, n_panels):
+def scores(q, q_off, ldq, kt, kt_off, D, s, lds, rows, n_panels, keys):
     """S[r, :] = Q[r, :D] @ K^T for r < padded_rows(rows), over n_panels K^T panels (S row r
-    at s[r * lds:], lds >= n_panels * PANEL; the panels from kt[kt_off:])."""
+    at s[r * lds:], lds >= n_panels * PANEL; the panels from kt[kt_off:]). With an int32 array
+    ``keys`` (else None), keys[r] also becomes the max of itself and the order keys of S row r
+    over all n_panels * PANEL columns."""
     wide_vectors()
     for p in range(n_panels):
         for r in range(0, rows, MR):
             _scores_block(q, q_off + r * ldq, ldq, kt, kt_off + p * PANEL * D, PANEL,
-                          s, r * lds + p * PANEL, lds, D)
+                          s, r * lds + p * PANEL, lds, D, keys, r)
 
 
 @njit(cache=True)
@@ -169,10 +204,10 @@ def accumulate(p, ldp, v, v_off, ldv, acc, acc_off, ldacc, rows, k):
             po = r * ldp
             ao = acc_off + r * ldacc + d0
             if nv == 4:
-                _acc_block_4(p, po, ldp, v, v_off + d0, ldv, acc, ao, ldacc, k)
+                _acc_block_4(p, po, ldp, v, v_off + d0, ldv, acc, ao, ldacc, k, None, 0)
             elif nv == 3:
-                _acc_block_3(p, po, ldp, v, v_off + d0, ldv, acc, ao, ldacc, k)
+                _acc_block_3(p, po, ldp, v, v_off + d0, ldv, acc, ao, ldacc, k, None, 0)
             elif nv == 2:
-                _acc_block_2(p, po, ldp, v, v_off + d0, ldv, acc, ao, ldacc, k)
+                _acc_block_2(p, po, ldp, v, v_off + d0, ldv, acc, ao, ldacc, k, None, 0)
             else:
-                _acc_block_1(p, po, ldp, v, v_off + d0, ldv, acc, ao, ldacc, k)
+                _acc_block_1(p, po, ldp, v, v_off + d0, ldv, acc, ao, ldacc, k, None, 0)

@@ -149,12 +149,14 @@ def _prepare_row(s2, r, nc, i, n, b, j0, inside, kl, pre_e, next_e, mask8, mask1
 
 
 @njit(fastmath=_FM, cache=True)
-def _online_row(s2, r, nc, rr, m, l, alpha, p3, split):
+def _online_row(s2, r, nc, rr, m, l, alpha, p3, split, keys):
     """Online-softmax step of scores s2[r, :nc] (query row rr): update m and l, set alpha (the
     acc rescale factor) and turn the scores into p = exp(s - m): in place, or (``split``)
-    into bf16 hi / lo parts p3[r, 0] and p3[r, 1]."""
+    into bf16 hi / lo parts p3[r, 0] and p3[r, 1]. The row's max is from_order_key(keys[r])
+    where the product computed it (``keys`` not empty), else taken here."""
     m_old = m[rr]
-    m_new = max_nan(m_old, _row_max(s2, r, nc))
+    mx = from_order_key(keys[r]) if keys.size else _row_max(s2, r, nc)
+    m_new = max_nan(m_old, mx)
     if m_new == F32_NEG_INF:
         if split:
             p3[r, :, :] = 0
@@ -220,10 +222,11 @@ def _segment(params, lens, b, i0, i1, j0, j1, r0, R, align):
 
 @njit(fastmath=_FM, cache=True)
 def _softmax_rows(s2, r0, r1, nc, p3, split, inside, i0, g, b, cl, mask8, mask16, pse, params,
-                  strides, boff, lens, scale, m, l, alpha):
+                  strides, boff, lens, scale, m, l, alpha, keys):
     """Rows [r0, r1) of a segment's scores s2[rr - r0, :nc] (columns from cl): scaled by
     ``scale`` (when not 1), masked where needed, then the online-softmax step; p goes in place
-    or (``split``) into p3[rr - r0] as bf16 hi / lo parts."""
+    or (``split``) into p3[rr - r0] as bf16 hi / lo parts. ``keys`` (empty: none): the order
+    keys of the row maxima of unscaled, unmasked scores, from the product."""
     G = params[P_G]
     mask_kind = params[P_MASK]
     has_pse = params[P_PSE] != 0
@@ -236,8 +239,10 @@ def _softmax_rows(s2, r0, r1, nc, p3, split, inside, i0, g, b, cl, mask8, mask16
             _prepare_row(s2, r, nc, i0 + rr // G, g * G + rr % G, b, cl, inside, lens[1, b],
                          lens[2, b], lens[3, b], mask8, mask16, pse, strides, boff, mask_kind,
                          has_pse, params[P_CODE])
-        _online_row(s2, r, nc, rr, m, l, alpha, p3, split)
+        _online_row(s2, r, nc, rr, m, l, alpha, p3, split, keys)
 
+
+_KEY_NEG_INF = np.int32(-2139095041)    # order_key(-inf)
 
 _PF_ROWS = 8          # K / V rows are prefetched this many rows ahead of their load
 
@@ -285,7 +290,7 @@ def f32_widths(params):
 
 @njit(fastmath=_FM, cache=True)
 def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scales,
-           b, g, i0, qb, sb, tb, acc, kb, vb, m, l, alpha, ints, flts, chars):
+           b, g, i0, qb, sb, tb, acc, kb, vb, kx, m, l, alpha, ints, flts, chars):
     """One work item in float32: rows of positions [i0, i1) of the G query heads of kv head g
     in batch b (see :func:`_item`). The tile products run on the register-blocked kernels of
     _gemm (params[P_GEMM]) or on BLAS."""
@@ -294,6 +299,7 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
     code = params[P_CODE]
     tk = params[P_COLS]
     own = params[P_GEMM] != 0
+    any_user = params[P_MASK] != 0 or params[P_PSE] != 0
     ldv = f32_widths(params)[0]          # row length of acc and of the V tile
     i1, R, jstart, jend = _item(params, lens, b, i0)
     no_p3 = np.empty((1, 2, 1), np.uint16)        # the in-place softmax writes no bf16 parts
@@ -338,16 +344,26 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
                 if ns > 0:
                     nrow = r1 - r0
                     # S = Q K^T; softmax; acc = acc * alpha + P V
+                    keys = kx[:0]
                     if own:
                         lds = panels(ns) * PANEL
-                        scores(qb, r0 * D, D, kb, (cl - j0) * D, D, sb, lds, nrow, panels(ns))
+                        if inside and not any_user and ns == lds:
+                            # the product also takes the row maxima (no column past ns)
+                            keys = kx[:padded_rows(nrow)]
+                            keys[:] = _KEY_NEG_INF
+                            scores(qb, r0 * D, D, kb, (cl - j0) * D, D, sb, lds, nrow, panels(ns),
+                                   keys)
+                        else:
+                            scores(qb, r0 * D, D, kb, (cl - j0) * D, D, sb, lds, nrow, panels(ns),
+                                   None)
                     else:
                         lds = ns
                         gemm_rm(ints, flts, chars, nrow, ns, D, qb, r0 * D, D, True, kb,
                                 (cl - j0) * D, D, sb, 0, ns, F32_ZERO)
                     s2 = sb[:nrow * lds].reshape(nrow, lds)
                     _softmax_rows(s2, r0, r1, ns, no_p3, False, inside, i0, g, b, cl, mask8,
-                                  mask16, pse, params, strides, boff, lens, F32_ONE, m, l, alpha)
+                                  mask16, pse, params, strides, boff, lens, F32_ONE, m, l, alpha,
+                                  keys)
                     _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, alpha[r0:])
                     vo = (cl - j0) * ldv
                     if not v_finite:
@@ -563,6 +579,7 @@ def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
     tk = params[P_COLS]
     Dp = padded(D)
     i1, R, jstart, jend = _item(params, lens, b, i0)
+    no_keys = np.empty(0, np.int32)            # the row maxima are taken in the softmax pass
     if jstart < jend:
         for h in range(G):       # head h: rows h, h + G, ... (position-major)
             key = _amx_pack_rows(qh[h * Dp:], G * Dp, q,
@@ -604,7 +621,8 @@ def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
                     s2 = sb[:nrp * nsp].reshape(nrp, nsp)
                     p3 = pp[:2 * nrp * nsp].reshape(nrp, 2, nsp)
                     _softmax_rows(s2, r0, r1, ns, p3, v_finite, inside, i0, g, b, cl, mask8,
-                                  mask16, pse, params, strides, boff, lens, scales[0], m, l, alpha)
+                                  mask16, pse, params, strides, boff, lens, scales[0], m, l, alpha,
+                                  no_keys)
                     _rescale_rows(acc[r0 * Dp:], Dp, nrow, D, alpha[r0:])
                     if v_finite:
                         # P as bf16 hi and lo parts, interleaved per row: lda 2 nsp, lo at + nsp
@@ -644,12 +662,13 @@ def _sizes(params, work):
 
 @njit(fastmath=_FM, cache=True)
 def _f32_buffers(params):
-    """Per-thread buffers of :func:`_block`: (qb, sb, acc, kb, vb)."""
+    """Per-thread buffers of :func:`_block`: (qb, sb, acc, kb, vb, kx)."""
     D = params[P_D]
     ldv, rows, tkp = f32_widths(params)
     qb = np.zeros(rows * D, np.float32)      # rows past a work item's stay finite
     return (qb, np.empty(rows * tkp, np.float32), np.empty(rows * ldv, np.float32),
-            np.empty(tkp * D, np.float32), np.empty(tkp * ldv, np.float32))
+            np.empty(tkp * D, np.float32), np.empty(tkp * ldv, np.float32),
+            np.empty(rows, np.int32))
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -658,7 +677,7 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
     """Run every work item; thread t takes items t, t + T, ... (items are sorted by cost)."""
     D, rows, tk, nthr, n_items = _sizes(params, work)
     for t in prange(nthr):
-        qb, sb, acc, kb, vb = _f32_buffers(params)
+        qb, sb, acc, kb, vb, kx = _f32_buffers(params)
         tb = np.empty(D, np.float32)
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
@@ -666,8 +685,8 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
         ints, flts, chars = scratch()
         for w in range(t, n_items, nthr):
             _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params,
-                   scales, work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, m, l,
-                   alpha, ints, flts, chars)
+                   scales, work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, kx, m,
+                   l, alpha, ints, flts, chars)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -693,16 +712,17 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
         l = np.empty(rows, np.float32)
         alpha = np.empty(rows, np.float32)
         qb = sb2 = acc2 = kb = vb = np.empty(0, np.float32)
+        kx = np.empty(0, np.int32)
         ints, flts, chars = scratch()
         for w in range(t, n_items, nthr):
             if not _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens,
                               params, scales, work[w, 0], work[w, 1], work[w, 2], cfg, qh, kt,
                               vv, tmp, sb, pp, acc, tb, m, l, alpha):
                 if qb.size == 0:
-                    qb, sb2, acc2, kb, vb = _f32_buffers(params)
+                    qb, sb2, acc2, kb, vb, kx = _f32_buffers(params)
                 _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens,
                        params, scales, work[w, 0], work[w, 1], work[w, 2], qb, sb2, tb, acc2, kb,
-                       vb, m, l, alpha, ints, flts, chars)
+                       vb, kx, m, l, alpha, ints, flts, chars)
 
 
 # ---------------------------------------------------------------------------------------------

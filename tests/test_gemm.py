@@ -12,6 +12,14 @@ import pytest
 from pfa_numba import _gemm, config, prompt_flash_attention
 from _cases import DTYPES, assert_matches_reference, qkv
 
+
+def order_key(x):
+    """_core.order_key on float32 arrays (NumPy)."""
+    i = np.asarray(x, np.float32).view(np.int32)
+    a = i & np.int32(0x7FFFFFFF)
+    i = np.where(a > 0x7F800000, a, i)                 # NaN of either sign: the positive one
+    return i ^ ((i >> 31) & np.int32(0x7FFFFFFF))
+
 needs_avx512 = pytest.mark.skipif(not _gemm.available(),
                                   reason="this CPU has no AVX-512 (tested where it has)")
 MR, P = _gemm.MR, _gemm.PANEL
@@ -30,7 +38,8 @@ def _bound(a, b, k):
 @needs_avx512
 @pytest.mark.parametrize("rows,d,n_panels", [(1, 1, 1), (5, 3, 2), (6, 16, 1), (7, 40, 3),
                                              (13, 128, 2), (64, 64, 1)])
-def test_scores_against_numpy(rows, d, n_panels):
+@pytest.mark.parametrize("with_keys", [False, True])
+def test_scores_against_numpy(rows, d, n_panels, with_keys):
     rng = np.random.default_rng(rows * 100 + d)
     ldq = d + 3                                        # rows of Q further apart than D
     q = _f32(rng, _gemm.padded_rows(rows), ldq)
@@ -42,12 +51,42 @@ def test_scores_against_numpy(rows, d, n_panels):
     qf = np.concatenate([np.zeros(q_off, np.float32), q.ravel()])
     kt_off = 11
     ktf = np.concatenate([np.zeros(kt_off, np.float32), kt])
-    _gemm.scores(qf, q_off, ldq, ktf, kt_off, d, s.ravel(), lds, rows, n_panels)
+    rp = _gemm.padded_rows(rows)
+    keys = order_key(rng.standard_normal(rp + 1).astype(np.float32) * 8)  # some rows' above
+    before = keys.copy()
+    _gemm.scores(qf, q_off, ldq, ktf, kt_off, d, s.ravel(), lds, rows, n_panels,
+                 keys if with_keys else None)
     want = q[:, :d].astype(np.float64) @ k.T.astype(np.float64)
-    got = s[:_gemm.padded_rows(rows), :n_panels * P]
+    got = s[:rp, :n_panels * P]
     assert (np.abs(got - want) <= _bound(q[:, :d], k.T, d)).all()
     assert (s[:, n_panels * P:] == 7.0).all()          # columns past the panels untouched
-    assert (s[_gemm.padded_rows(rows):] == 7.0).all()  # rows past the blocks untouched
+    assert (s[rp:] == 7.0).all()                       # rows past the blocks untouched
+    if with_keys:     # each row's max over the panels, as an order key, maxed into keys
+        assert np.array_equal(keys[:rp], np.maximum(before[:rp], order_key(got).max(axis=1)))
+    assert np.array_equal(keys[rp:], before[rp:])
+
+
+@needs_avx512
+def test_row_maxima_of_non_finite_scores():
+    """Rows holding inf, -inf and NaN (of either sign) scores: the maxima are those of the
+    order keys (-inf below every number, a NaN of either sign above +inf)."""
+    rng = np.random.default_rng(3)
+    d, rows = 8, 12
+    q = _f32(rng, rows, d)
+    k = _f32(rng, P, d)
+    q[1, 2] = np.inf
+    q[3, 0] = -np.inf
+    q[5, :] = np.nan
+    q[7, :] = -np.nan
+    kt = np.ascontiguousarray(k.T).ravel()
+    s = np.zeros((rows, P), np.float32)
+    keys = np.full(rows, order_key(np.float32(-np.inf)), np.int32)
+    with np.errstate(invalid="ignore"):
+        _gemm.scores(q.ravel(), 0, d, kt, 0, d, s.ravel(), P, rows, 1, keys)
+    assert np.isnan(s[5]).all() and np.isnan(s[7]).all() and np.isinf(s[1]).any()
+    assert (s[7].view(np.int32) < 0).all()            # NaN with the sign bit
+    assert np.array_equal(keys, order_key(s).max(axis=1))
+    assert (keys[[5, 7]] == order_key(np.float32(np.nan))).all()
 
 
 @needs_avx512

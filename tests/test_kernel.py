@@ -231,6 +231,23 @@ def test_nan_in_masked_positions_does_not_leak(small_tiles):
     assert np.isfinite(out2).all()
 
 
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_nan_scores_of_either_sign_reach_their_rows(products, dt):
+    """Rows whose every score is NaN: from a NaN query row of either sign, and from inf * 0
+    (the x86 default NaN has its sign bit set). Their output is NaN, not a masked row's."""
+    rng = np.random.default_rng(11)
+    q, k, v = qkv(rng, "BNSD", DTYPES[dt], 1, 2, 1, 9, 70, 16)
+    q[0, 0, 1] = np.nan
+    q[0, 0, 2] = -np.nan
+    q[0, 1, 4, 0] = np.inf
+    k[0, 0, :, 0] = 0
+    kw = dict(num_heads=2, num_key_value_heads=1, input_layout="BNSD", scale_value=0.25)
+    with np.errstate(invalid="ignore"):
+        out = prompt_flash_attention(q, k, v, **kw)
+    assert np.isnan(out[0, 0, 1:3]).all() and np.isnan(out[0, 1, 4]).all()
+    assert_matches_reference(out, (q, k, v), kw, DTYPES[dt])
+
+
 def test_nan_in_kept_position_reaches_only_its_rows(small_tiles):
     rng = np.random.default_rng(10)
     q, k, v = qkv(rng, "BNSD", np.float32, 1, 1, 1, 8, 20, 16)
