@@ -16,6 +16,11 @@ import numpy as np
 from . import prompt_flash_attention, reference
 
 INF = 2147483647
+#: pause before each timed call: BLAS and OpenMP worker threads spin for a while after a call
+#: (OpenBLAS about 0.1 s), taking a core from whichever implementation runs next. Measured
+#: with the pause left out, fp32 dense (1, 16, 2048, 128) right after NumPy's naive attention
+#: took 294 ms for pfa_numba against 197 ms alone.
+QUIET_S = 0.25
 
 
 @dataclasses.dataclass
@@ -223,6 +228,7 @@ def run(cases, repeats=5, progress=True):
         times = {name: [] for name in impls}
         for _ in range(repeats):              # interleaved repeats
             for name, f in impls.items():
+                time.sleep(QUIET_S)
                 t0 = time.perf_counter()
                 f()
                 times[name].append(time.perf_counter() - t0)

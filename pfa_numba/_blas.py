@@ -2,35 +2,55 @@
 
 ``np.dot`` inside ``njit`` cannot accumulate into its output (beta = 1), so ``P @ V`` would need
 a temporary and an extra pass per tile. Here the kernel calls the Fortran ``sgemm`` that
-``scipy.linalg.cython_blas`` exports: its address is registered with LLVM under a fixed symbol
-name, so kernels that call it stay cacheable (the cache holds the name, not the address).
+``scipy.linalg.cython_blas`` exports, through its address passed in at run time: compiled
+kernels hold no address (they stay cacheable), and SciPy (0.3-0.5 s to import) is only imported
+by a call that uses BLAS (:func:`sgemm_address`).
 """
 import ctypes
 
 import numpy as np
-import scipy.linalg.cython_blas as _cython_blas
-from llvmlite import binding as _llvm
+from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-SYMBOL = "pfa_numba_scipy_sgemm"
+_address = None
 
 
-def _capsule_address(capsule):
-    get_name = ctypes.pythonapi.PyCapsule_GetName
-    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
-    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-    get_pointer.restype = ctypes.c_void_p
-    get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    return get_pointer(capsule, get_name(capsule))
+def sgemm_address():
+    """Address of SciPy's Fortran sgemm (imports scipy.linalg on first use)."""
+    global _address
+    if _address is None:
+        import scipy.linalg.cython_blas as cython_blas
+        capsule = cython_blas.__pyx_capi__["sgemm"]
+        get_name = ctypes.pythonapi.PyCapsule_GetName
+        get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+        get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+        get_pointer.restype = ctypes.c_void_p
+        get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        _address = get_pointer(capsule, get_name(capsule))
+    return _address
 
 
-_llvm.add_symbol(SYMBOL, _capsule_address(_cython_blas.__pyx_capi__["sgemm"]))
-
+_VOIDP = ir.IntType(8).as_pointer()
 #: Fortran sgemm(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc): every
 #: argument by pointer.
-_sgemm = types.ExternalFunction(SYMBOL, types.void(*([types.voidptr] * 13)))
+_SGEMM = ir.FunctionType(ir.VoidType(), [_VOIDP] * 13)
+
+
+@intrinsic
+def _call(typingctx, address, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """Call the sgemm at ``address`` (an integer) with its 13 pointer arguments."""
+    args = (transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+    if not isinstance(address, types.Integer) or any(x != types.voidptr for x in args):
+        return None
+
+    def codegen(context, builder, sig, llargs):
+        fn = builder.inttoptr(llargs[0], _SGEMM.as_pointer())
+        builder.call(fn, llargs[1:])
+        return context.get_dummy_value()
+
+    return types.none(address, *args), codegen
 
 
 @intrinsic
@@ -48,24 +68,25 @@ def _elem_ptr(typingctx, arr, idx):
 
 
 @njit(inline="always")
-def scratch():
-    """Per-thread argument block for :func:`gemm_rm` (ints, floats, transpose flags)."""
+def scratch(address):
+    """Per-thread argument block for :func:`gemm_rm`: (ints, floats, transpose flags, sgemm
+    address from :func:`sgemm_address`, 0 where BLAS is not used)."""
     ints = np.empty(6, np.int32)
     flts = np.empty(2, np.float32)
     chars = np.empty(2, np.uint8)
     chars[0] = 78  # 'N'
     chars[1] = 84  # 'T'
-    return ints, flts, chars
+    return ints, flts, chars, np.int64(address)
 
 
 @njit(inline="always")
-def gemm_rm(ints, flts, chars, m, n, k, a, a_off, lda, trans_b, b, b_off, ldb, c, c_off, ldc,
-            beta):
+def gemm_rm(blas, m, n, k, a, a_off, lda, trans_b, b, b_off, ldb, c, c_off, ldc, beta):
     """C[m, n] = A[m, k] @ op(B) + beta * C, all row-major float32 in flat buffers.
 
     ``op(B)`` is B[k, n] (``trans_b`` False) or B[n, k]^T (``trans_b`` True). Row-major C is
-    column-major C^T, so this asks BLAS for C^T = op(B)^T @ A^T.
+    column-major C^T, so this asks BLAS for C^T = op(B)^T @ A^T. ``blas``: :func:`scratch`.
     """
+    ints, flts, chars, address = blas
     ints[0] = n
     ints[1] = m
     ints[2] = k
@@ -74,7 +95,7 @@ def gemm_rm(ints, flts, chars, m, n, k, a, a_off, lda, trans_b, b, b_off, ldb, c
     ints[5] = ldc
     flts[0] = np.float32(1.0)
     flts[1] = beta
-    _sgemm(_elem_ptr(chars, 1 if trans_b else 0), _elem_ptr(chars, 0),
-           _elem_ptr(ints, 0), _elem_ptr(ints, 1), _elem_ptr(ints, 2), _elem_ptr(flts, 0),
-           _elem_ptr(b, b_off), _elem_ptr(ints, 3), _elem_ptr(a, a_off), _elem_ptr(ints, 4),
-           _elem_ptr(flts, 1), _elem_ptr(c, c_off), _elem_ptr(ints, 5))
+    _call(address, _elem_ptr(chars, 1 if trans_b else 0), _elem_ptr(chars, 0),
+          _elem_ptr(ints, 0), _elem_ptr(ints, 1), _elem_ptr(ints, 2), _elem_ptr(flts, 0),
+          _elem_ptr(b, b_off), _elem_ptr(ints, 3), _elem_ptr(a, a_off), _elem_ptr(ints, 4),
+          _elem_ptr(flts, 1), _elem_ptr(c, c_off), _elem_ptr(ints, 5))

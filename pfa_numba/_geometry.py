@@ -8,7 +8,7 @@ from numpy.lib.stride_tricks import as_strided
 T_Q, T_K, T_V, T_O, T_L, T_M, T_P = range(7)
 # the params vector of the kernels
 (P_N, P_G, P_D, P_CODE, P_MASK, P_PSE, P_IP, P_LSE, P_ROWS, P_COLS, P_THREADS, P_OCODE,
- P_FLAGS, P_SUB, P_SEG, P_GEMM) = range(16)
+ P_FLAGS, P_SUB, P_SEG, P_GEMM, P_BLAS) = range(17)
 
 
 def readonly_dummy(dtype):

@@ -8,8 +8,11 @@ Compiler flags are read once, when the kernels are compiled.
 #: Query rows per CPU work item, summed over the G query heads that share one kv head
 #: (a work item holds ``max(1, CPU_Q_ROWS // G)`` rows of each of those heads).
 #: Key/value columns per CPU tile.
-#: Measured 2026-11-29, fp32 (1, 4, 2048, 128), 1 thread: 512 x 512 tiles 74 GFLOP/s, 256 x 512
-#: 65, 128 x 512 61, 512 x 256 64, 1024 x 512 70 (the GEMM N = query rows wants to be large).
+#: Measured 2026-11-29, fp32 (1, 4, 2048, 128), 1 thread, BLAS products: 512 x 512 tiles 74
+#: GFLOP/s, 256 x 512 65, 128 x 512 61, 512 x 256 64, 1024 x 512 70 (the GEMM N = query rows
+#: wants to be large). With the AVX-512 register blocks, 2 threads, time relative to 512 x 512:
+#: (1, 16, 2048, 128) 256 x 512 1.06, 512 x 256 1.03, 1024 x 512 0.98, 512 x 1024 0.98, 384 x 384
+#: 1.02; (1, 16, 1024, 64) 1.09 / 1.12 / 1.00 / 0.98 / 1.10.
 CPU_Q_ROWS = 512
 CPU_KV_COLS = 512
 
@@ -21,7 +24,9 @@ CPU_KV_COLS = 512
 #: 64 kept for narrow bands. Inside tiles, fp32 (1, 16, 2048, 128): 64 / 128 / 256 / 512 rows
 #: 329 / 293 / 273 / 260 ms, so 512 = whole tiles. bf16 on AMX keeps its scores and bf16 P
 #: in L2 with short segments: (1, 16, 2048, 128), 2 threads, 64 / 128 / 256 / 512 rows ran
-#: 104 / 113 / 118 / 119 ms (1 thread: within noise).
+#: 104 / 113 / 118 / 119 ms (1 thread: within noise). With the AVX-512 register blocks (2
+#: threads), inside segments of 256 / 128 / 64 rows ran 1.05 / 1.05 / 1.05x the time of 512 at
+#: (1, 16, 2048, 128) and 0.97 / 0.96 / 1.01x at (1, 16, 1024, 64): 512 kept.
 CPU_SUB_ROWS = 64
 CPU_SEG_ROWS = 512
 CPU_AMX_SEG_ROWS = 64

@@ -20,6 +20,7 @@ tile, so a layout change never copies and only two kernels are compiled (uint16 
 storage). Per-thread buffers are O(rows x kv tile); no Sq x Skv matrix exists. Each work item
 is computed by one thread in a fixed order, so results do not depend on the thread count.
 """
+import contextlib
 import threading
 
 import numba
@@ -28,11 +29,11 @@ from numba import njit, prange
 
 from . import config
 from ._geometry import (P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE,
-                        P_ROWS, P_SEG, P_SUB, P_THREADS, P_GEMM, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, geometry,
+                        P_ROWS, P_SEG, P_SUB, P_THREADS, P_GEMM, P_BLAS, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, geometry,
                         scale_factors)
 from . import _amx, _gemm
 from ._amx import BLOCK, gemm_bf16, padded, tile_config
-from ._blas import gemm_rm, scratch
+from ._blas import gemm_rm, scratch, sgemm_address
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
 from ._vector import prefetch, wide_vectors
 from ._plan import storage_code
@@ -290,7 +291,7 @@ def f32_widths(params):
 
 @njit(fastmath=_FM, cache=True)
 def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scales,
-           b, g, i0, qb, sb, tb, acc, kb, vb, kx, m, l, alpha, ints, flts, chars):
+           b, g, i0, qb, sb, tb, acc, kb, vb, kx, m, l, alpha, blas):
     """One work item in float32: rows of positions [i0, i1) of the G query heads of kv head g
     in batch b (see :func:`_item`). The tile products run on the register-blocked kernels of
     _gemm (params[P_GEMM]) or on BLAS."""
@@ -358,7 +359,7 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
                                    None)
                     else:
                         lds = ns
-                        gemm_rm(ints, flts, chars, nrow, ns, D, qb, r0 * D, D, True, kb,
+                        gemm_rm(blas, nrow, ns, D, qb, r0 * D, D, True, kb,
                                 (cl - j0) * D, D, sb, 0, ns, F32_ZERO)
                     s2 = sb[:nrow * lds].reshape(nrow, lds)
                     _softmax_rows(s2, r0, r1, ns, no_p3, False, inside, i0, g, b, cl, mask8,
@@ -374,7 +375,7 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
                         sb[nrow * lds:padded_rows(nrow) * lds] = F32_ZERO
                         accumulate(sb, lds, vb, vo, ldv, acc, r0 * ldv, ldv, nrow, ns)
                     else:
-                        gemm_rm(ints, flts, chars, nrow, D, ns, sb, 0, lds, False, vb, vo, ldv,
+                        gemm_rm(blas, nrow, D, ns, sb, 0, lds, False, vb, vo, ldv,
                                 acc, r0 * ldv, ldv, F32_ONE)
                 r0 = r1
     _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, i1, acc, ldv, m, l, tb,
@@ -682,11 +683,11 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
         alpha = np.empty(rows, np.float32)
-        ints, flts, chars = scratch()
+        blas = scratch(params[P_BLAS])
         for w in range(t, n_items, nthr):
             _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params,
                    scales, work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, kx, m,
-                   l, alpha, ints, flts, chars)
+                   l, alpha, blas)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -713,7 +714,7 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
         alpha = np.empty(rows, np.float32)
         qb = sb2 = acc2 = kb = vb = np.empty(0, np.float32)
         kx = np.empty(0, np.int32)
-        ints, flts, chars = scratch()
+        blas = scratch(params[P_BLAS])
         for w in range(t, n_items, nthr):
             if not _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens,
                               params, scales, work[w, 0], work[w, 1], work[w, 2], cfg, qh, kt,
@@ -722,7 +723,7 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
                     qb, sb2, acc2, kb, vb, kx = _f32_buffers(params)
                 _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens,
                        params, scales, work[w, 0], work[w, 1], work[w, 2], qb, sb2, tb, acc2, kb,
-                       vb, kx, m, l, alpha, ints, flts, chars)
+                       vb, kx, m, l, alpha, blas)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -759,7 +760,7 @@ def _f64_to_f16(x):
 
 @njit(fastmath=_FM, cache=True)
 def _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, params, qp, b, g, i0,
-                qb, sb, tb, acc, kb, vb, m, l, ints, flts, chars):
+                qb, sb, tb, acc, kb, vb, m, l, blas):
     """One work item of the int8 pipeline: pass 1 finds each row's max score, pass 2
     quantizes E = exp(s - m) against it and accumulates P8 . V exactly."""
     G = params[P_G]
@@ -801,7 +802,7 @@ def _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, param
                     _load_row(k2, c, k, k_base + (j0 + c) * strides[T_K, 1], strides[T_K, 2],
                               D, CODE_F32, F32_ONE)
                 s2 = sb[:R * nc].reshape(R, nc)
-                gemm_rm(ints, flts, chars, R, nc, D, qb, 0, D, True, kb, 0, D, sb, 0, nc,
+                gemm_rm(blas, R, nc, D, qb, 0, D, True, kb, 0, D, sb, 0, nc,
                         F32_ZERO)
                 inside = tile_inside_band(i0, i1, j0, j1, pre_e, next_e)
                 for rr in range(R):
@@ -832,7 +833,7 @@ def _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, param
                         _load_row(v2, c, v, v_base + (j0 + c) * strides[T_V, 1],
                                   strides[T_V, 2], D, CODE_F32, F32_ONE)
                     t2 = tb[:R * D].reshape(R, D)
-                    gemm_rm(ints, flts, chars, R, D, nc, sb, 0, nc, False, vb, 0, D, tb, 0, D,
+                    gemm_rm(blas, R, D, nc, sb, 0, nc, False, vb, 0, D, tb, 0, D,
                             F32_ZERO)
                     for rr in range(R):
                         arow = a2[rr]
@@ -888,11 +889,11 @@ def _attention_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, w
         vb = np.empty(tk * D, np.float32)
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
-        ints, flts, chars = scratch()
+        blas = scratch(params[P_BLAS])
         for w in range(t, n_items, nthr):
             _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, params, qp,
                         work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, m, l,
-                        ints, flts, chars)
+                        blas)
 
 
 def _work_items(p, rows_per_head):
@@ -916,34 +917,32 @@ def _work_items(p, rows_per_head):
     return work
 
 
-class _BlasOneThread:
-    """Holds the BLAS libraries to one thread while the parallel kernel runs (cheap, cached),
-    and serialises calls: Numba's parallel runtime and BLAS limits are process-wide."""
+class _OneCallAtATime:
+    """Serialises kernel calls (Numba's parallel runtime and BLAS limits are process-wide) and,
+    for a call that uses BLAS, holds the BLAS libraries to one thread while the parallel kernel
+    runs (cheap, cached)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._controller = None
 
-    def __enter__(self):
-        self._lock.acquire()
-        try:
+    @contextlib.contextmanager
+    def __call__(self, blas):
+        with self._lock:
+            if not blas:
+                yield
+                return
             if self._controller is None:
                 from threadpoolctl import ThreadpoolController
                 self._controller = ThreadpoolController()
-            self._limit = self._controller.limit(limits=1, user_api="blas")
-        except BaseException:
-            self._lock.release()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            self._limit.restore_original_limits()
-        finally:
-            self._lock.release()
+            limit = self._controller.limit(limits=1, user_api="blas")
+            try:
+                yield
+            finally:
+                limit.restore_original_limits()
 
 
-_blas_one_thread = _BlasOneThread()
+_one_call_at_a_time = _OneCallAtATime()
 
 
 def tile_shape(p):
@@ -1004,14 +1003,16 @@ def run(p):
         nthreads = max(1, min(int(nthreads), work.shape[0]))
         ocode = CODE_F16 if direct_dtype == np.float16 else storage_code(np.dtype(direct_dtype))
         amx = p.dtype != np.int8 and use_amx(p)
+        own = use_register_blocks()
+        blas = p.dtype == np.int8 or not own          # the int8 kernel's products are BLAS
         params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None,
                            p.inner_precise, p.want_lse or int8_out, rows_per_head, kv_cols,
-                           nthreads, ocode, int8_out, sub_rows(), seg_rows(amx),
-                           use_register_blocks()], dtype=np.int64)
+                           nthreads, ocode, int8_out, sub_rows(), seg_rows(amx), own,
+                           sgemm_address() if blas else 0], dtype=np.int64)
         lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e]).astype(np.int64)
         qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out, lse)
         l_flat, f_flat = lse.reshape(-1), flags.reshape(-1)
-        with _blas_one_thread:
+        with _one_call_at_a_time(blas):
             if p.dtype == np.int8:
                 qp = np.array([quant.deq1, np.float16(p.scale), quant.quant1, quant.deq2],
                               dtype=np.float32)
