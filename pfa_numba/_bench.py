@@ -16,10 +16,12 @@ import numpy as np
 from . import prompt_flash_attention, reference
 
 INF = 2147483647
-#: pause before each timed call: BLAS and OpenMP worker threads spin for a while after a call
-#: (OpenBLAS about 0.1 s), taking a core from whichever implementation runs next. Measured
-#: with the pause left out, fp32 dense (1, 16, 2048, 128) right after NumPy's naive attention
-#: took 294 ms for pfa_numba against 197 ms alone.
+#: Before each timed call: a pause, then one untimed call of the same implementation. BLAS and
+#: OpenMP worker threads spin for a while after a call (OpenBLAS about 0.1 s), taking a core
+#: from whichever implementation runs next: fp32 dense (1, 16, 2048, 128) right after NumPy's
+#: naive attention took 294 ms for pfa_numba against 197 ms alone. And this virtual machine
+#: wakes slowly from a pause: a 10 ms call right after 0.1 s idle took 9-108 ms; the untimed
+#: call takes that (sleep + untimed call: (1, 16, 1024, 64) 36 ms, sleep alone 65 ms).
 QUIET_S = 0.25
 
 
@@ -229,6 +231,7 @@ def run(cases, repeats=5, progress=True):
         for _ in range(repeats):              # interleaved repeats
             for name, f in impls.items():
                 time.sleep(QUIET_S)
+                f()
                 t0 = time.perf_counter()
                 f()
                 times[name].append(time.perf_counter() - t0)

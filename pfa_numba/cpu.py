@@ -258,17 +258,24 @@ def _prefetch_row(src, off, n):
 
 
 @njit(fastmath=_FM, cache=True)
-def _pack_kt(kt, src, base, row_stride, sd, nc, D, code):
+def _pack_kt(kt, src, base, row_stride, sd, nc, D, code, tb):
     """K tile (nc rows from src, widened) as K^T panels for _gemm.scores: kt[p * PANEL * D +
-    d * PANEL + c] = K[p * PANEL + c, d]; the last panel's columns past nc are zero."""
+    d * PANEL + c] = K[p * PANEL + c, d]; the last panel's columns past nc are zero. Rows are
+    widened 16 at a time into ``tb`` (16 * D values; vectorised) and then transposed."""
     wide_vectors()
-    for c in range(nc):
-        dst = (c // PANEL) * PANEL * D + c % PANEL
-        off = base + c * row_stride
-        if c + _PF_ROWS < nc:
-            _prefetch_row(src, off + _PF_ROWS * row_stride, D * sd)
+    tmp = tb[:16 * D].reshape(16, D)
+    for c0 in range(0, nc, 16):
+        cn = min(16, nc - c0)
+        for cc in range(cn):
+            off = base + (c0 + cc) * row_stride
+            if c0 + cc + _PF_ROWS < nc:
+                _prefetch_row(src, off + _PF_ROWS * row_stride, D * sd)
+            _load_row(tmp, cc, src, off, sd, D, code, F32_ONE)
+        dst = (c0 // PANEL) * PANEL * D + c0 % PANEL      # the 16 columns share a panel
         for d in range(D):
-            kt[dst + d * PANEL] = widen(src[off + d * sd], code)
+            col = kt[dst + d * PANEL:dst + d * PANEL + cn]
+            for cc in range(cn):
+                col[cc] = tmp[cc, d]
     last = (nc // PANEL) * PANEL * D
     for c in range(nc % PANEL, PANEL if nc % PANEL else 0):
         for d in range(D):
@@ -323,7 +330,7 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
             v2 = vb[:nc * ldv].reshape(nc, ldv)
             if own:
                 _pack_kt(kb, k, k_base + j0 * strides[T_K, 1], strides[T_K, 1], strides[T_K, 2],
-                         nc, D, code)
+                         nc, D, code, tb)
             else:
                 k2 = kb[:nc * D].reshape(nc, D)
             for c in range(nc):
@@ -679,7 +686,7 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
     D, rows, tk, nthr, n_items = _sizes(params, work)
     for t in prange(nthr):
         qb, sb, acc, kb, vb, kx = _f32_buffers(params)
-        tb = np.empty(D, np.float32)
+        tb = np.empty(16 * D, np.float32)        # _pack_kt's 16 rows, _finish's one
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
         alpha = np.empty(rows, np.float32)
@@ -708,7 +715,7 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
         pp = np.empty(2 * Rp * Cp, np.uint16)
         sb = np.empty(Rp * Cp, np.float32)
         acc = np.empty(Rp * Dp, np.float32)
-        tb = np.empty(D, np.float32)
+        tb = np.empty(16 * D, np.float32)      # also _pack_kt's 16 rows (fallback)
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
         alpha = np.empty(rows, np.float32)
