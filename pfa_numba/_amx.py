@@ -25,6 +25,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from ._vector import llvm_function
+
 #: rows and columns of the float32 block one product step computes (2 x 2 tiles)
 BLOCK = 32
 
@@ -64,11 +66,7 @@ def _probe():
 
 
 def _declare(builder, name, argtys):
-    mod = builder.module
-    fn = mod.globals.get(name)
-    if fn is None:
-        fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), argtys), name)
-    return fn
+    return llvm_function(builder, name, ir.VoidType(), argtys)
 
 
 def _literals(*tys):

@@ -28,7 +28,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._vector import wide_vectors
+from ._vector import llvm_function, wide_vectors
 
 #: rows of one register block
 MR = 6
@@ -58,15 +58,8 @@ def available():
     return _available
 
 
-def _function(builder, name, ret, args):
-    fn = builder.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(builder.module, ir.FunctionType(ret, args), name)
-    return fn
-
-
 def _fma(builder, a, b, c):
-    return builder.call(_function(builder, f"llvm.fma.v{LANES}f32", _V, [_V, _V, _V]), [a, b, c])
+    return builder.call(llvm_function(builder, f"llvm.fma.v{LANES}f32", _V, [_V, _V, _V]), [a, b, c])
 
 
 def _order_key(builder, x):
@@ -143,7 +136,7 @@ def _register_block(nv, accumulate):
                     for j in range(nv):
                         key = _order_key(builder, builder.load(accs[r][j]))
                         best = key if best is None else _smax(builder, best, key)
-                    top = builder.call(_function(builder, f"llvm.vector.reduce.smax.v{LANES}i32",
+                    top = builder.call(llvm_function(builder, f"llvm.vector.reduce.smax.v{LANES}i32",
                                                  _I32, [_VI]), [best])
                     slot = builder.gep(kp, [ir.Constant(_I64, r)])
                     old = builder.load(slot)

@@ -31,6 +31,15 @@ _I8P = ir.IntType(8).as_pointer()
 _I32 = ir.IntType(32)
 
 
+def llvm_function(builder, name, ret, args):
+    """The declaration of LLVM function (intrinsic) ``name`` in the builder's module, added on
+    first use."""
+    fn = builder.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(builder.module, ir.FunctionType(ret, args), name)
+    return fn
+
+
 @intrinsic
 def prefetch(typingctx, arr, idx):
     """Software prefetch of the cache line holding ``arr.flat[idx]`` into L1 (no fault on any
@@ -41,11 +50,7 @@ def prefetch(typingctx, arr, idx):
     def codegen(context, builder, sig, args):
         ary = context.make_array(sig.args[0])(context, builder, args[0])
         ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), _I8P)
-        fn = builder.module.globals.get("llvm.prefetch.p0")
-        if fn is None:
-            fn = ir.Function(builder.module,
-                             ir.FunctionType(ir.VoidType(), [_I8P, _I32, _I32, _I32]),
-                             "llvm.prefetch.p0")
+        fn = llvm_function(builder, "llvm.prefetch.p0", ir.VoidType(), [_I8P, _I32, _I32, _I32])
         # read, highest temporal locality, data cache
         builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
         return context.get_dummy_value()
