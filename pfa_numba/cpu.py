@@ -28,9 +28,9 @@ import numpy as np
 from numba import njit, prange
 
 from . import config
-from ._geometry import (P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE,
-                        P_ROWS, P_SEG, P_SUB, P_THREADS, P_GEMM, P_BLAS, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, geometry,
-                        scale_factors)
+from ._geometry import (P_BLAS, P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_GEMM, P_IP, P_LSE, P_MASK,
+                        P_OCODE, P_PSE, P_ROWS, P_SEG, P_SUB, P_THREADS, T_K, T_L, T_M, T_O, T_P,
+                        T_Q, T_V, geometry, scale_factors)
 from . import _amx, _gemm
 from ._amx import BLOCK, gemm_bf16, padded, tile_config
 from ._blas import gemm_rm, scratch, sgemm_address
@@ -243,8 +243,6 @@ def _softmax_rows(s2, r0, r1, nc, p3, split, inside, i0, g, b, cl, mask8, mask16
         _online_row(s2, r, nc, rr, m, l, alpha, p3, split, keys)
 
 
-_KEY_NEG_INF = np.int32(-2139095041)    # order_key(-inf)
-
 _PF_ROWS = 8          # K / V rows are prefetched this many rows ahead of their load
 
 
@@ -358,7 +356,7 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
                         if inside and not any_user and ns == lds:
                             # the product also takes the row maxima (no column past ns)
                             keys = kx[:padded_rows(nrow)]
-                            keys[:] = _KEY_NEG_INF
+                            keys[:] = order_key(F32_NEG_INF)
                             scores(qb, r0 * D, D, kb, (cl - j0) * D, D, sb, lds, nrow, panels(ns),
                                    keys)
                         else:

@@ -2,7 +2,7 @@
 
 Tiles are patched to small odd sizes (from ``config``) so every case crosses several query and
 kv tile edges; a few cases run at the default tiles too. The case matrix runs on both float32
-product paths (register blocks and BLAS; bf16 then takes the float32 path too).
+product paths (register blocks and BLAS; on the BLAS path bf16 leaves AMX for it too).
 """
 import itertools
 import warnings
@@ -68,7 +68,8 @@ def _call_args(rng, dt, layout, mode, b, n, nkv, sq, skv, d, tok, lens):
 
 
 @pytest.mark.parametrize("dt,layout,mode,b,n,nkv,sq,skv,d,tok,lens", _matrix())
-def test_matrix_small_tiles(small_tiles, products, dt, layout, mode, b, n, nkv, sq, skv, d, tok, lens):
+def test_matrix_small_tiles(small_tiles, products, dt, layout, mode, b, n, nkv, sq, skv, d, tok,
+                            lens):
     rng = np.random.default_rng(abs(hash((dt, layout, mode, sq, skv, d))) % 2 ** 32)
     args, kw = _call_args(rng, dt, layout, mode, b, n, nkv, sq, skv, d, tok, lens)
     copies = [None if a is None else a.copy() for a in args]
