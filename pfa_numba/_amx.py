@@ -18,14 +18,12 @@ import ctypes
 import platform
 import sys
 
-import numba
 import numpy as np
-from llvmlite import binding as _llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from ._vector import llvm_function
+from ._vector import host_has, llvm_function
 
 #: rows and columns of the float32 block one product step computes (2 x 2 tiles)
 BLOCK = 32
@@ -53,15 +51,12 @@ def available():
 def _probe():
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    if numba.config.CPU_NAME not in (None, "host"):
-        return False              # compiling for another CPU: it may lack AMX
+    if not (host_has("amx-tile") and host_has("amx-bf16")):
+        return False              # no AMX, or compiling for another CPU that may lack it
     try:
-        feats = _llvm.get_host_cpu_features()
-        if not (feats.get("amx-tile") and feats.get("amx-bf16")):
-            return False
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
-    except (OSError, AttributeError, RuntimeError):
+    except (OSError, AttributeError):
         return False
 
 

@@ -332,20 +332,27 @@ def order_key(x):
     """float32 -> int32 with the same order (-inf smallest, NaN of either sign largest).
 
     An integer max vectorises where a float max does not; the map is its own inverse
-    (see :func:`from_order_key`).
+    (see :func:`from_order_key`). Every step is cast back to int32 (Numba widens int32
+    arithmetic to int64, which would halve the vector lanes of a max over keys).
     """
     x = np.float32(x)
     i = f32_as_i32(x)
-    a = i & np.int32(0x7FFFFFFF)
+    a = np.int32(i & np.int32(0x7FFFFFFF))
     # every NaN as a positive one: x86's default NaN (inf - inf, 0 * inf) has the sign bit set
     i = a if a > np.int32(0x7F800000) else i
-    return i ^ ((i >> np.int32(31)) & np.int32(0x7FFFFFFF))
+    return _flip_negative(i)
+
+
+@jit
+def _flip_negative(i):
+    """i ^ 0x7fffffff for negative i (reverses the order of negative floats' bits), in int32."""
+    return np.int32(i ^ np.int32(np.int32(i >> np.int32(31)) & np.int32(0x7FFFFFFF)))
 
 
 @jit
 def from_order_key(k):
     """Inverse of :func:`order_key`."""
-    return i32_as_f32(k ^ ((k >> np.int32(31)) & np.int32(0x7FFFFFFF)))
+    return i32_as_f32(_flip_negative(np.int32(k)))
 
 
 @jit

@@ -21,14 +21,12 @@ Layouts (all float32, flat buffers with element offsets):
 ``available()`` says whether the host runs these natively; without AVX-512 the CPU kernel calls
 BLAS instead.
 """
-import numba
-from llvmlite import binding as _llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._vector import llvm_function, wide_vectors
+from ._vector import host_has, llvm_function, wide_vectors
 
 #: rows of one register block
 MR = 6
@@ -50,11 +48,7 @@ def available():
     """True when Numba compiles for this host and the host has AVX-512F."""
     global _available
     if _available is None:
-        try:
-            host = numba.config.CPU_NAME in (None, "host")
-            _available = bool(host and _llvm.get_host_cpu_features().get("avx512f"))
-        except (RuntimeError, AttributeError):
-            _available = False
+        _available = host_has("avx512f")
     return _available
 
 

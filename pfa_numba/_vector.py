@@ -1,14 +1,20 @@
-"""Full-width SIMD for the CPU kernel's elementwise loops.
+"""Vector-level helpers for the CPU kernel's loops.
 
-LLVM's x86 backend prefers 256-bit vectors on AVX-512 CPUs (a frequency trade-off made for
-mixed code). The softmax, packing and rescale loops of the CPU kernel are pure vector
-arithmetic between BLAS / AMX calls, and run 1.5-1.8x faster in 512-bit registers (measured:
-exp pass 0.50 -> 0.33 ns/element, row max 0.23 -> 0.15). :func:`wide_vectors`, called first in a
-function, sets that function's LLVM attributes ``prefer-vector-width`` and
-``min-legal-vector-width`` to 512; on CPUs without AVX-512 they change nothing.
+- :func:`wide_vectors`: LLVM's x86 backend prefers 256-bit vectors on AVX-512 CPUs (a frequency
+  trade-off made for mixed code). The softmax, packing and rescale loops of the CPU kernel are
+  pure vector arithmetic between the tile products, and run 1.5-1.8x faster in 512-bit
+  registers (measured: exp pass 0.50 -> 0.33 ns/element, row max 0.23 -> 0.15). Called first in
+  a function, it sets that function's LLVM attributes ``prefer-vector-width`` and
+  ``min-legal-vector-width`` to 512; on CPUs without AVX-512 they change nothing.
+- :func:`aligned_empty`: scratch buffers that start a cache line.
+- :func:`prefetch`, :func:`bf16_bits_hw`, :func:`host_has`, :func:`llvm_function`: single
+  instructions (and the host check for them) that NumPy-style code cannot name.
 """
+import numba
+import numpy as np
+from llvmlite import binding as _llvm
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic
 
 _ATTRIBUTES = ('"prefer-vector-width"="512"', '"min-legal-vector-width"="512"')
@@ -56,3 +62,53 @@ def prefetch(typingctx, arr, idx):
         return context.get_dummy_value()
 
     return types.none(arr, idx), codegen
+
+
+#: bytes of alignment of the kernel's scratch buffers: one cache line, so that no 64-byte
+#: vector load and no AMX tile row straddles two lines
+LINE = 64
+
+
+@njit(cache=True)
+def aligned_empty(n, dtype):
+    """An uninitialised 1-d array of n ``dtype`` values whose first element starts a cache
+    line. Numba's allocator aligns to 16 or 32 bytes only; a tile load from an address 32 bytes
+    past a line boundary takes 4-5x as long (measured: 21-28 ns vs 4.8 ns per 1 KiB tile)."""
+    buf = np.empty(n + LINE, dtype)
+    off = (LINE - buf.ctypes.data % LINE) % LINE // buf.itemsize
+    return buf[off:off + n]
+
+
+class _BFloat(ir.types._BaseFloatType):
+    """LLVM's ``bfloat`` (llvmlite.ir names half, float and double only)."""
+    null = "0.0"
+    intrinsic_name = "bf16"
+
+    def __str__(self):
+        return "bfloat"
+
+
+_BFloat._create_instance()
+
+
+def host_has(feature):
+    """True when Numba compiles for this host and the host CPU has ``feature`` (LLVM name)."""
+    try:
+        return (numba.config.CPU_NAME in (None, "host")
+                and bool(_llvm.get_host_cpu_features().get(feature)))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+@intrinsic
+def bf16_bits_hw(typingctx, x):
+    """float32 -> bfloat16 bits (round to nearest even) by LLVM's fptrunc, which vectorises to
+    VCVTNEPS2BF16. Only for code compiled where ``host_has("avx512bf16")``: elsewhere LLVM
+    would call a runtime function that Numba does not link. The instruction flushes results
+    below 2^-126 to zero."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], _BFloat()), ir.IntType(16))
+    return types.uint16(x), codegen

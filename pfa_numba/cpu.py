@@ -8,11 +8,10 @@ loaded K/V tile serves the whole GQA group and the tile products are large GEMMs
     per row: pse, fp16 mask, band / user mask (-inf), running max m, p = exp(s - m), sum l
     acc = acc * exp(m_old - m_new);  acc += P @ V_tile   (accumulating in place)
 
-The products run on the register-blocked AVX-512 kernels of ``_gemm`` (K packed into K^T
-panels as it is loaded) or, on hosts without AVX-512, on SciPy's BLAS sgemm; bf16 storage runs
-them on AMX where the host has it (``_amx``).
-
-and the division by l happens once, at the end (deferred normalisation). Tiles that lie wholly
+and the division by l happens once, at the end (deferred normalisation). The products run on
+the register-blocked AVX-512 kernels of ``_gemm`` (K packed into K^T panels as it is loaded)
+or, on hosts without AVX-512, on SciPy's BLAS sgemm; bf16 storage runs them on AMX where the
+host has it (``_amx``). Per-thread tile buffers start a cache line. Tiles that lie wholly
 outside the band or past kL are never visited; tiles wholly inside the band (with no user mask
 or pse) touch no per-element mask. Q/K/V are read in place through strided views of their
 memory (a flat read-only array plus element offsets), fp16/bf16 as uint16 bits widened per
@@ -35,11 +34,11 @@ from . import _amx, _gemm
 from ._amx import BLOCK, gemm_bf16, padded, tile_config
 from ._blas import gemm_rm, scratch, sgemm_address
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
-from ._vector import prefetch, wide_vectors
+from ._vector import aligned_empty, bf16_bits_hw, host_has, prefetch, wide_vectors
 from ._plan import storage_code
 from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32_NEG_INF, F32_ONE,
                     F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32,
-                    block_kv_range, exp_nonpos, f16_to_f32, f32_as_u32, f32_to_f16,
+                    block_kv_range, exp_nonpos, f16_to_f32, f32_as_u32, f32_to_bf16, f32_to_f16,
                     from_order_key, lse_value, max_nan, order_key, quantize_output,
                     rescale_factor, round_f16, round_half_even, row_band, saturate_int8, store,
                     tile_inside_band, u32_as_f32, widen)
@@ -75,6 +74,28 @@ def _load_row(dst, r, src, off, stride, n, code, factor):
             dst[r, d] = widen(src[off + d * stride], code) * factor
 
 
+@njit(cache=True)          # no fast-math: a true division, not times an estimate of 1 / div
+def _store_row(dst, off, stride, row, r0, div, n, code):
+    """dst[off + d*stride] = row[r0 + d] / div in the storage of ``code`` (rounded to nearest
+    even), d < n; one loop per code for contiguous rows, so that each vectorises (see
+    :func:`_load_row`)."""
+    wide_vectors()
+    if stride == 1:
+        base = np.uint64(off)
+        if code == CODE_F16:
+            for d in range(n):
+                dst[base + np.uint64(d)] = f32_to_f16(row[r0 + d] / div)
+        elif code == CODE_BF16:
+            for d in range(n):
+                dst[base + np.uint64(d)] = f32_to_bf16(row[r0 + d] / div)
+        else:
+            for d in range(n):
+                dst[base + np.uint64(d)] = row[r0 + d] / div
+    else:
+        for d in range(n):
+            store(dst, off + d * stride, row[r0 + d] / div, code)
+
+
 @njit(fastmath=_FM, cache=True)
 def _all_finite(buf, n):
     """True when buf[:n] holds no inf or NaN (x * 0 is 0 only for finite x)."""
@@ -86,23 +107,34 @@ def _all_finite(buf, n):
 
 
 @njit(fastmath=_FM, cache=True)
-def _row_max(s2, r, n):
-    """max of s2[r, :n] through order-preserving int keys (vectorises; -inf / NaN exact)."""
+def _row_max(s2, r, n, f):
+    """max over c < n of the float32 products s2[r, c] * f, through order-preserving int keys
+    (vectorises; -inf / NaN exact). Rounding is monotonic, so that is f times the largest raw
+    score (f >= 0) or the smallest (f < 0, with a NaN anywhere giving NaN): the row need not be
+    scaled first."""
     wide_vectors()
-    mk = order_key(F32_NEG_INF)
+    hi = order_key(F32_NEG_INF)
+    if f >= F32_ZERO:
+        for c in range(n):
+            kx = order_key(s2[r, c])
+            hi = kx if kx > hi else hi
+        return from_order_key(hi) * f
+    lo = order_key(F32_POS_INF)
     for c in range(n):
         kx = order_key(s2[r, c])
-        mk = kx if kx > mk else mk
-    return from_order_key(mk)
+        hi = kx if kx > hi else hi
+        lo = kx if kx < lo else lo
+    top = from_order_key(hi)
+    return top if top != top else from_order_key(lo) * f
 
 
 @njit(fastmath=_FM, cache=True)
-def _exp_row(s2, r, n, m):
-    """s2[r, :n] = exp(s2[r, :n] - m) in place; returns the sum."""
+def _exp_row(s2, r, n, m, f):
+    """s2[r, :n] = exp(s2[r, :n] * f - m) in place; returns the sum."""
     wide_vectors()
     s = F32_ZERO
     for c in range(n):
-        p = exp_nonpos(s2[r, c] - m)
+        p = exp_nonpos(s2[r, c] * f - m)
         s2[r, c] = p
         s += p
     return s
@@ -150,13 +182,15 @@ def _prepare_row(s2, r, nc, i, n, b, j0, inside, kl, pre_e, next_e, mask8, mask1
 
 
 @njit(fastmath=_FM, cache=True)
-def _online_row(s2, r, nc, rr, m, l, alpha, p3, split, keys):
-    """Online-softmax step of scores s2[r, :nc] (query row rr): update m and l, set alpha (the
-    acc rescale factor) and turn the scores into p = exp(s - m): in place, or (``split``)
-    into bf16 hi / lo parts p3[r, 0] and p3[r, 1]. The row's max is from_order_key(keys[r])
-    where the product computed it (``keys`` not empty), else taken here."""
+def _online_row(s2, r, nc, rr, m, l, alpha, p3, split, keys, f):
+    """Online-softmax step of the scores s2[r, :nc] * f (query row rr): update m and l, set
+    alpha (the acc rescale factor) and turn the scores into p = exp(s * f - m): in place, or
+    (``split``) into bf16 hi / lo parts p3[r, 0] and p3[r, 1]. The row's max is
+    from_order_key(keys[r]) where the product computed it (``keys`` not empty; f is 1 then),
+    else taken here."""
+    wide_vectors()
     m_old = m[rr]
-    mx = from_order_key(keys[r]) if keys.size else _row_max(s2, r, nc)
+    mx = from_order_key(keys[r]) if keys.size else _row_max(s2, r, nc, f)
     m_new = max_nan(m_old, mx)
     if m_new == F32_NEG_INF:
         if split:
@@ -167,9 +201,9 @@ def _online_row(s2, r, nc, rr, m, l, alpha, p3, split, keys):
         return
     a = rescale_factor(m_old, m_new)
     if split:
-        s = _exp_row_split(s2, r, nc, m_new, p3)
+        s = _exp_row_split(s2, r, nc, m_new, p3, f)
     else:
-        s = _exp_row(s2, r, nc, m_new)
+        s = _exp_row(s2, r, nc, m_new, f)
     l[rr] = l[rr] * a + s
     m[rr] = m_new
     alpha[rr] = a
@@ -224,23 +258,26 @@ def _segment(params, lens, b, i0, i1, j0, j1, r0, R, align):
 @njit(fastmath=_FM, cache=True)
 def _softmax_rows(s2, r0, r1, nc, p3, split, inside, i0, g, b, cl, mask8, mask16, pse, params,
                   strides, boff, lens, scale, m, l, alpha, keys):
-    """Rows [r0, r1) of a segment's scores s2[rr - r0, :nc] (columns from cl): scaled by
-    ``scale`` (when not 1), masked where needed, then the online-softmax step; p goes in place
-    or (``split``) into p3[rr - r0] as bf16 hi / lo parts. ``keys`` (empty: none): the order
-    keys of the row maxima of unscaled, unmasked scores, from the product."""
+    """Rows [r0, r1) of a segment's scores s2[rr - r0, :nc] (columns from cl), times ``scale``:
+    masked where needed, then the online-softmax step; p goes in place or (``split``) into
+    p3[rr - r0] as bf16 hi / lo parts. Rows that need no mask are scaled inside the max and exp
+    passes; the others are scaled first. ``keys`` (empty: none): the order keys of the row
+    maxima of unmasked scores (scale 1), from the product."""
     G = params[P_G]
     mask_kind = params[P_MASK]
     has_pse = params[P_PSE] != 0
     any_user = mask_kind != 0 or has_pse
     for rr in range(r0, r1):
         r = rr - r0
-        if scale != F32_ONE:
-            _scale_row(s2, r, nc, scale)
+        f = scale
         if any_user or not inside:
+            if scale != F32_ONE:
+                _scale_row(s2, r, nc, scale)
+            f = F32_ONE
             _prepare_row(s2, r, nc, i0 + rr // G, g * G + rr % G, b, cl, inside, lens[1, b],
                          lens[2, b], lens[3, b], mask8, mask16, pse, strides, boff, mask_kind,
                          has_pse, params[P_CODE])
-        _online_row(s2, r, nc, rr, m, l, alpha, p3, split, keys)
+        _online_row(s2, r, nc, rr, m, l, alpha, p3, split, keys, f)
 
 
 _PF_ROWS = 8          # K / V rows are prefetched this many rows ahead of their load
@@ -426,12 +463,9 @@ def _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, i1, acc, 
         l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
         mm = m[rr] if computed else F32_NEG_INF
         if mm != F32_NEG_INF:
-            lr = l[rr]
-            arow = acc[rr * ld:rr * ld + D]
-            for d in range(D):
-                store(out, o_off + d * osd, arow[d] / lr, ocode)
+            _store_row(out, o_off, osd, acc, rr * ld, l[rr], D, ocode)
             if want_lse:
-                lse[l_off] = lse_value(mm, lr)
+                lse[l_off] = lse_value(mm, l[rr])
             if want_flags:
                 flags[l_off] = 1
         elif inner_precise < 2:
@@ -555,22 +589,24 @@ def _amx_pack_v(vv, src, base, row_stride, sd, nc, ncp, D, Dp):
     vv32[((nc + 1) // 2) * Dp:(ncp // 2) * Dp] = 0
 
 
+#: float32 -> bf16 bits, round to nearest even, for the low parts of p (finite, below 2^-7)
+_bf16_bits = bf16_bits_hw if host_has("avx512bf16") else f32_to_bf16
+
+
 @njit(fastmath=_FM, cache=True)
-def _exp_row_split(s2, r, n, m, p3):
-    """p = exp(s2[r, :n] - m) as two bf16 parts: hi (p truncated) in p3[r, 0], lo (the rest,
-    rounded to nearest even) in p3[r, 1]; hi + lo is p to a relative 2^-16, columns past n
-    are zero. Returns the float32 sum of p."""
+def _exp_row_split(s2, r, n, m, p3, f):
+    """p = exp(s2[r, :n] * f - m) as two bf16 parts: hi (p truncated) in p3[r, 0], lo (the
+    rest, rounded to nearest even) in p3[r, 1]; hi + lo is p to a relative 2^-16 (lo is 0 where
+    it would be below 2^-126), columns past n are zero. Returns the float32 sum of p."""
     wide_vectors()
     s = F32_ZERO
     for c in range(n):
-        p = exp_nonpos(s2[r, c] - m)
+        p = exp_nonpos(s2[r, c] * f - m)
         s += p
         # a NaN p is a quiet NaN, which truncation keeps
         u = f32_as_u32(p)
         p3[r, 0, c] = np.uint16(u >> np.uint32(16))
-        w = f32_as_u32(p - u32_as_f32(u & np.uint32(0xFFFF0000)))
-        p3[r, 1, c] = np.uint16((w + np.uint32(0x7FFF) + ((w >> np.uint32(16)) & np.uint32(1)))
-                                >> np.uint32(16))
+        p3[r, 1, c] = _bf16_bits(p - u32_as_f32(u & np.uint32(0xFFFF0000)))
     p3[r, :, n:] = 0
     return s
 
@@ -671,10 +707,11 @@ def _f32_buffers(params):
     """Per-thread buffers of :func:`_block`: (qb, sb, acc, kb, vb, kx)."""
     D = params[P_D]
     ldv, rows, tkp = f32_widths(params)
-    qb = np.zeros(rows * D, np.float32)      # rows past a work item's stay finite
-    return (qb, np.empty(rows * tkp, np.float32), np.empty(rows * ldv, np.float32),
-            np.empty(tkp * D, np.float32), np.empty(tkp * ldv, np.float32),
-            np.empty(rows, np.int32))
+    qb = aligned_empty(rows * D, np.float32)
+    qb[:] = F32_ZERO                         # rows past a work item's stay finite
+    return (qb, aligned_empty(rows * tkp, np.float32), aligned_empty(rows * ldv, np.float32),
+            aligned_empty(tkp * D, np.float32), aligned_empty(tkp * ldv, np.float32),
+            aligned_empty(rows, np.int32))
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -684,7 +721,7 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
     D, rows, tk, nthr, n_items = _sizes(params, work)
     for t in prange(nthr):
         qb, sb, acc, kb, vb, kx = _f32_buffers(params)
-        tb = np.empty(16 * D, np.float32)        # _pack_kt's 16 rows, _finish's one
+        tb = aligned_empty(16 * D, np.float32)   # _pack_kt's 16 rows, _finish's one
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
         alpha = np.empty(rows, np.float32)
@@ -706,14 +743,14 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
     Dp = padded(D)
     for t in prange(nthr):
         cfg = tile_config()
-        qh = np.empty(Rp * Dp, np.uint16)
-        kt = np.empty(Cp * Dp, np.uint16)
-        vv = np.empty(Cp * Dp, np.uint16)
-        tmp = np.empty(16 * Dp, np.uint32)
-        pp = np.empty(2 * Rp * Cp, np.uint16)
-        sb = np.empty(Rp * Cp, np.float32)
-        acc = np.empty(Rp * Dp, np.float32)
-        tb = np.empty(16 * D, np.float32)      # also _pack_kt's 16 rows (fallback)
+        qh = aligned_empty(Rp * Dp, np.uint16)
+        kt = aligned_empty(Cp * Dp, np.uint16)
+        vv = aligned_empty(Cp * Dp, np.uint16)
+        tmp = aligned_empty(16 * Dp, np.uint32)
+        pp = aligned_empty(2 * Rp * Cp, np.uint16)
+        sb = aligned_empty(Rp * Cp, np.float32)
+        acc = aligned_empty(Rp * Dp, np.float32)
+        tb = aligned_empty(16 * D, np.float32)   # also _pack_kt's 16 rows (fallback)
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
         alpha = np.empty(rows, np.float32)
@@ -823,13 +860,13 @@ def _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, param
                                   boff[T_M, b] + i * strides[T_M, 1] + j0 * strides[T_M, 2],
                                   strides[T_M, 2], mask_kind, pse, 0, 0, False, CODE_F16)
                     if step == 0:
-                        m[rr] = max_nan(m[rr], _row_max(s2, rr, nc))
+                        m[rr] = max_nan(m[rr], _row_max(s2, rr, nc, F32_ONE))
                         continue
                     mr = m[rr]
                     if mr == F32_NEG_INF:
                         srow[:] = F32_ZERO
                         continue
-                    l[rr] += _exp_row(s2, rr, nc, mr)
+                    l[rr] += _exp_row(s2, rr, nc, mr, F32_ONE)
                     for c in range(nc):
                         srow[c] = saturate_int8(round_half_even(srow[c] * qs1))
                 if step == 1:

@@ -7,7 +7,7 @@ reads bf16 subnormals as zero) and non-finite values. Without AMX they are skipp
 import numpy as np
 import pytest
 
-from pfa_numba import _amx, config, prompt_flash_attention, reference
+from pfa_numba import _amx, _vector, config, prompt_flash_attention, reference
 from _cases import BF16, assert_matches_reference, qkv
 
 pytestmark = pytest.mark.skipif(not _amx.available(),
@@ -110,3 +110,41 @@ def test_non_finite_values_stay_in_their_rows():
     o = out.astype(np.float32)
     assert np.isfinite(o[0, 0, :70]).all() and np.isfinite(o[0, 1, :40]).all()
     assert np.isnan(o[0, 1, 40:]).all()
+
+
+@pytest.mark.parametrize("scale", [0.0, 1.0, -0.3, 0.0883883, -2.5])
+def test_scale_values(scale):
+    """Rows without a mask are scaled inside the max and exp passes (the max from the smallest
+    raw score when the scale is negative); masked rows are scaled first. Both, against the
+    reference, with one NaN row."""
+    rng = np.random.default_rng(7)
+    q, k, v = qkv(rng, "BNSD", BF16, 1, 2, 2, 90, 150, 32)
+    q[0, 0] *= 16                         # raw scores in the hundreds: a max taken before
+    q[0, 1, 9, 0] = np.nan                # scaling would underflow exp; row 9 of head 1: NaN
+    band = np.triu(np.ones((2048, 2048), bool), 1)
+    for mask, kw in ((None, dict()), (band, dict(sparse_mode=4, pre_tokens=30, next_tokens=20))):
+        kw.update(num_heads=2, input_layout="BNSD", scale_value=scale)
+        out, lse = prompt_flash_attention(q, k, v, mask, **kw, return_softmax_lse=True)
+        assert_matches_reference(out, (q, k, v, mask), kw, BF16, lse=lse)
+
+
+@pytest.mark.skipif(not _vector.host_has("avx512bf16"), reason="this CPU has no AVX512-BF16")
+def test_hardware_bf16_rounding():
+    """bf16_bits_hw (VCVTNEPS2BF16) rounds as f32_to_bf16 for the values the softmax splits."""
+    from numba import njit
+    from pfa_numba._core import f32_to_bf16
+
+    @njit
+    def both(x, hw, sw):
+        for i in range(x.size):
+            hw[i] = _vector.bf16_bits_hw(x[i])
+            sw[i] = f32_to_bf16(x[i])
+
+    rng = np.random.default_rng(8)
+    bits = rng.integers(0, 1 << 16, 200_000, dtype=np.uint32)
+    x = ((np.uint32(127 - 60) << 23) + (bits << 7)).view(np.float32)   # [2^-60, 2^-52): ties too
+    x = np.concatenate([x, rng.random(100_000, dtype=np.float32), [0.0, 1.0, 2.0 ** -126]])
+    x = x.astype(np.float32)
+    hw, sw = np.empty(x.size, np.uint16), np.empty(x.size, np.uint16)
+    both(x, hw, sw)
+    assert np.array_equal(hw, sw)

@@ -153,3 +153,31 @@ def test_non_finite_values_stay_in_their_rows(products, dt):
     kw = dict(num_heads=2, input_layout="BNSD", sparse_mode=3, scale_value=0.2)
     out = prompt_flash_attention(q, k, v, mask, **kw)
     assert_matches_reference(out, (q, k, v, mask), kw, DTYPES[dt])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16, np.uint32, np.int32])
+@pytest.mark.parametrize("n", [0, 1, 7, 1000, 65536])
+def test_scratch_buffers_start_a_cache_line(dtype, n):
+    """Tile buffers start a 64-byte line (a vector load or AMX tile row never straddles two)."""
+    from numba import njit
+    from pfa_numba._vector import LINE, aligned_empty
+
+    @njit
+    def make(n, like):
+        a = aligned_empty(n, like.dtype)
+        a[:] = 1
+        return a
+
+    for _ in range(4):                    # the allocator's offsets vary from call to call
+        a = make(n, np.zeros(1, dtype))
+        assert a.dtype == dtype and a.shape == (n,) and (a == 1).all()
+        assert n == 0 or a.ctypes.data % LINE == 0
+
+
+def test_kernel_buffers_start_a_cache_line():
+    from pfa_numba import cpu
+    from pfa_numba._vector import LINE
+    params = np.zeros(17, np.int64)
+    params[[cpu.P_G, cpu.P_D, cpu.P_ROWS, cpu.P_COLS, cpu.P_GEMM]] = [2, 72, 40, 100, 1]
+    for buf in cpu._f32_buffers(params):
+        assert buf.size and buf.ctypes.data % LINE == 0
