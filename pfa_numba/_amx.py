@@ -153,7 +153,7 @@ def _dot_step(a, a_idx, lda_b):
     _tile_dot(3, 5, 7)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)      # called per segment: no reference counting
 def gemm_bf16(cfg, a, a2_off, lda, b, ldb, c, ldc, m, n, k, accumulate):
     """C[m, n] (+)= A[m, k] @ B[k, n]  (+ A2[m, k] @ B[k, n] when ``a2_off >= 0``).
 

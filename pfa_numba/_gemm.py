@@ -167,7 +167,7 @@ def vector_width(n):
     return -(-n // LANES) * LANES
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)      # called per segment: no reference counting
 def scores(q, q_off, ldq, kt, kt_off, D, s, lds, rows, n_panels, keys):
     """S[r, :] = Q[r, :D] @ K^T for r < padded_rows(rows), over n_panels K^T panels (S row r
     at s[r * lds:], lds >= n_panels * PANEL; the panels from kt[kt_off:]). With an int32 array
@@ -180,7 +180,7 @@ def scores(q, q_off, ldq, kt, kt_off, D, s, lds, rows, n_panels, keys):
                           s, r * lds + p * PANEL, lds, D, keys, r)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)      # called per segment: no reference counting
 def accumulate(p, ldp, v, v_off, ldv, acc, acc_off, ldacc, rows, k):
     """acc[r, :ldv] += P[r, :k] @ V[:k, :ldv] for r < padded_rows(rows) (P row r at
     p[r * ldp:], V row c at v[v_off + c * ldv:], acc row r at acc[acc_off + r * ldacc:])."""
