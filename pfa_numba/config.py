@@ -12,8 +12,11 @@ Compiler flags are read once, when the kernels are compiled.
 #: GFLOP/s, 256 x 512 65, 128 x 512 61, 512 x 256 64, 1024 x 512 70 (the GEMM N = query rows
 #: wants to be large). With the AVX-512 register blocks, 2 threads, time relative to 512 x 512:
 #: (1, 16, 2048, 128) 256 x 512 1.06, 512 x 256 1.03, 1024 x 512 0.98, 512 x 1024 0.98, 384 x 384
-#: 1.02; (1, 16, 1024, 64) 1.09 / 1.12 / 1.00 / 0.98 / 1.10.
-CPU_Q_ROWS = 512
+#: 1.02; (1, 16, 1024, 64) 1.09 / 1.12 / 1.00 / 0.98 / 1.10. Once the per-row helpers ran
+#: without reference counting, 1024 x 512 against 512 x 512 (2 threads, interleaved medians):
+#: fp32 (1, 16, 2048, 128) dense 0.97, causal 0.94; (1, 16, 1024, 64) 0.97; (1, 8, 8192, 64)
+#: 0.96; bf16 (1, 16, 2048, 128) 0.95 (each K / V tile is packed once per 1024 rows).
+CPU_Q_ROWS = 1024
 CPU_KV_COLS = 512
 
 #: A tile the band cuts (a causal diagonal, a band edge) is computed CPU_SUB_ROWS rows at a
@@ -32,12 +35,17 @@ CPU_SEG_ROWS = 512
 CPU_AMX_SEG_ROWS = 64
 
 #: A band narrower than the tiles wastes the scores outside it: for a finite band of width W
-#: (= preE + nextE + 1) both tile sides become max(CPU_BAND_TILE_MIN, W // CPU_BAND_TILE_DIV).
+#: (= preE + nextE + 1) the kv tile becomes max(CPU_BAND_TILE_MIN, W // CPU_BAND_TILE_DIV)
+#: columns, and a work item CPU_BAND_Q_TILES times that many query rows (at most CPU_Q_ROWS).
 #: Measured 2026-11-29 (fp32 (1, 16, 2048, 128), pre = next = 256, before row segments):
 #: tiles 64 / 128 / 256 / 513 ran 90 / 81 / 74 / 90 ms; with row segments cutting the band's
 #: edge triangles, 256-wide tiles (W // 2) keep most of that gain for wide and narrow bands.
+#: Rows per item (2 threads, time relative to 1 tile of rows): pre = next = 256, fp32 2 / 4
+#: tiles 0.96 / 0.95, W // 4 columns with 2 tiles 1.05; bf16 0.94 / 0.94; pre = next = 64, fp32
+#: 0.96 / 0.95 (fewer packings of each K / V row).
 CPU_BAND_TILE_MIN = 128
 CPU_BAND_TILE_DIV = 2
+CPU_BAND_Q_TILES = 2
 
 #: LLVM fast-math flags for the CPU kernels. Only flags that keep inf/NaN semantics: masking,
 #: the -inf softmax_lse of empty rows and NaN propagation rely on them, so never 'nnan' or

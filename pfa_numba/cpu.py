@@ -1002,7 +1002,8 @@ def tile_shape(p):
     if p.B and (p.pre_e < BAND_INF).all() and (p.next_e < BAND_INF).all():
         width = int((p.pre_e + p.next_e + 1).max())
         band_tile = max(int(config.CPU_BAND_TILE_MIN), width // int(config.CPU_BAND_TILE_DIV))
-        q_rows, kv_cols = min(q_rows, band_tile), min(kv_cols, band_tile)
+        q_rows = min(q_rows, band_tile * max(1, int(config.CPU_BAND_Q_TILES)))
+        kv_cols = min(kv_cols, band_tile)
     return q_rows, kv_cols
 
 
