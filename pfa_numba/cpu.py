@@ -193,7 +193,6 @@ def _online_row(s2, r, nc, rr, m, l, alpha, p3, split, keys, f):
     (``split``) into bf16 hi / lo parts p3[r, 0] and p3[r, 1]. The row's max is
     from_order_key(keys[r]) where the product computed it (``keys`` not empty; f is 1 then),
     else taken here."""
-    wide_vectors()
     m_old = m[rr]
     mx = from_order_key(keys[r]) if keys.size else _row_max(s2, r, nc, f)
     m_new = max_nan(m_old, mx)
