@@ -112,3 +112,31 @@ def bf16_bits_hw(typingctx, x):
     def codegen(context, builder, sig, args):
         return builder.bitcast(builder.fptrunc(args[0], _BFloat()), ir.IntType(16))
     return types.uint16(x), codegen
+
+
+@intrinsic
+def f16_bits_to_f32_hw(typingctx, h):
+    """IEEE binary16 bits (uint16) -> float32 by LLVM's fpext, which vectorises to VCVTPH2PS
+    (exact for every half, subnormals included; a signalling NaN comes out quiet). Only for code
+    compiled where ``host_has("f16c")``. Other argument types are cast to uint16 first (the
+    kernels' float32 specialisations type this branch without running it)."""
+    if not isinstance(h, (types.Integer, types.Float)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        bits = context.cast(builder, args[0], sig.args[0], types.uint16)
+        return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+    return types.float32(h), codegen
+
+
+@intrinsic
+def f32_to_f16_bits_hw(typingctx, x):
+    """float32 -> IEEE binary16 bits, round to nearest even, by LLVM's fptrunc, which vectorises
+    to VCVTPS2PH (subnormal and overflowing results as IEEE rounds them; NaN stays NaN). Only
+    for code compiled where ``host_has("f16c")``."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(x), codegen

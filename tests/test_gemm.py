@@ -181,3 +181,60 @@ def test_kernel_buffers_start_a_cache_line():
     params[[cpu.P_G, cpu.P_D, cpu.P_ROWS, cpu.P_COLS, cpu.P_GEMM]] = [2, 72, 40, 100, 1]
     for buf in cpu._f32_buffers(params):
         assert buf.size and buf.ctypes.data % LINE == 0
+
+
+@pytest.mark.skipif(not __import__("pfa_numba")._vector.host_has("f16c"),
+                    reason="this CPU has no F16C")
+def test_hardware_f16_widening_is_exact():
+    """f16_bits_to_f32_hw (VCVTPH2PS) widens every binary16 value as _core.f16_to_f32 does."""
+    from numba import njit
+    from pfa_numba._core import f16_to_f32
+    from pfa_numba._vector import f16_bits_to_f32_hw
+
+    @njit
+    def both(h, hw, sw):
+        for i in range(h.size):
+            hw[i] = f16_bits_to_f32_hw(h[i])
+            sw[i] = f16_to_f32(h[i])
+
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    hw, sw = np.empty(h.size, np.float32), np.empty(h.size, np.float32)
+    both(h, hw, sw)
+    want = h.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(hw), nan) and np.array_equal(np.isnan(sw), nan)
+    assert np.array_equal(hw[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    assert np.array_equal(sw[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+@pytest.mark.skipif(not __import__("pfa_numba")._vector.host_has("f16c"),
+                    reason="this CPU has no F16C")
+def test_hardware_f16_rounding_is_ieee():
+    """f32_to_f16_bits_hw (VCVTPS2PH) rounds as NumPy's float16 cast, subnormal, overflowing
+    and tied results included (and so as _core.f32_to_f16)."""
+    from numba import njit
+    from pfa_numba._core import f32_to_f16
+    from pfa_numba._vector import f32_to_f16_bits_hw
+
+    @njit
+    def both(x, hw, sw):
+        for i in range(x.size):
+            hw[i] = f32_to_f16_bits_hw(x[i])
+            sw[i] = f32_to_f16(x[i])
+
+    rng = np.random.default_rng(9)
+    n = 400_000
+    e = rng.integers(127 - 30, 127 + 17, n).astype(np.uint32)        # 2^-30 .. 2^17
+    m = rng.integers(0, 1 << 23, n).astype(np.uint32)
+    m[::3] = (m[::3] & ~np.uint32(0x1FFF)) | np.uint32(0x1000)         # ties
+    x = ((e << 23) | m | (rng.integers(0, 2, n).astype(np.uint32) << 31)).view(np.float32)
+    x = np.concatenate([x, np.array([0.0, -0.0, np.inf, -np.inf, 65504, 65520, 2.0 ** -24,
+                                     2.0 ** -25, 3 * 2.0 ** -26], np.float32)])
+    hw, sw = np.empty(x.size, np.uint16), np.empty(x.size, np.uint16)
+    both(x, hw, sw)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    assert np.array_equal(hw, want) and np.array_equal(sw, want)
+    nan = np.array([np.nan], np.float32)
+    both(nan, hw[:1], sw[:1])
+    assert np.isnan(hw[:1].view(np.float16)).all()
