@@ -607,8 +607,9 @@ _bf16_bits = bf16_bits_hw if host_has("avx512bf16") else f32_to_bf16
 @njit(**_LEAF)
 def _exp_row_split(s2, r, n, m, p3, f):
     """p = exp(s2[r, :n] * f - m) as two bf16 parts: hi (p truncated) in p3[r, 0], lo (the
-    rest, rounded to nearest even) in p3[r, 1]; hi + lo is p to a relative 2^-16 (lo is 0 where
-    it would be below 2^-126), columns past n are zero. Returns the float32 sum of p."""
+    rest, rounded to nearest even) in p3[r, 1]; hi + lo is p to a relative 2^-16 (with
+    AVX512-BF16, lo is 0 where it would be below 2^-126), columns past n are zero. Returns the
+    float32 sum of p."""
     wide_vectors()
     s = F32_ZERO
     for c in range(n):
