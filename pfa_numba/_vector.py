@@ -7,8 +7,9 @@
   a function, it sets that function's LLVM attributes ``prefer-vector-width`` and
   ``min-legal-vector-width`` to 512; on CPUs without AVX-512 they change nothing.
 - :func:`aligned_empty`: scratch buffers that start a cache line.
-- :func:`prefetch`, :func:`bf16_bits_hw`, :func:`host_has`, :func:`llvm_function`: single
-  instructions (and the host check for them) that NumPy-style code cannot name.
+- :func:`prefetch`, ``bf16_bits_hw``, :func:`f16_bits_to_f32_hw`, ``f32_to_f16_bits_hw``,
+  :func:`host_has`, :func:`llvm_function`: single instructions (and the host check for them)
+  that NumPy-style code cannot name.
 """
 import numba
 import numpy as np
@@ -100,18 +101,29 @@ def host_has(feature):
         return False
 
 
-@intrinsic
-def bf16_bits_hw(typingctx, x):
-    """float32 -> bfloat16 bits (round to nearest even) by LLVM's fptrunc, which vectorises to
-    VCVTNEPS2BF16. Only for code compiled where ``host_has("avx512bf16")``: elsewhere LLVM
-    would call a runtime function that Numba does not link. The instruction flushes results
-    below 2^-126 to zero."""
-    if x != types.float32:
-        return None
+def _rounding_to_16_bits(narrow, doc):
+    """Intrinsic float32 -> the 16 bits of LLVM type ``narrow`` by fptrunc (round to nearest
+    even), which LLVM vectorises to the CPU's conversion instruction."""
+    @intrinsic
+    def convert(typingctx, x):
+        if x != types.float32:
+            return None
 
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.fptrunc(args[0], _BFloat()), ir.IntType(16))
-    return types.uint16(x), codegen
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(builder.fptrunc(args[0], narrow), ir.IntType(16))
+        return types.uint16(x), codegen
+    convert.__doc__ = doc
+    return convert
+
+
+bf16_bits_hw = _rounding_to_16_bits(_BFloat(), """float32 -> bfloat16 bits (round to nearest
+    even) by VCVTNEPS2BF16. Only for code compiled where ``host_has("avx512bf16")``: elsewhere
+    LLVM would call a runtime function that Numba does not link. The instruction flushes results
+    below 2^-126 to zero.""")
+
+f32_to_f16_bits_hw = _rounding_to_16_bits(ir.HalfType(), """float32 -> IEEE binary16 bits,
+    round to nearest even, by VCVTPS2PH (subnormal and overflowing results as IEEE rounds them;
+    NaN stays NaN). Only for code compiled where ``host_has("f16c")``.""")
 
 
 @intrinsic
@@ -127,16 +139,3 @@ def f16_bits_to_f32_hw(typingctx, h):
         bits = context.cast(builder, args[0], sig.args[0], types.uint16)
         return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
     return types.float32(h), codegen
-
-
-@intrinsic
-def f32_to_f16_bits_hw(typingctx, x):
-    """float32 -> IEEE binary16 bits, round to nearest even, by LLVM's fptrunc, which vectorises
-    to VCVTPS2PH (subnormal and overflowing results as IEEE rounds them; NaN stays NaN). Only
-    for code compiled where ``host_has("f16c")``."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-    return types.uint16(x), codegen
