@@ -4,7 +4,10 @@ CPUs with AMX (Sapphire Rapids and later) multiply bfloat16 matrices in 1 KiB ti
 several times the float32 FMA rate. A bf16 query/key/value is already exact in bfloat16, so the
 score product ``Q K^T`` runs on AMX with no rounding of its inputs, and the float32
 probabilities enter ``P V`` as a sum of two bfloat16 parts (hi + lo, relative error below
-2^-16, far below the bfloat16 output's rounding). Products accumulate in float32.
+2^-16, far below the bfloat16 output's rounding). A float16 value (11 significant bits) is
+exactly the sum of two bfloat16 parts, so float16 problems run here too: each product sums the
+three part products hi.hi + lo.hi + hi.lo (the dropped lo.lo is below 2^-16 of a term).
+Products accumulate in float32.
 
 The instructions are reached through LLVM's ``llvm.x86.*`` AMX intrinsics; tile numbers are
 compile-time literals. Every tile is configured as 16 rows x 64 bytes (16 x 32 bf16, or
@@ -144,23 +147,32 @@ def tile_config():
 
 
 @njit(inline="always")
-def _dot_step(a, a_idx, lda_b):
-    _tile_load(4, a, a_idx, lda_b)
-    _tile_load(5, a, a_idx + 16 * (lda_b // 2), lda_b)
+def _dots():
+    """C tiles 0-3 += A tiles 4-5 . B tiles 6-7."""
     _tile_dot(0, 4, 6)
     _tile_dot(1, 4, 7)
     _tile_dot(2, 5, 6)
     _tile_dot(3, 5, 7)
 
 
+@njit(inline="always")
+def _dot_step(a, a_idx, lda_b):
+    _tile_load(4, a, a_idx, lda_b)
+    _tile_load(5, a, a_idx + 16 * (lda_b // 2), lda_b)
+    _dots()
+
+
 @njit(cache=True, _nrt=False)      # called per segment: no reference counting
-def gemm_bf16(cfg, a, a2_off, lda, b, ldb, c, ldc, m, n, k, accumulate):
-    """C[m, n] (+)= A[m, k] @ B[k, n]  (+ A2[m, k] @ B[k, n] when ``a2_off >= 0``).
+def gemm_bf16(cfg, a, a2_off, lda, b, b2_off, ldb, c, ldc, m, n, k, accumulate):
+    """C[m, n] (+)= A[m, k] @ B[k, n]  (+ A2[m, k] @ B[k, n] when ``a2_off >= 0``)
+    (+ A[m, k] @ B2[k, n] when ``b2_off >= 0``).
 
     A (and A2 at element offset ``a2_off`` of ``a``): row-major bf16 bits, ``lda`` elements per
-    row. B: bf16 bits in the VNNI layout ``B[k // 2, n, k % 2]``, ``ldb`` elements per pair-row
-    (>= 2 n). C: row-major float32, ``ldc`` per row, loaded first when ``accumulate``.
-    m, n and k are multiples of :data:`BLOCK`.
+    row. B (and B2 at element offset ``b2_off`` of ``b``): bf16 bits in the VNNI layout
+    ``B[k // 2, n, k % 2]``, ``ldb`` elements per pair-row (>= 2 n). C: row-major float32,
+    ``ldc`` per row, loaded first when ``accumulate``. m, n and k are multiples of
+    :data:`BLOCK`. With both parts, the three products of two-part operands (hi + lo) but
+    lo . lo are summed in one pass over C.
     """
     _tile_config(cfg)
     lda_b = lda * 2
@@ -183,9 +195,13 @@ def gemm_bf16(cfg, a, a2_off, lda, b, ldb, c, ldc, m, n, k, accumulate):
                 b0 = (kk // 2) * ldb + 2 * j
                 _tile_load(6, b, b0, ldb_b)
                 _tile_load(7, b, b0 + 32, ldb_b)
-                _dot_step(a, i * lda + kk, lda_b)
                 if a2_off >= 0:
                     _dot_step(a, a2_off + i * lda + kk, lda_b)
+                _dot_step(a, i * lda + kk, lda_b)
+                if b2_off >= 0:          # A is still in tiles 4-5
+                    _tile_load(6, b, b2_off + b0, ldb_b)
+                    _tile_load(7, b, b2_off + b0 + 32, ldb_b)
+                    _dots()
             _tile_store(0, c, c0, ldc_b)
             _tile_store(1, c, c0 + 16, ldc_b)
             _tile_store(2, c, c0 + 16 * ldc, ldc_b)

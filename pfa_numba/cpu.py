@@ -10,8 +10,8 @@ loaded K/V tile serves the whole GQA group and the tile products are large GEMMs
 
 and the division by l happens once, at the end (deferred normalisation). The products run on
 the register-blocked AVX-512 kernels of ``_gemm`` (K packed into K^T panels as it is loaded)
-or, on hosts without AVX-512, on SciPy's BLAS sgemm; bf16 storage runs them on AMX where the
-host has it (``_amx``). Per-thread tile buffers start a cache line. Tiles that lie wholly
+or, on hosts without AVX-512, on SciPy's BLAS sgemm; bf16 and float16 storage run them on AMX
+where the host has it (``_amx``; float16 as exact hi + lo bf16 parts). Per-thread tile buffers start a cache line. Tiles that lie wholly
 outside the band or past kL are never visited; tiles wholly inside the band (with no user mask
 or pse) touch no per-element mask. Q/K/V are read in place through strided views of their
 memory (a flat read-only array plus element offsets), fp16/bf16 as uint16 bits widened per
@@ -497,7 +497,7 @@ def _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, i1, acc, 
 
 
 # ---------------------------------------------------------------------------------------------
-# bf16 on AMX: tile products in bf16 tile registers, the softmax as above
+# bf16 and float16 on AMX: tile products in bf16 tile registers, the softmax as above
 # ---------------------------------------------------------------------------------------------
 
 @njit(inline="always")
@@ -507,15 +507,41 @@ def _subnormal_key(u):
 
 
 @njit(**_LEAF)
-def _amx_pack_rows(dst, ld, src, base, row_stride, sd, n_rows, D, Dp):
-    """dst[r * ld + d] = src[base + r * row_stride + d * sd] (bf16 bits), columns D..Dp zero.
-    Returns the smallest subnormal key seen."""
+def _split_f16(u):
+    """float16 bits -> (hi, lo) bf16 bits with hi + lo equal to the value: hi is it rounded to 8
+    significant bits, lo the remaining 3 (exact; never a bf16 subnormal). Non-finite values
+    give a NaN lo: the caller checks for them."""
+    x = _f16_to_f32(u)
+    hi = _bf16_bits(x)
+    return hi, _bf16_bits(x - bf16_to_f32(hi))
+
+
+@njit(**_LEAF)
+def _amx_pack_rows(dst, lo, ld, src, base, row_stride, sd, n_rows, D, Dp, code):
+    """dst[r * ld + d] = src[base + r * row_stride + d * sd], columns D..Dp zero: bf16 bits as
+    they are; float16 as bf16 hi parts, with the lo parts at dst[lo + r * ld + d]. Returns
+    True when AMX computes these rows exactly (no bf16 subnormal, no non-finite float16)."""
     wide_vectors()
     key = np.uint32(0xFFFFFFFF)
+    ex = np.uint32(0)
     for r in range(n_rows):
         drow = dst[r * ld:r * ld + Dp]
         off = base + r * row_stride
-        if sd == 1:
+        if code == CODE_F16:
+            lrow = dst[lo + r * ld:lo + r * ld + Dp]
+            if sd == 1:
+                seg = src[off:off + D]
+                for d in range(D):
+                    u = seg[d]
+                    ex = max(ex, np.uint32(u) & _F16_EXP)
+                    drow[d], lrow[d] = _split_f16(u)
+            else:
+                for d in range(D):
+                    u = src[off + d * sd]
+                    ex = max(ex, np.uint32(u) & _F16_EXP)
+                    drow[d], lrow[d] = _split_f16(u)
+            lrow[D:] = 0
+        elif sd == 1:
             seg = src[off:off + D]
             for d in range(D):
                 u = seg[d]
@@ -526,9 +552,8 @@ def _amx_pack_rows(dst, ld, src, base, row_stride, sd, n_rows, D, Dp):
                 u = src[off + d * sd]
                 drow[d] = u
                 key = min(key, _subnormal_key(u))
-        for d in range(D, Dp):
-            drow[d] = 0
-    return key
+        drow[D:] = 0
+    return key >= _SUBNORMAL_LIMIT and ex != _F16_EXP
 
 
 @njit(**_LEAF)
@@ -546,58 +571,120 @@ def _bf16_scan(buf, n):
 
 
 @njit(**_LEAF)
-def _amx_pack_k(kt, src, base, row_stride, sd, nc, ncp, D, Dp, tmp):
+def _split_pair(u0, u1):
+    """Two float16 bits -> (hi pair word, lo pair word, exponent bits of either)."""
+    h0, l0 = _split_f16(u0)
+    h1, l1 = _split_f16(u1)
+    return (np.uint32(h0) | (np.uint32(h1) << np.uint32(16)),
+            np.uint32(l0) | (np.uint32(l1) << np.uint32(16)),
+            max(np.uint32(u0) & _F16_EXP, np.uint32(u1) & _F16_EXP))
+
+
+@njit(**_LEAF)
+def _pair_words(src, a, b, step, n, t, tl, code):
+    """t[p] = src[a + p * step] | src[b + p * step] << 16 (two bf16 as one uint32), p < n;
+    float16: the pairs of hi parts, and of lo parts in tl. Returns the largest float16
+    exponent field seen (0 for bf16). One loop per case, so that each vectorises."""
+    ex = np.uint32(0)
+    if step == 1:                              # the same column of two contiguous rows
+        r0 = src[a:a + n]
+        r1 = src[b:b + n]
+        if code == CODE_F16:
+            for p in range(n):
+                t[p], tl[p], e = _split_pair(r0[p], r1[p])
+                ex = max(ex, e)
+        else:
+            for p in range(n):
+                t[p] = np.uint32(r0[p]) | (np.uint32(r1[p]) << np.uint32(16))
+    elif step == 2 and b == a + 1:             # neighbours in one contiguous row
+        seg = src[a:a + 2 * n]
+        if code == CODE_F16:
+            for p in range(n):
+                t[p], tl[p], e = _split_pair(seg[2 * p], seg[2 * p + 1])
+                ex = max(ex, e)
+        else:
+            for p in range(n):
+                t[p] = np.uint32(seg[2 * p]) | (np.uint32(seg[2 * p + 1]) << np.uint32(16))
+    elif code == CODE_F16:
+        for p in range(n):
+            t[p], tl[p], e = _split_pair(src[a + p * step], src[b + p * step])
+            ex = max(ex, e)
+    else:
+        for p in range(n):
+            t[p] = np.uint32(src[a + p * step]) | (np.uint32(src[b + p * step]) << np.uint32(16))
+    return ex
+
+
+@njit(**_LEAF)
+def _amx_pack_k(kt, lo, src, base, row_stride, sd, nc, ncp, D, Dp, tmp, code):
     """K tile (nc rows from src) as the VNNI B operand of S = Q K^T: as uint32 pairs,
     kt[p, c] = (K[c, 2p], K[c, 2p + 1]) with ld ncp, zero-padded to ncp columns and Dp / 2
-    pairs. Transposed through ``tmp`` (16 x Dp / 2 uint32) in blocks of 16 rows."""
+    pairs (float16: bf16 hi parts, lo parts at kt[lo:]). Transposed through ``tmp`` (2 x 16 x
+    Dp / 2 uint32) in blocks of 16 rows. Returns the largest float16 exponent field seen."""
     wide_vectors()
-    kt32 = kt[:ncp * Dp].view(np.uint32)
-    half = D // 2
+    half = (D + 1) // 2            # an odd D's last pair holds a zero
+    ex = np.uint32(0)
     for c0 in range(0, nc, 16):
         cn = min(16, nc - c0)
         for cc in range(cn):
             off = base + (c0 + cc) * row_stride
-            t = tmp[cc * half:(cc + 1) * half]
-            if sd == 1:
-                seg = src[off:off + D]
-                for p in range(half):
-                    t[p] = np.uint32(seg[2 * p]) | (np.uint32(seg[2 * p + 1]) << np.uint32(16))
-            else:
-                for p in range(half):
-                    t[p] = (np.uint32(src[off + 2 * p * sd])
-                            | (np.uint32(src[off + (2 * p + 1) * sd]) << np.uint32(16)))
+            t = tmp[cc * half:]
+            tl = tmp[(16 + cc) * half:]
+            ex = max(ex, _pair_words(src, off, off + sd, 2 * sd, D // 2, t, tl, code))
+            if D % 2:
+                u = src[off + (D - 1) * sd]
+                if code == CODE_F16:
+                    ex = max(ex, np.uint32(u) & _F16_EXP)
+                    h, l = _split_f16(u)
+                    t[half - 1] = np.uint32(h)
+                    tl[half - 1] = np.uint32(l)
+                else:
+                    t[half - 1] = np.uint32(u)
+        for part in range(2 if code == CODE_F16 else 1):
+            kt32 = kt[part * lo:part * lo + ncp * Dp].view(np.uint32)
+            t = tmp[part * 16 * half:]
+            for p in range(half):
+                dst = kt32[p * ncp + c0:p * ncp + c0 + cn]
+                for cc in range(cn):
+                    dst[cc] = t[cc * half + p]
+    for part in range(2 if code == CODE_F16 else 1):
+        kt32 = kt[part * lo:part * lo + ncp * Dp].view(np.uint32)
         for p in range(half):
-            dst = kt32[p * ncp + c0:p * ncp + c0 + cn]
-            for cc in range(cn):
-                dst[cc] = tmp[cc * half + p]
-    for p in range(half):
-        kt32[p * ncp + nc:(p + 1) * ncp] = 0
-    kt32[half * ncp:(Dp // 2) * ncp] = 0
+            kt32[p * ncp + nc:(p + 1) * ncp] = 0
+        kt32[half * ncp:(Dp // 2) * ncp] = 0
+    return ex
 
 
 @njit(**_LEAF)
-def _amx_pack_v(vv, src, base, row_stride, sd, nc, ncp, D, Dp):
+def _amx_pack_v(vv, lo, src, base, row_stride, sd, nc, ncp, D, Dp, code):
     """V tile as the VNNI B operand of P V: as uint32 pairs, vv[c // 2, d] = (V[c, d],
-    V[c + 1, d]) with ld Dp; rows nc..ncp and columns D..Dp zero."""
+    V[c + 1, d]) with ld Dp; rows nc..ncp and columns D..Dp zero (float16: bf16 hi parts, lo
+    parts at vv[lo:]). Returns the largest float16 exponent field seen."""
     wide_vectors()
-    vv32 = vv[:ncp * Dp].view(np.uint32)
+    ex = np.uint32(0)
+    parts = 2 if code == CODE_F16 else 1
     for c in range(0, nc, 2):
-        dst = vv32[(c // 2) * Dp:(c // 2) * Dp + Dp]
         a = base + c * row_stride
-        b = a + row_stride
-        if c + 1 == nc:
+        dst = vv[(c // 2) * 2 * Dp:(c // 2) * 2 * Dp + 2 * Dp].view(np.uint32)
+        dlo = vv[lo + (c // 2) * 2 * Dp:lo + (c // 2) * 2 * Dp + 2 * Dp].view(np.uint32) \
+            if parts == 2 else dst
+        if c + 1 == nc:      # the last odd row pairs with zeros
             for d in range(D):
-                dst[d] = np.uint32(src[a + d * sd])
-        elif sd == 1:
-            ra = src[a:a + D]
-            rb = src[b:b + D]
-            for d in range(D):
-                dst[d] = np.uint32(ra[d]) | (np.uint32(rb[d]) << np.uint32(16))
+                u = src[a + d * sd]
+                if code == CODE_F16:
+                    ex = max(ex, np.uint32(u) & _F16_EXP)
+                    h, l = _split_f16(u)
+                    dst[d] = np.uint32(h)
+                    dlo[d] = np.uint32(l)
+                else:
+                    dst[d] = np.uint32(u)
         else:
-            for d in range(D):
-                dst[d] = np.uint32(src[a + d * sd]) | (np.uint32(src[b + d * sd]) << np.uint32(16))
-        dst[D:] = 0
-    vv32[((nc + 1) // 2) * Dp:(ncp // 2) * Dp] = 0
+            ex = max(ex, _pair_words(src, a, a + row_stride, sd, D, dst, dlo, code))
+        for part in range(parts):
+            vv[part * lo + (c // 2) * 2 * Dp + 2 * D:part * lo + (c // 2 + 1) * 2 * Dp] = 0
+    for part in range(parts):
+        vv[part * lo + ((nc + 1) // 2) * 2 * Dp:part * lo + (ncp // 2) * 2 * Dp] = 0
+    return ex
 
 
 #: float32 -> bf16 bits, round to nearest even, for the low parts of p (finite, below 2^-7)
@@ -626,20 +713,29 @@ def _exp_row_split(s2, r, n, m, p3, f):
 @njit(fastmath=_FM, cache=True)
 def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scales,
                b, g, i0, cfg, qh, kt, vv, tmp, sb, pp, acc, tb, m, l, alpha):
-    """One work item of a bf16 problem on AMX (see :func:`_block`). Returns False, having
-    written nothing, when an input of the item could be flushed by AMX (see _SUBNORMAL_LIMIT)."""
+    """One work item of a bf16 or float16 problem on AMX (see :func:`_block`). Float16 values
+    enter as bf16 hi + lo parts (exact), kept in the second halves of qh, kt and vv, and each
+    product sums three bf16 products (all but lo . lo). Returns False, having written nothing,
+    when an input of the item could be flushed by AMX (see _SUBNORMAL_LIMIT) or, for float16,
+    is not finite."""
     G = params[P_G]
     D = params[P_D]
     tk = params[P_COLS]
+    code = params[P_CODE]
+    f16 = code == CODE_F16
     Dp = padded(D)
+    # second operand parts (element offsets), -1: none
+    q_lo = qh.size // 2 if f16 else -1
+    k_lo = kt.size // 2 if f16 else -1
+    v_lo = vv.size // 2 if f16 else -1
     i1, R, jstart, jend = _item(params, lens, b, i0)
     no_keys = np.empty(0, np.int32)            # the row maxima are taken in the softmax pass
     if jstart < jend:
         for h in range(G):       # head h: rows h, h + G, ... (position-major)
-            key = _amx_pack_rows(qh[h * Dp:], G * Dp, q,
-                                 boff[T_Q, b] + (g * G + h) * strides[T_Q, 0] + i0 * strides[T_Q, 1],
-                                 strides[T_Q, 1], strides[T_Q, 2], i1 - i0, D, Dp)
-            if key < _SUBNORMAL_LIMIT:
+            if not _amx_pack_rows(qh[h * Dp:], q_lo, G * Dp, q,
+                                  boff[T_Q, b] + (g * G + h) * strides[T_Q, 0]
+                                  + i0 * strides[T_Q, 1],
+                                  strides[T_Q, 1], strides[T_Q, 2], i1 - i0, D, Dp, code):
                 return False
         for rr in range(R):
             m[rr] = F32_NEG_INF
@@ -651,15 +747,20 @@ def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
             j1 = min(j0 + tk, jend)
             nc = j1 - j0
             ncp = padded(nc)
-            _amx_pack_k(kt, k, k_base + j0 * strides[T_K, 1], strides[T_K, 1],
-                        strides[T_K, 2], nc, ncp, D, Dp, tmp)
-            _amx_pack_v(vv, v, v_base + j0 * strides[T_V, 1], strides[T_V, 1],
-                        strides[T_V, 2], nc, ncp, D, Dp)
-            key_k, _ = _bf16_scan(kt, ncp * Dp)
-            key_v, ex = _bf16_scan(vv, ncp * Dp)
-            if key_k < _SUBNORMAL_LIMIT or key_v < _TINY_V_LIMIT:
-                return False
-            v_finite = ex != np.uint32(0x7F80)
+            ex = max(_amx_pack_k(kt, k_lo, k, k_base + j0 * strides[T_K, 1], strides[T_K, 1],
+                                 strides[T_K, 2], nc, ncp, D, Dp, tmp, code),
+                     _amx_pack_v(vv, v_lo, v, v_base + j0 * strides[T_V, 1], strides[T_V, 1],
+                                 strides[T_V, 2], nc, ncp, D, Dp, code))
+            if f16:
+                if ex == _F16_EXP:
+                    return False
+                v_finite = True
+            else:
+                key_k, _ = _bf16_scan(kt, ncp * Dp)
+                key_v, ex = _bf16_scan(vv, ncp * Dp)
+                if key_k < _SUBNORMAL_LIMIT or key_v < _TINY_V_LIMIT:
+                    return False
+                v_finite = ex != np.uint32(0x7F80)
             r0 = 0
             while r0 < R:
                 r1, cl, ch, inside = _segment(params, lens, b, i0, i1, j0, j1, r0, R, BLOCK)
@@ -670,8 +771,8 @@ def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
                     nsp = padded(ns)
                     c0 = cl - j0
                     # S = Q K^T on AMX, scaled in the softmax pass
-                    gemm_bf16(cfg, qh[r0 * Dp:], -1, Dp, kt[2 * c0:], 2 * ncp, sb, nsp, nrp, nsp,
-                              Dp, False)
+                    gemm_bf16(cfg, qh[r0 * Dp:], q_lo, Dp, kt[2 * c0:], k_lo, 2 * ncp, sb, nsp,
+                              nrp, nsp, Dp, False)
                     s2 = sb[:nrp * nsp].reshape(nrp, nsp)
                     p3 = pp[:2 * nrp * nsp].reshape(nrp, 2, nsp)
                     _softmax_rows(s2, r0, r1, ns, p3, v_finite, inside, i0, g, b, cl, mask8,
@@ -680,8 +781,8 @@ def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
                     _rescale_rows(acc[r0 * Dp:], Dp, nrow, D, alpha[r0:])
                     if v_finite:
                         # P as bf16 hi and lo parts, interleaved per row: lda 2 nsp, lo at + nsp
-                        gemm_bf16(cfg, pp, nsp, 2 * nsp, vv[c0 * Dp:], 2 * Dp, acc[r0 * Dp:], Dp,
-                                  nrp, Dp, nsp, True)
+                        gemm_bf16(cfg, pp, nsp, 2 * nsp, vv[c0 * Dp:], v_lo, 2 * Dp,
+                                  acc[r0 * Dp:], Dp, nrp, Dp, nsp, True)
                     else:
                         _add_pv_exact(acc[r0 * Dp:], Dp, nrow, D, sb, nsp, ns, vv[c0 * Dp:],
                                       2 * Dp, 2)
@@ -703,6 +804,7 @@ def _scale_row(s2, r, n, f):
 #: 2^-100 (so that p * v with p >= 2^-26 could be flushed), take the float32 path. Scores are
 #: scaled after the product, so a scale beyond 2^64 (lost products could matter) does too.
 _SUBNORMAL_LIMIT = np.uint32(0x7F)               # key (bits & 0x7FFF) - 1 below: subnormal
+_F16_EXP = np.uint32(0x7C00)                     # float16 exponent field; all ones: inf / NaN
 _TINY_V_LIMIT = np.uint32((127 - 100) << 7) - np.uint32(1)
 AMX_MAX_SCALE = 2.0 ** 64
 
@@ -747,17 +849,18 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work,
                    params, scales):
-    """:func:`_attention` for bf16 storage on AMX; a work item with inputs AMX could flush
-    (see _SUBNORMAL_LIMIT) is computed by :func:`_block` instead."""
+    """:func:`_attention` for bf16 and float16 storage on AMX; a work item AMX could get wrong
+    (see :func:`_block_amx`) is computed by :func:`_block` instead."""
     D, rows, tk, nthr, n_items = _sizes(params, work)
     Rp = padded(rows)
     Cp = padded(tk)
     Dp = padded(D)
+    parts = 2 if params[P_CODE] == CODE_F16 else 1      # float16: bf16 hi and lo parts
     for t in prange(nthr):
         cfg = tile_config()
-        qh = aligned_empty(Rp * Dp, np.uint16)
-        kt = aligned_empty(Cp * Dp, np.uint16)
-        vv = aligned_empty(Cp * Dp, np.uint16)
+        qh = aligned_empty(parts * Rp * Dp, np.uint16)
+        kt = aligned_empty(parts * Cp * Dp, np.uint16)
+        vv = aligned_empty(parts * Cp * Dp, np.uint16)
         tmp = aligned_empty(16 * Dp, np.uint32)
         pp = aligned_empty(2 * Rp * Cp, np.uint16)
         sb = aligned_empty(Rp * Cp, np.float32)
@@ -1033,9 +1136,10 @@ def use_register_blocks():
 
 
 def use_amx(p):
-    """bf16 problems run their tile products on AMX where this process can (config.CPU_AMX)."""
-    return (p.code == CODE_BF16 and bool(config.CPU_AMX) and abs(p.scale) <= AMX_MAX_SCALE
-            and _amx.available())
+    """bf16 and float16 problems run their tile products on AMX where this process can
+    (config.CPU_AMX)."""
+    return (p.code in (CODE_BF16, CODE_F16) and bool(config.CPU_AMX)
+            and abs(p.scale) <= AMX_MAX_SCALE and _amx.available())
 
 
 def run(p):

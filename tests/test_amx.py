@@ -1,9 +1,11 @@
 """The AMX path of the CPU kernel (bf16 tile products, pfa_numba._amx).
 
-On a CPU with AMX every bf16 test of the suite runs on it; these tests add what is particular to
-it: the tile product itself, agreement with the float32 BLAS path, the subnormal fallback (AMX
-reads bf16 subnormals as zero) and non-finite values. Without AMX they are skipped, and say so.
+On a CPU with AMX every bf16 and float16 test of the suite runs on it; these tests add what is
+particular to it: the tile product itself, the exact split of float16 values into bf16 parts,
+agreement with the float32 path, the subnormal fallback (AMX reads bf16 subnormals as zero) and
+non-finite values. Without AMX they are skipped, and say so.
 """
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -18,37 +20,64 @@ def _bf16(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(BF16)
 
 
-@pytest.mark.parametrize("accumulate,two_parts", [(False, False), (True, False), (True, True)])
-def test_gemm_bf16_against_numpy(accumulate, two_parts):
+@pytest.mark.parametrize("accumulate,a2,b2", [(False, False, False), (True, False, False),
+                                               (True, True, False), (False, True, True)])
+def test_gemm_bf16_against_numpy(accumulate, a2, b2):
     rng = np.random.default_rng(0)
     m, n, k = 64, 96, 160
-    a, a2, b = _bf16(rng, m, k), _bf16(rng, m, k), _bf16(rng, k, n)
-    flat_a = np.concatenate([a.view(np.uint16).ravel(), a2.view(np.uint16).ravel()])
+    a, a_2, b, b_2 = _bf16(rng, m, k), _bf16(rng, m, k), _bf16(rng, k, n), _bf16(rng, k, n)
+    flat_a = np.concatenate([a.view(np.uint16).ravel(), a_2.view(np.uint16).ravel()])
     ldb = 2 * n + 32                                      # a pair-row longer than the data
-    vnni = np.zeros((k // 2, ldb), np.uint16)
-    vnni[:, :2 * n] = b.view(np.uint16).reshape(k // 2, 2, n).transpose(0, 2, 1).reshape(k // 2, -1)
+    vnni = np.zeros((2, k // 2, ldb), np.uint16)
+    for part, x in enumerate((b, b_2)):
+        vnni[part, :, :2 * n] = (x.view(np.uint16).reshape(k // 2, 2, n).transpose(0, 2, 1)
+                                 .reshape(k // 2, -1))
     ldc = n + 16
     c = np.full((m, ldc), 0.5, np.float32)
-    _amx.gemm_bf16(_amx.tile_config(), flat_a, m * k if two_parts else -1, k, vnni.ravel(), ldb,
-                   c.ravel(), ldc, m, n, k, accumulate)
-    want = a.astype(np.float64) @ b.astype(np.float64)
-    if two_parts:
-        want += a2.astype(np.float64) @ b.astype(np.float64)
-    if accumulate:
-        want += 0.5
+    _amx.gemm_bf16(_amx.tile_config(), flat_a, m * k if a2 else -1, k, vnni.ravel(),
+                   vnni[0].size if b2 else -1, ldb, c.ravel(), ldc, m, n, k, accumulate)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    terms = [(a64, b64)]
+    if a2:
+        terms.append((a_2.astype(np.float64), b64))
+    if b2:
+        terms.append((a64, b_2.astype(np.float64)))
+    want = sum(x @ y for x, y in terms) + (0.5 if accumulate else 0.0)
     # float32 accumulation of exact products
-    bound = 4 * k * np.finfo(np.float32).eps * (np.abs(a.astype(np.float64)) @ np.abs(
-        b.astype(np.float64)) * (2 if two_parts else 1) + 0.5)
+    bound = 4 * k * np.finfo(np.float32).eps * (sum(np.abs(x) @ np.abs(y) for x, y in terms)
+                                                + 0.5)
     assert (np.abs(c[:, :n] - want) <= bound).all()
     assert (c[:, n:] == 0.5).all()                        # columns past n untouched
 
 
+def test_float16_split_is_exact():
+    """Every finite float16 is the sum of its two bf16 parts, neither a bf16 subnormal (AMX
+    would read it as zero)."""
+    from numba import njit
+    from pfa_numba.cpu import _split_f16
+
+    @njit
+    def split_all(u, hi, lo):
+        for i in range(u.size):
+            hi[i], lo[i] = _split_f16(u[i])
+
+    u = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    u = u[np.isfinite(u.view(np.float16))]
+    hi, lo = np.empty_like(u), np.empty_like(u)
+    split_all(u, hi, lo)
+    as_f32 = lambda b: (b.astype(np.uint32) << 16).view(np.float32)
+    assert np.array_equal(as_f32(hi) + as_f32(lo), u.view(np.float16).astype(np.float32))
+    for part in (hi, lo):
+        assert not ((part & 0x7F80) == 0)[(part & 0x7FFF) != 0].any()
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float16])
 @pytest.mark.parametrize("mode", [0, 3, 4])
 @pytest.mark.parametrize("sq,skv,d,n,nkv", [(37, 70, 16, 4, 2), (130, 530, 48, 3, 1),
                                             (600, 700, 128, 2, 2)])
-def test_agrees_with_the_float32_path(monkeypatch, mode, sq, skv, d, n, nkv):
+def test_agrees_with_the_float32_path(monkeypatch, dtype, mode, sq, skv, d, n, nkv):
     rng = np.random.default_rng(sq + skv + d)
-    q, k, v = qkv(rng, "BNSD", BF16, 2, n, nkv, sq, skv, d)
+    q, k, v = qkv(rng, "BNSD", dtype, 2, n, nkv, sq, skv, d)
     mask = np.triu(np.ones((2048, 2048), bool), 1) if mode else None
     kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", sparse_mode=mode,
               scale_value=d ** -0.5, pre_tokens=40, next_tokens=9)
@@ -56,11 +85,12 @@ def test_agrees_with_the_float32_path(monkeypatch, mode, sq, skv, d, n, nkv):
     assert_matches_reference(out, (q, k, v, mask), kw, BF16, lse=lse)
     monkeypatch.setattr(config, "CPU_AMX", False)
     out32, lse32 = prompt_flash_attention(q, k, v, mask, **kw, return_softmax_lse=True)
-    # both round a float32 result to bf16: one bf16 ulp apart at most, plus float32 rounding
+    # both round a float32 result to bf16 / float16: one ulp apart at most, plus float32 rounding
     # differences near zero (relative to the size of the terms summed, here about max |out|)
     a, b = out.astype(np.float64), out32.astype(np.float64)
     big = np.maximum(np.abs(a), np.abs(b))
-    ulp = 2.0 ** (np.floor(np.log2(np.maximum(big, 2.0 ** -126))) - 7)
+    info = ml_dtypes.finfo(dtype)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(big, float(info.tiny)))) - info.nmant)
     assert (np.abs(a - b) <= ulp + 1e-5 * big.max()).all()
     np.testing.assert_allclose(lse, lse32, rtol=1e-5, atol=1e-5)
 
@@ -96,6 +126,38 @@ def test_tiny_values_are_not_flushed(where):
     if where.startswith("v"):      # the tolerance floor above is absolute: check head 1 at its scale
         ref = reference.prompt_flash_attention(q, k, v, **kw)[0, 1]
         assert (np.abs(out[0, 1].astype(np.float64) - ref) <= 0.01 * np.abs(ref).max()).all()
+
+
+@pytest.mark.parametrize("where", ["q inf", "k inf", "v inf", "v nan", "subnormal", "large"])
+def test_float16_edge_values(where):
+    """float16 work items holding inf or NaN take the float32 path (a bf16 split would turn
+    inf into NaN); subnormal and large float16 values split exactly."""
+    rng = np.random.default_rng(9)
+    q, k, v = qkv(rng, "BNSD", np.float16, 1, 2, 2, 70, 90, 48)
+    if where == "q inf":      # every score of that row -inf: a row with nothing kept
+        q[0, 0, 5, 7] = np.inf
+        k[0, 0, :, 7] = -np.abs(k[0, 0, :, 7]) - 1
+    elif where == "k inf":    # score -inf in every row: column 60 as if masked
+        k[0, 1, 60, 0] = np.inf
+        q[0, 1, :, 0] = -np.abs(q[0, 1, :, 0]) - 1
+    elif where == "v inf":
+        v[0, 0, 30, 2] = -np.inf
+    elif where == "v nan":
+        v[0, 1, 80, :] = np.nan
+    elif where == "subnormal":
+        q[0, 0] = (q[0, 0].astype(np.float32) * 2.0 ** -14).astype(np.float16)
+        v[0, 1] = (v[0, 1].astype(np.float32) * 2.0 ** -16).astype(np.float16)
+    else:
+        q[0, 1] = (q[0, 1].astype(np.float32) * 2.0 ** 13).astype(np.float16)
+        k[0, 1] = (k[0, 1].astype(np.float32) * 2.0 ** 13).astype(np.float16)
+    m = np.triu(np.ones((2048, 2048), bool), 1)
+    scale = 48 ** -0.5 * (2.0 ** -26 if where == "large" else 1.0)
+    for mask, kw in ((None, dict()), (m, dict(sparse_mode=3))):
+        kw.update(num_heads=2, input_layout="BNSD", scale_value=scale)
+        out, lse = prompt_flash_attention(q, k, v, mask, **kw, return_softmax_lse=True)
+        ref = assert_matches_reference(out, (q, k, v, mask), kw, np.float16, lse=lse)
+        if where == "subnormal":   # head 1 at its own scale: within two float16 subnormal steps
+            assert (np.abs(out[0, 1].astype(np.float64) - ref[0, 1]) <= 2.0 ** -23).all()
 
 
 def test_non_finite_values_stay_in_their_rows():
