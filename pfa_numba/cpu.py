@@ -507,13 +507,35 @@ def _subnormal_key(u):
 
 
 @njit(**_LEAF)
+def _u32(x):
+    """x as uint32 (Numba widens uint32 arithmetic to 64 bits, which halves the vector lanes:
+    each step below is cast back)."""
+    return np.uint32(x)
+
+
+@njit(**_LEAF)
+def _pair(a, b):
+    """Two 16-bit values as one uint32: a in the low half."""
+    return _u32(_u32(a) | _u32(_u32(b) << _u32(16)))
+
+
+@njit(**_LEAF)
+def _f16_exp(u):
+    """The exponent field of float16 bits u (all ones: inf or NaN)."""
+    return _u32(_u32(u) & _F16_EXP)
+
+
+@njit(**_LEAF)
 def _split_f16(u):
     """float16 bits -> (hi, lo) bf16 bits with hi + lo equal to the value: hi is it rounded to 8
-    significant bits, lo the remaining 3 (exact; never a bf16 subnormal). Non-finite values
-    give a NaN lo: the caller checks for them."""
+    significant bits (to nearest even), lo the remaining 3 (exact; never a bf16 subnormal).
+    Integer steps, which vectorise (bf16 conversions do not). Non-finite values give a NaN
+    lo: the caller checks for them."""
     x = _f16_to_f32(u)
-    hi = _bf16_bits(x)
-    return hi, _bf16_bits(x - bf16_to_f32(hi))
+    b = f32_as_u32(x)
+    hi = _u32(_u32(_u32(b + _u32(0x7FFF)) + _u32(_u32(b >> _u32(16)) & _u32(1))) >> _u32(16))
+    lo = _u32(f32_as_u32(x - u32_as_f32(_u32(hi << _u32(16)))) >> _u32(16))
+    return np.uint16(hi), np.uint16(lo)
 
 
 @njit(**_LEAF)
@@ -533,12 +555,12 @@ def _amx_pack_rows(dst, lo, ld, src, base, row_stride, sd, n_rows, D, Dp, code):
                 seg = src[off:off + D]
                 for d in range(D):
                     u = seg[d]
-                    ex = max(ex, np.uint32(u) & _F16_EXP)
+                    ex = max(ex, _f16_exp(u))
                     drow[d], lrow[d] = _split_f16(u)
             else:
                 for d in range(D):
                     u = src[off + d * sd]
-                    ex = max(ex, np.uint32(u) & _F16_EXP)
+                    ex = max(ex, _f16_exp(u))
                     drow[d], lrow[d] = _split_f16(u)
             lrow[D:] = 0
         elif sd == 1:
@@ -575,9 +597,7 @@ def _split_pair(u0, u1):
     """Two float16 bits -> (hi pair word, lo pair word, exponent bits of either)."""
     h0, l0 = _split_f16(u0)
     h1, l1 = _split_f16(u1)
-    return (np.uint32(h0) | (np.uint32(h1) << np.uint32(16)),
-            np.uint32(l0) | (np.uint32(l1) << np.uint32(16)),
-            max(np.uint32(u0) & _F16_EXP, np.uint32(u1) & _F16_EXP))
+    return _pair(h0, h1), _pair(l0, l1), max(_f16_exp(u0), _f16_exp(u1))
 
 
 @njit(**_LEAF)
@@ -595,7 +615,7 @@ def _pair_words(src, a, b, step, n, t, tl, code):
                 ex = max(ex, e)
         else:
             for p in range(n):
-                t[p] = np.uint32(r0[p]) | (np.uint32(r1[p]) << np.uint32(16))
+                t[p] = _pair(r0[p], r1[p])
     elif step == 2 and b == a + 1:             # neighbours in one contiguous row
         seg = src[a:a + 2 * n]
         if code == CODE_F16:
@@ -604,14 +624,14 @@ def _pair_words(src, a, b, step, n, t, tl, code):
                 ex = max(ex, e)
         else:
             for p in range(n):
-                t[p] = np.uint32(seg[2 * p]) | (np.uint32(seg[2 * p + 1]) << np.uint32(16))
+                t[p] = _pair(seg[2 * p], seg[2 * p + 1])
     elif code == CODE_F16:
         for p in range(n):
             t[p], tl[p], e = _split_pair(src[a + p * step], src[b + p * step])
             ex = max(ex, e)
     else:
         for p in range(n):
-            t[p] = np.uint32(src[a + p * step]) | (np.uint32(src[b + p * step]) << np.uint32(16))
+            t[p] = _pair(src[a + p * step], src[b + p * step])
     return ex
 
 
@@ -634,7 +654,7 @@ def _amx_pack_k(kt, lo, src, base, row_stride, sd, nc, ncp, D, Dp, tmp, code):
             if D % 2:
                 u = src[off + (D - 1) * sd]
                 if code == CODE_F16:
-                    ex = max(ex, np.uint32(u) & _F16_EXP)
+                    ex = max(ex, _f16_exp(u))
                     h, l = _split_f16(u)
                     t[half - 1] = np.uint32(h)
                     tl[half - 1] = np.uint32(l)
@@ -672,7 +692,7 @@ def _amx_pack_v(vv, lo, src, base, row_stride, sd, nc, ncp, D, Dp, code):
             for d in range(D):
                 u = src[a + d * sd]
                 if code == CODE_F16:
-                    ex = max(ex, np.uint32(u) & _F16_EXP)
+                    ex = max(ex, _f16_exp(u))
                     h, l = _split_f16(u)
                     dst[d] = np.uint32(h)
                     dlo[d] = np.uint32(l)
