@@ -101,11 +101,17 @@ def warmup(args):
     q8 = np.ones((1, 1, 4, 32), np.int8)
     scales = dict(deq_scale1=np.ones(1, np.float32), quant_scale1=np.ones(1, np.float32),
                   deq_scale2=np.ones(1, np.float32))
-    import ml_dtypes
-    from pfa_numba import _amx
-    qb = q16.astype(ml_dtypes.bfloat16)
-    jobs = [("uint16 storage (float16, bfloat16)", lambda: prompt_flash_attention(
-                q16, q16, q16, num_heads=1, input_layout="BNSD")),
+    from pfa_numba import _amx, config
+
+    def float32_tiles():          # float16 / bfloat16 where AMX is off or not offered
+        amx = config.CPU_AMX
+        config.CPU_AMX = False
+        try:
+            prompt_flash_attention(q16, q16, q16, num_heads=1, input_layout="BNSD")
+        finally:
+            config.CPU_AMX = amx
+
+    jobs = [("uint16 storage (float16, bfloat16)", float32_tiles),
             ("float32 storage", lambda: prompt_flash_attention(
                 q32, q32, q32, num_heads=1, input_layout="BNSD")),
             ("int8 pipeline", lambda: prompt_flash_attention(
@@ -114,8 +120,8 @@ def warmup(args):
                 x, x, x, num_heads=1, input_layout="BNSD", quant_scale2=scales["deq_scale1"])
                 for x in (q16, q32)])]
     if _amx.available():
-        jobs.append(("bfloat16 on AMX", lambda: prompt_flash_attention(
-            qb, qb, qb, num_heads=1, input_layout="BNSD")))
+        jobs.append(("float16 and bfloat16 on AMX", lambda: prompt_flash_attention(
+            q16, q16, q16, num_heads=1, input_layout="BNSD")))
     cache = numba.config.CACHE_DIR or "next to the package's modules (__pycache__)"
     print(f"compiling the CPU kernels into Numba's cache ({cache}):")
     for name, job in jobs:
@@ -145,8 +151,9 @@ def info(args):
     from pfa_numba import _amx, _gemm
     products = ("AVX-512 register blocks" if _gemm.available() else "BLAS sgemm (no AVX-512)")
     print(f"  float32 tiles  {products}")
-    print("  AMX (bf16)     " + ("used for bfloat16 tile products" if _amx.available() else
-                                  "not available: bfloat16 runs on the float32 tiles"))
+    print("  AMX            " + ("used for bfloat16 and float16 tile products"
+                                  if _amx.available() else
+                                  "not available: bfloat16 and float16 run on the float32 tiles"))
     for backend in dispatch.BACKENDS:
         device = backend.devices[0]
         why = backend.not_supported_reasons(None, device)

@@ -194,13 +194,25 @@ def _prepare_row(s2, r, nc, i, n, b, j0, inside, kl, pre_e, next_e, mask8, mask1
 
 
 @njit(**_LEAF)
-def _online_row(s2, r, nc, rr, m, l, alpha, p3, split, keys, f):
+def _online_row(s2, r, nc, rr, m, l, alpha, p3, split, lazy, keys, f):
     """Online-softmax step of the scores s2[r, :nc] * f (query row rr): update m and l, set
     alpha (the acc rescale factor) and turn the scores into p = exp(s * f - m): in place, or
     (``split``) into bf16 hi / lo parts p3[r, 0] and p3[r, 1]. The row's max is
     from_order_key(keys[r]) where the product computed it (``keys`` not empty; f is 1 then),
-    else taken here."""
+    else taken here.
+
+    ``lazy`` (split rows only): a row with a finite running max first tries one pass that
+    takes p = exp(s * f - m_old) against the old max and keeps it when no score exceeds that
+    by more than LAZY_MARGIN (p <= e^LAZY_MARGIN: m, acc and l stay as they are, softmax and
+    lse unchanged); otherwise the max pass and a second exp pass run as usual. After a row's
+    first tile its max seldom grows by that much, so most tiles take one pass instead of two."""
     m_old = m[rr]
+    if lazy and keys.size == 0 and F32_NEG_INF < m_old < F32_POS_INF:
+        s, over = _exp_row_split(s2, r, nc, m_old, p3, f)
+        if not over:
+            l[rr] = l[rr] + s
+            alpha[rr] = F32_ONE
+            return
     mx = from_order_key(keys[r]) if keys.size else _row_max(s2, r, nc, f)
     m_new = max_nan(m_old, mx)
     if m_new == F32_NEG_INF:
@@ -212,7 +224,7 @@ def _online_row(s2, r, nc, rr, m, l, alpha, p3, split, keys, f):
         return
     a = rescale_factor(m_old, m_new)
     if split:
-        s = _exp_row_split(s2, r, nc, m_new, p3, f)
+        s, _ = _exp_row_split(s2, r, nc, m_new, p3, f)
     else:
         s = _exp_row(s2, r, nc, m_new, f)
     l[rr] = l[rr] * a + s
@@ -267,8 +279,8 @@ def _segment(params, lens, b, i0, i1, j0, j1, r0, R, align):
 
 
 @njit(**_LEAF)
-def _softmax_rows(s2, r0, r1, nc, p3, split, inside, i0, g, b, cl, mask8, mask16, pse, params,
-                  strides, boff, lens, scale, m, l, alpha, keys):
+def _softmax_rows(s2, r0, r1, nc, p3, split, lazy, inside, i0, g, b, cl, mask8, mask16, pse,
+                  params, strides, boff, lens, scale, m, l, alpha, keys):
     """Rows [r0, r1) of a segment's scores s2[rr - r0, :nc] (columns from cl), times ``scale``:
     masked where needed, then the online-softmax step; p goes in place or (``split``) into
     p3[rr - r0] as bf16 hi / lo parts. Rows that need no mask are scaled inside the max and exp
@@ -288,7 +300,7 @@ def _softmax_rows(s2, r0, r1, nc, p3, split, inside, i0, g, b, cl, mask8, mask16
             _prepare_row(s2, r, nc, i0 + rr // G, g * G + rr % G, b, cl, inside, lens[1, b],
                          lens[2, b], lens[3, b], mask8, mask16, pse, strides, boff, mask_kind,
                          has_pse, params[P_CODE])
-        _online_row(s2, r, nc, rr, m, l, alpha, p3, split, keys, f)
+        _online_row(s2, r, nc, rr, m, l, alpha, p3, split, lazy, keys, f)
 
 
 _PF_ROWS = 8          # K / V rows are prefetched this many rows ahead of their load
@@ -415,7 +427,7 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
                         gemm_rm(blas, nrow, ns, D, qb, r0 * D, D, True, kb,
                                 (cl - j0) * D, D, sb, 0, ns, F32_ZERO)
                     s2 = sb[:nrow * lds].reshape(nrow, lds)
-                    _softmax_rows(s2, r0, r1, ns, no_p3, False, inside, i0, g, b, cl, mask8,
+                    _softmax_rows(s2, r0, r1, ns, no_p3, False, False, inside, i0, g, b, cl, mask8,
                                   mask16, pse, params, strides, boff, lens, F32_ONE, m, l, alpha,
                                   keys)
                     _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, alpha[r0:])
@@ -707,27 +719,38 @@ def _amx_pack_v(vv, lo, src, base, row_stride, sd, nc, ncp, D, Dp, code):
     return ex
 
 
-#: float32 -> bf16 bits, round to nearest even, for the low parts of p (finite, below 2^-7)
-_bf16_bits = bf16_bits_hw if host_has("avx512bf16") else f32_to_bf16
+#: The lazy softmax step (see _online_row) keeps p = exp(s - m_old) up to e^LAZY_MARGIN, so acc
+#: may grow that much more than with p <= 1: it runs only where |V| < 2^64 (bf16: exponent
+#: field below _LAZY_V_LIMIT; float16 always).
+LAZY_MARGIN = np.float32(8.0)
+_LAZY_V_LIMIT = np.uint32((127 + 64) << 7)
 
 
 @njit(**_LEAF)
 def _exp_row_split(s2, r, n, m, p3, f):
     """p = exp(s2[r, :n] * f - m) as two bf16 parts: hi (p truncated) in p3[r, 0], lo (the
     rest, rounded to nearest even) in p3[r, 1]; hi + lo is p to a relative 2^-16 (with
-    AVX512-BF16, lo is 0 where it would be below 2^-126), columns past n are zero. Returns the
-    float32 sum of p."""
+    AVX512-BF16, lo is 0 where it would be below 2^-126), columns past n are zero. Returns
+    (the float32 sum of p, whether some s * f - m exceeds LAZY_MARGIN, +inf included): m may
+    be a max up to LAZY_MARGIN too small (see _online_row); past that, p3 and the sum are to
+    be discarded. NaN scores give NaN p (a quiet NaN, which truncation keeps)."""
     wide_vectors()
     s = F32_ZERO
+    over = np.int32(0)
     for c in range(n):
-        p = exp_nonpos(s2[r, c] * f - m)
+        x = s2[r, c] * f - m
+        over = np.int32(over | np.int32(x > LAZY_MARGIN))
+        p = exp_nonpos(x)                 # exact for x up to LAZY_MARGIN (range reduction)
         s += p
-        # a NaN p is a quiet NaN, which truncation keeps
         u = f32_as_u32(p)
-        p3[r, 0, c] = np.uint16(u >> np.uint32(16))
-        p3[r, 1, c] = _bf16_bits(p - u32_as_f32(u & np.uint32(0xFFFF0000)))
+        p3[r, 0, c] = np.uint16(_u32(u >> _u32(16)))
+        p3[r, 1, c] = _bf16_bits(p - u32_as_f32(_u32(u & _u32(0xFFFF0000))))
     p3[r, :, n:] = 0
-    return s
+    return s, over != 0
+
+
+#: float32 -> bf16 bits, round to nearest even, for the low parts of p (finite, below 2^-7)
+_bf16_bits = bf16_bits_hw if host_has("avx512bf16") else f32_to_bf16
 
 
 @njit(fastmath=_FM, cache=True)
@@ -774,13 +797,14 @@ def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
             if f16:
                 if ex == _F16_EXP:
                     return False
-                v_finite = True
+                v_finite = lazy = True
             else:
                 key_k, _ = _bf16_scan(kt, ncp * Dp)
                 key_v, ex = _bf16_scan(vv, ncp * Dp)
                 if key_k < _SUBNORMAL_LIMIT or key_v < _TINY_V_LIMIT:
                     return False
                 v_finite = ex != np.uint32(0x7F80)
+                lazy = ex < _LAZY_V_LIMIT
             r0 = 0
             while r0 < R:
                 r1, cl, ch, inside = _segment(params, lens, b, i0, i1, j0, j1, r0, R, BLOCK)
@@ -795,7 +819,7 @@ def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
                               nrp, nsp, Dp, False)
                     s2 = sb[:nrp * nsp].reshape(nrp, nsp)
                     p3 = pp[:2 * nrp * nsp].reshape(nrp, 2, nsp)
-                    _softmax_rows(s2, r0, r1, ns, p3, v_finite, inside, i0, g, b, cl, mask8,
+                    _softmax_rows(s2, r0, r1, ns, p3, v_finite, lazy, inside, i0, g, b, cl, mask8,
                                   mask16, pse, params, strides, boff, lens, scales[0], m, l, alpha,
                                   no_keys)
                     _rescale_rows(acc[r0 * Dp:], Dp, nrow, D, alpha[r0:])

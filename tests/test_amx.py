@@ -160,6 +160,46 @@ def test_float16_edge_values(where):
             assert (np.abs(out[0, 1].astype(np.float64) - ref[0, 1]) <= 2.0 ** -23).all()
 
 
+def _rising_scores(dtype, ramp, skv, v_size=None):
+    """q, k, v (1, 2 heads) whose scores rise by ``ramp`` per kv column (plus noise)."""
+    rng = np.random.default_rng(10)
+    d = 32
+    q, k, v = (x.astype(np.float32) for x in qkv(rng, "BNSD", dtype, 1, 2, 2, 50, skv, d))
+    q[..., 0] = 1.0
+    k[..., 0] = ramp * np.arange(skv) * d ** 0.5
+    if v_size is not None:
+        v = v_size * (1.0 + 0.01 * np.abs(v))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float16])
+@pytest.mark.parametrize("ramp", [0.0, 0.02, 0.1, 0.5])
+def test_softmax_against_the_old_running_max(monkeypatch, dtype, ramp):
+    """On AMX a row's softmax step first takes p against its old running max, kept when no
+    score exceeds it by more than LAZY_MARGIN (8): scores rising by 0, 1.3, 6.4 and 32 per
+    64-column tile exercise the kept pass, the retaken one, and both within one row."""
+    from pfa_numba import cpu
+    assert cpu.LAZY_MARGIN == 8.0
+    monkeypatch.setattr(config, "CPU_KV_COLS", 64)
+    q, k, v = _rising_scores(dtype, ramp, 400)
+    for mask, kw in ((None, dict()), (np.triu(np.ones((2048, 2048), bool), 1),
+                                      dict(sparse_mode=4, pre_tokens=300, next_tokens=200))):
+        kw.update(num_heads=2, input_layout="BNSD", scale_value=32 ** -0.5)
+        out, lse = prompt_flash_attention(q, k, v, mask, **kw, return_softmax_lse=True)
+        assert_matches_reference(out, (q, k, v, mask), kw, dtype, lse=lse)
+
+
+def test_large_values_with_a_rising_max(monkeypatch):
+    """V near bf16's largest values (2^118): p up to e^8 against an old max would overflow
+    acc, so such tiles take the two-pass step."""
+    monkeypatch.setattr(config, "CPU_KV_COLS", 64)
+    q, k, v = _rising_scores(BF16, 0.05, 400, v_size=2.0 ** 118)
+    kw = dict(num_heads=2, input_layout="BNSD", scale_value=32 ** -0.5)
+    out = prompt_flash_attention(q, k, v, **kw)
+    assert np.isfinite(out.astype(np.float32)).all()
+    assert_matches_reference(out, (q, k, v), kw, BF16)
+
+
 def test_non_finite_values_stay_in_their_rows():
     rng = np.random.default_rng(6)
     q, k, v = qkv(rng, "BNSD", BF16, 1, 2, 2, 100, 100, 64)

@@ -12,7 +12,7 @@ def _run(*args):
 
 def test_info_lists_backends_threads_and_cache():
     out = _run("info")
-    for word in ("numba", "backend cpu", "backend cuda", "threads", "cache", "AMX (bf16)",
+    for word in ("numba", "backend cpu", "backend cuda", "threads", "cache", "AMX",
                  "float32 tiles"):
         assert word in out
 
@@ -22,7 +22,7 @@ def test_warmup_compiles_every_cpu_kernel():
     for word in ("uint16 storage", "float32 storage", "int8 pipeline"):
         assert word in out
     from pfa_numba import _amx
-    assert ("bfloat16 on AMX" in out) == _amx.available()
+    assert ("float16 and bfloat16 on AMX" in out) == _amx.available()
 
 
 def test_import_and_cpu_work_without_numba_cuda():
