@@ -613,6 +613,16 @@ def _split_pair(u0, u1):
 
 
 @njit(**_LEAF)
+def _single_word(u, code):
+    """A value whose pair partner is zero (an odd D's last K pair, an odd tile's last V row):
+    (hi word, lo word, exponent bits) as in :func:`_split_pair` for float16; bf16 as it is."""
+    if code == CODE_F16:
+        h, l = _split_f16(u)
+        return np.uint32(h), np.uint32(l), _f16_exp(u)
+    return np.uint32(u), np.uint32(0), np.uint32(0)
+
+
+@njit(**_LEAF)
 def _pair_words(src, a, b, step, n, t, tl, code):
     """t[p] = src[a + p * step] | src[b + p * step] << 16 (two bf16 as one uint32), p < n;
     float16: the pairs of hi parts, and of lo parts in tl. Returns the largest float16
@@ -664,14 +674,8 @@ def _amx_pack_k(kt, lo, src, base, row_stride, sd, nc, ncp, D, Dp, tmp, code):
             tl = tmp[(16 + cc) * half:]
             ex = max(ex, _pair_words(src, off, off + sd, 2 * sd, D // 2, t, tl, code))
             if D % 2:
-                u = src[off + (D - 1) * sd]
-                if code == CODE_F16:
-                    ex = max(ex, _f16_exp(u))
-                    h, l = _split_f16(u)
-                    t[half - 1] = np.uint32(h)
-                    tl[half - 1] = np.uint32(l)
-                else:
-                    t[half - 1] = np.uint32(u)
+                t[half - 1], tl[half - 1], e = _single_word(src[off + (D - 1) * sd], code)
+                ex = max(ex, e)
         for part in range(2 if code == CODE_F16 else 1):
             kt32 = kt[part * lo:part * lo + ncp * Dp].view(np.uint32)
             t = tmp[part * 16 * half:]
@@ -702,14 +706,11 @@ def _amx_pack_v(vv, lo, src, base, row_stride, sd, nc, ncp, D, Dp, code):
             if parts == 2 else dst
         if c + 1 == nc:      # the last odd row pairs with zeros
             for d in range(D):
-                u = src[a + d * sd]
-                if code == CODE_F16:
-                    ex = max(ex, _f16_exp(u))
-                    h, l = _split_f16(u)
-                    dst[d] = np.uint32(h)
-                    dlo[d] = np.uint32(l)
-                else:
-                    dst[d] = np.uint32(u)
+                h, w, e = _single_word(src[a + d * sd], code)
+                dst[d] = h
+                if parts == 2:
+                    dlo[d] = w
+                ex = max(ex, e)
         else:
             ex = max(ex, _pair_words(src, a, a + row_stride, sd, D, dst, dlo, code))
         for part in range(parts):
