@@ -40,8 +40,9 @@ from ._vector import (aligned_empty, bf16_bits_hw, f16_bits_to_f32_hw, f32_to_f1
 from ._plan import storage_code
 from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32_NEG_INF, F32_ONE,
                     F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32,
-                    block_kv_range, exp_nonpos, f16_to_f32, f32_as_u32, f32_to_bf16, f32_to_f16,
-                    from_order_key, lse_value, max_nan, order_key, quantize_output,
+                    block_kv_range, exp_nonpos, exp_nonpos5, f16_to_f32, f32_as_i32, f32_as_u32,
+                    f32_to_bf16, f32_to_f16, from_order_key, lse_value, max_nan, order_key,
+                    quantize_output,
                     rescale_factor, round_f16, round_half_even, row_band, saturate_int8, store,
                     tile_inside_band, u32_as_f32, widen)
 
@@ -727,6 +728,7 @@ def _amx_pack_v(vv, lo, src, base, row_stride, sd, nc, ncp, D, Dp, code):
 #: field below _LAZY_V_LIMIT; float16 always).
 LAZY_MARGIN = np.float32(8.0)
 _LAZY_V_LIMIT = np.uint32((127 + 64) << 7)
+_LAZY_MARGIN_BITS = LAZY_MARGIN.view(np.int32)
 
 
 @njit(**_LEAF)
@@ -734,22 +736,27 @@ def _exp_row_split(s2, r, n, m, p3, f):
     """p = exp(s2[r, :n] * f - m) as two bf16 parts: hi (p truncated) in p3[r, 0], lo (the
     rest, rounded to nearest even) in p3[r, 1]; hi + lo is p to a relative 2^-16 (with
     AVX512-BF16, lo is 0 where it would be below 2^-126), columns past n are zero. Returns
-    (the float32 sum of p, whether some s * f - m exceeds LAZY_MARGIN, +inf included): m may
-    be a max up to LAZY_MARGIN too small (see _online_row); past that, p3 and the sum are to
-    be discarded. NaN scores give NaN p (a quiet NaN, which truncation keeps)."""
+    (the float32 sum of p, whether some s * f - m exceeds LAZY_MARGIN, +inf and NaN included):
+    m may be a max up to LAZY_MARGIN too small (see _online_row); past that, p3 and the sum are
+    to be discarded. NaN scores give NaN p (a quiet NaN, which truncation keeps).
+
+    The test takes the largest x as an int32: positive floats order as their bits, negative
+    ones fall below every positive one (an integer max vectorises; a float max does not
+    without the no-NaN flag)."""
     wide_vectors()
     s = F32_ZERO
-    over = np.int32(0)
+    top = np.int32(-2147483647)
     for c in range(n):
         x = s2[r, c] * f - m
-        over = np.int32(over | np.int32(x > LAZY_MARGIN))
-        p = exp_nonpos(x)                 # exact for x up to LAZY_MARGIN (range reduction)
+        kx = f32_as_i32(x)
+        top = kx if kx > top else top
+        p = exp_nonpos5(x)
         s += p
         u = f32_as_u32(p)
         p3[r, 0, c] = np.uint16(_u32(u >> _u32(16)))
         p3[r, 1, c] = _bf16_bits(p - u32_as_f32(_u32(u & _u32(0xFFFF0000))))
     p3[r, :, n:] = 0
-    return s, over != 0
+    return s, top > _LAZY_MARGIN_BITS
 
 
 #: float32 -> bf16 bits, round to nearest even, for the low parts of p (finite, below 2^-7)

@@ -22,7 +22,7 @@ def _probe(out_f, out_u, inp_f, inp_u, code):
     a = C.f16_to_f32(h) + C.bf16_to_f32(h) + C.widen(h, code)
     C.store(out_u, i, x, code)
     out_u[i] += C.f32_to_f16(x) + C.f32_to_bf16(x)
-    e = C.exp_f32(x) + C.exp_nonpos(-x)
+    e = C.exp_f32(x) + C.exp_nonpos(-x) + C.exp_nonpos5(-x)
     y = C.from_order_key(C.order_key(x))
     m = C.max_nan(x, y)
     lo, hi = C.row_band(i, np.int64(3), np.int64(5), np.int64(100))
