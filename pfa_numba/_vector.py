@@ -7,6 +7,7 @@
   a function, it sets that function's LLVM attributes ``prefer-vector-width`` and
   ``min-legal-vector-width`` to 512; on CPUs without AVX-512 they change nothing.
 - :func:`aligned_empty`: scratch buffers that start a cache line.
+- :func:`take_next`: an atomic counter, so that threads take work items as they free up.
 - :func:`prefetch`, ``bf16_bits_hw``, :func:`f16_bits_to_f32_hw`, ``f32_to_f16_bits_hw``,
   :func:`host_has`, :func:`llvm_function`: single instructions (and the host check for them)
   that NumPy-style code cannot name.
@@ -63,6 +64,20 @@ def prefetch(typingctx, arr, idx):
         return context.get_dummy_value()
 
     return types.none(arr, idx), codegen
+
+
+@intrinsic
+def take_next(typingctx, counter):
+    """counter[0] += 1 as one atomic step, returning the value before: each caller, on any
+    thread, gets a different number (an int64 array shared by the threads)."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", ary.data, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return types.int64(counter), codegen
 
 
 #: bytes of alignment of the kernel's scratch buffers: one cache line, so that no 64-byte

@@ -36,7 +36,7 @@ from ._amx import BLOCK, gemm_bf16, padded, tile_config
 from ._blas import gemm_rm, scratch, sgemm_address
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
 from ._vector import (aligned_empty, bf16_bits_hw, f16_bits_to_f32_hw, f32_to_f16_bits_hw,
-                      host_has, prefetch, wide_vectors)
+                      host_has, prefetch, take_next, wide_vectors)
 from ._plan import storage_code
 from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32_NEG_INF, F32_ONE,
                     F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32,
@@ -885,8 +885,11 @@ def _f32_buffers(params):
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work, params,
                scales):
-    """Run every work item; thread t takes items t, t + T, ... (items are sorted by cost)."""
+    """Run every work item. Each of the nthr threads takes the next item not yet taken whenever
+    it is free (items are sorted by cost, most expensive first), so a thread that runs slower,
+    on a core shared with other work, takes fewer items instead of holding the call up."""
     D, rows, tk, nthr, n_items = _sizes(params, work)
+    taken = np.zeros(1, np.int64)
     for t in prange(nthr):
         qb, sb, acc, kb, vb, kx = _f32_buffers(params)
         tb = aligned_empty(16 * D, np.float32)   # _pack_kt's 16 rows, _finish's one
@@ -894,10 +897,12 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
         l = np.empty(rows, np.float32)
         alpha = np.empty(rows, np.float32)
         blas = scratch(params[P_BLAS])
-        for w in range(t, n_items, nthr):
+        w = take_next(taken)
+        while w < n_items:
             _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params,
                    scales, work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, kx, m,
                    l, alpha, blas)
+            w = take_next(taken)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -910,6 +915,7 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
     Cp = padded(tk)
     Dp = padded(D)
     parts = 2 if params[P_CODE] == CODE_F16 else 1      # float16: bf16 hi and lo parts
+    taken = np.zeros(1, np.int64)
     for t in prange(nthr):
         cfg = tile_config()
         qh = aligned_empty(parts * Rp * Dp, np.uint16)
@@ -926,7 +932,8 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
         qb = sb2 = acc2 = kb = vb = np.empty(0, np.float32)
         kx = np.empty(0, np.int32)
         blas = scratch(params[P_BLAS])
-        for w in range(t, n_items, nthr):
+        w = take_next(taken)
+        while w < n_items:
             if not _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens,
                               params, scales, work[w, 0], work[w, 1], work[w, 2], cfg, qh, kt,
                               vv, tmp, sb, pp, acc, tb, m, l, alpha):
@@ -935,6 +942,7 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
                 _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens,
                        params, scales, work[w, 0], work[w, 1], work[w, 2], qb, sb2, tb, acc2, kb,
                        vb, kx, m, l, alpha, blas)
+            w = take_next(taken)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1091,6 +1099,7 @@ def _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, param
 def _attention_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, work, params, qp):
     """The int8 kernel: same work items and scheduling as :func:`_attention`."""
     D, rows, tk, nthr, n_items = _sizes(params, work)
+    taken = np.zeros(1, np.int64)
     for t in prange(nthr):
         qb = np.empty(rows * D, np.float32)
         sb = np.empty(rows * tk, np.float32)
@@ -1101,10 +1110,12 @@ def _attention_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, w
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
         blas = scratch(params[P_BLAS])
-        for w in range(t, n_items, nthr):
+        w = take_next(taken)
+        while w < n_items:
             _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, params, qp,
                         work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, m, l,
                         blas)
+            w = take_next(taken)
 
 
 def _work_items(p, rows_per_head):

@@ -7,8 +7,10 @@ import textwrap
 
 import numpy as np
 import pytest
+from numba import njit, prange
 
-from pfa_numba import prompt_flash_attention
+from pfa_numba import config, prompt_flash_attention
+from pfa_numba._vector import take_next
 from _cases import DTYPES, assert_matches_reference, qkv
 
 
@@ -90,3 +92,41 @@ def test_many_tiny_batches():
     sub = slice(65530, 65536)
     assert_matches_reference(out[sub], (q[sub], q[sub], q[sub]),
                              dict(num_heads=1, input_layout="BNSD"), np.float16)
+
+
+@njit(parallel=True)
+def _take_all(n, nthr):
+    taken = np.zeros(1, np.int64)
+    seen = np.zeros(n, np.int64)
+    for t in prange(nthr):
+        w = take_next(taken)
+        while w < n:
+            seen[w] += 1
+            w = take_next(taken)
+    return seen
+
+
+def test_each_work_item_is_taken_once_whatever_the_threads():
+    seen = _take_all(200_000, 8)
+    assert (seen == 1).all()
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_results_do_not_depend_on_which_thread_takes_an_item(dt, monkeypatch):
+    # threads take items as they free up, so the thread (and its buffers' previous item)
+    # that computes an item changes from call to call
+    rng = np.random.default_rng(5)
+    dtype = DTYPES[dt]
+    q, k, v = qkv(rng, "BNSD", dtype, 2, 4, 2, 77, 90, 32)
+    m = np.triu(np.ones((2048, 2048), bool), 1)
+    kw = dict(num_heads=4, num_key_value_heads=2, input_layout="BNSD", scale_value=0.2,
+              sparse_mode=3)
+    monkeypatch.setattr(config, "CPU_Q_ROWS", 16)       # 20 work items of unequal cost
+    monkeypatch.setattr(config, "CPU_KV_COLS", 32)
+    outs = []
+    for threads in (1, 2, 3, 2, 3):
+        monkeypatch.setattr(config, "CPU_THREADS", threads)
+        outs.append(prompt_flash_attention(q, k, v, m, **kw))
+    assert_matches_reference(outs[0], (q, k, v, m), kw, dtype)
+    for o in outs[1:]:
+        assert np.array_equal(o.view(np.uint8), outs[0].view(np.uint8))
