@@ -55,6 +55,14 @@ class Case:
             pairs = int((np.minimum(i + self.band, s - 1) - np.maximum(i - self.band, 0) + 1).sum())
         return 4.0 * self.B * self.N * self.D * pairs
 
+    def baseline(self):
+        """The dense BNSD MHA case of the same shape and dtype that a GQA, BSH or varlen case
+        is compared with per useful FLOP (None for a case that is one already)."""
+        base = dataclasses.replace(self, name=f"{self.dtype} {self.mode} MHA BNSD", nkv=0,
+                                   layout="BNSD", varlen=False)
+        return None if (base.nkv, base.layout, base.varlen) == (self.nkv, self.layout,
+                                                                 self.varlen) else base
+
 
 def default_cases(quick=False):
     shapes = [(1, 16, 1024, 64), (1, 16, 2048, 128), (4, 32, 512, 128), (1, 8, 8192, 64)]
@@ -219,6 +227,9 @@ def run(cases, repeats=5, progress=True):
         f_pfa, args, kw = pfa_call(case, q, k, v)
         impls = {"pfa_numba": f_pfa, "torch": torch_call(case, q, k, v),
                  "numpy": numpy_call(case, q, k, v)}
+        base = case.baseline()
+        if base is not None:       # timed in the same repeats: pfa_numba's cost per FLOP
+            impls["baseline"] = pfa_call(base, *make_inputs(base))[0]
         impls = {k_: f for k_, f in impls.items() if f is not None}
         mem = {}
         for name, f in impls.items():       # warm-up (JIT, caches) and memory
@@ -241,8 +252,13 @@ def run(cases, repeats=5, progress=True):
         # repeat), so a machine that speeds up or slows down between repeats shifts both
         ratio = {name: float(np.median(np.array(t) / np.array(times["pfa_numba"])))
                  for name, t in times.items()}
+        per_flop = None
+        if base is not None:
+            per_flop = float(np.median(np.array(times["pfa_numba"]) / np.array(times["baseline"]))
+                             * base.useful_flops() / case.useful_flops())
         out_mib = case.B * case.N * case.S * case.D * np.dtype(_dtype(case.dtype)).itemsize / 2 ** 20
         results.append(dict(case=case, med=med, ratio=ratio, mem=mem, err=err, out_mib=out_mib,
+                            per_flop=per_flop,
                             tflops={n: case.useful_flops() / t / 1e12 for n, t in med.items()}))
         if progress and not tqdm:
             print(f"  {case.name}: " + ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in med.items()),
@@ -269,10 +285,13 @@ def markdown(results, peak_tflops):
             f"cases): {peak_tflops:.3f} TFLOP/s. "
             f"Ratios are torch (or NumPy) time / pfa_numba time, the median over the repeats of "
             f"the ratio within one repeat: > 1 means pfa_numba is faster. "
-            f"TFLOP/s count useful (kept) pairs only.", "",
+            f"TFLOP/s count useful (kept) pairs only. \"per FLOP vs MHA\": pfa_numba's time per "
+            f"useful FLOP on a GQA, BSH or varlen case over its time per FLOP on the dense BNSD "
+            f"MHA case of the same shape, timed in the same repeats (1.00: the same cost).", "",
             "| case | pfa_numba ms | TFLOP/s | % sgemm peak | torch ms | torch / pfa | "
-            "NumPy ms | NumPy / pfa | pfa extra MiB (output MiB) | max err vs ref |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "NumPy ms | NumPy / pfa | pfa extra MiB (output MiB) | max err vs ref | "
+            "per FLOP vs MHA |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         m, t = r["med"], r["tflops"]
         p = m["pfa_numba"]
@@ -284,7 +303,8 @@ def markdown(results, peak_tflops):
         nm, nr = cell("numpy")
         rows.append(f"| {r['case'].name} | {p * 1e3:.1f} | {t['pfa_numba']:.3f} | "
                     f"{100 * t['pfa_numba'] / peak_tflops:.0f}% | {tm} | {tr} | {nm} | {nr} | "
-                    f"{r['mem']['pfa_numba']:.0f} ({r['out_mib']:.0f}) | {r['err']:.1e} |")
+                    f"{r['mem']['pfa_numba']:.0f} ({r['out_mib']:.0f}) | {r['err']:.1e} | "
+                    + ("-" if r["per_flop"] is None else f"{r['per_flop']:.2f}") + " |")
     return "\n".join(rows)
 
 

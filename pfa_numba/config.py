@@ -15,7 +15,10 @@ Compiler flags are read once, when the kernels are compiled.
 #: 1.02; (1, 16, 1024, 64) 1.09 / 1.12 / 1.00 / 0.98 / 1.10. Once the per-row helpers ran
 #: without reference counting, 1024 x 512 against 512 x 512 (2 threads, interleaved medians):
 #: fp32 (1, 16, 2048, 128) dense 0.97, causal 0.94; (1, 16, 1024, 64) 0.97; (1, 8, 8192, 64)
-#: 0.96; bf16 (1, 16, 2048, 128) 0.95 (each K / V tile is packed once per 1024 rows).
+#: 0.96; bf16 (1, 16, 2048, 128) 0.95 (each K / V tile is packed once per 1024 rows). With
+#: threads taking work items as they free up, 512 against 1024 rows (2 threads, interleaved
+#: medians): fp32 (1, 16, 1024, 64) 1.02, (1, 16, 2048, 128) 1.07; bf16 1.04 / 1.06: more
+#: items balance the threads better, but cost more K / V packing.
 CPU_Q_ROWS = 1024
 CPU_KV_COLS = 512
 

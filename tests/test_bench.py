@@ -20,6 +20,9 @@ def test_harness_times_checks_and_writes(tmp_path, monkeypatch):
         assert r["ratio"]["pfa_numba"] == 1.0
         assert all(t > 0 for t in r["med"].values())
         assert ("numpy" in r["med"]) == (r["case"].dtype == "fp32")
+        # GQA / BSH / varlen cases: time per useful FLOP against dense BNSD MHA, same repeats
+        assert (r["per_flop"] is not None) == (r["case"].baseline() is not None)
+    assert results[2]["per_flop"] > 0 and "baseline" in results[2]["med"]
     table = _bench.markdown(results, peak_tflops=0.1)
     assert all(c.name in table for c in cases)
     _bench.plot(results, tmp_path / "plot.png")
@@ -34,3 +37,12 @@ def test_useful_flops_count_kept_pairs_only():
     assert causal.useful_flops() == 4 * 4 * 36
     i = np.arange(8)
     assert band.useful_flops() == 4 * 4 * int(((np.abs(i[:, None] - i[None, :])) <= 1).sum())
+
+
+def test_baseline_is_the_dense_bnsd_mha_case_of_the_same_shape():
+    gqa = _bench.Case("g", 1, 4, 8, 4, nkv=2, layout="BSH", varlen=True)
+    base = gqa.baseline()
+    assert (base.B, base.N, base.S, base.D, base.dtype, base.mode) == (1, 4, 8, 4, "fp32", "dense")
+    assert (base.kv_heads, base.layout, base.varlen) == (4, "BNSD", False)
+    assert base.useful_flops() == 4 * gqa.useful_flops()      # varlen: half the rows and columns
+    assert base.baseline() is None
