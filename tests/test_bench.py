@@ -40,9 +40,13 @@ def test_useful_flops_count_kept_pairs_only():
 
 
 def test_baseline_is_the_dense_bnsd_mha_case_of_the_same_shape():
-    gqa = _bench.Case("g", 1, 4, 8, 4, nkv=2, layout="BSH", varlen=True)
+    gqa = _bench.Case("g", 1, 4, 8, 4, nkv=2, layout="BSH")
     base = gqa.baseline()
     assert (base.B, base.N, base.S, base.D, base.dtype, base.mode) == (1, 4, 8, 4, "fp32", "dense")
     assert (base.kv_heads, base.layout, base.varlen) == (4, "BNSD", False)
-    assert base.useful_flops() == 4 * gqa.useful_flops()      # varlen: half the rows and columns
+    assert base.useful_flops() == gqa.useful_flops()
     assert base.baseline() is None
+    varlen = _bench.Case("v", 1, 4, 8, 4, varlen=True)      # lengths 4 of 8
+    base = varlen.baseline()
+    assert (base.S, base.varlen) == (4, False)
+    assert base.useful_flops() == varlen.useful_flops()
