@@ -308,8 +308,8 @@ def exp_f32(x):
 
 @jit
 def _reduce_nonpos(x):
-    """(xc, r, 2^n) for the exp of x <= 0 (xc = x held at _EXP_LO): exp(xc) = 2^n * exp(r),
-    |r| <= ln(2) / 2. n = round(x / ln 2) comes from the low mantissa bits of
+    """(r, 2^n) for the exp of x <= 0: exp(xc) = 2^n * exp(r), |r| <= ln(2) / 2, where xc is x
+    held at _EXP_LO. n = round(x / ln 2) comes from the low mantissa bits of
     x * log2(e) + 1.5 * 2^23 read as an integer, so 2^n and n need no float rounding
     instruction (the integer step also keeps fast-math reassociation from cancelling the magic
     constant)."""

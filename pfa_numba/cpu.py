@@ -42,9 +42,8 @@ from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, F16_MASK_SCALE, F32
                     F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32,
                     block_kv_range, exp_nonpos, exp_nonpos5, f16_to_f32, f32_as_i32, f32_as_u32,
                     f32_to_bf16, f32_to_f16, from_order_key, lse_value, max_nan, order_key,
-                    quantize_output,
-                    rescale_factor, round_f16, round_half_even, row_band, saturate_int8, store,
-                    tile_inside_band, u32_as_f32, widen)
+                    quantize_output, rescale_factor, round_f16, round_half_even, row_band,
+                    saturate_int8, store, tile_inside_band, u32_as_f32, widen)
 
 _FM = set(config.CPU_FASTMATH)
 #: The helpers called per row or per tile take arrays but allocate none, and are compiled
