@@ -17,8 +17,9 @@ wholly inside the band (with no user mask or pse) touch no per-element mask. Q/K
 place through strided views of their memory (a flat read-only array plus element offsets),
 fp16/bf16 as uint16 bits widened per tile, so a layout change never copies and only two
 kernels are compiled (uint16 and float32 storage). Per-thread buffers are O(rows x kv tile);
-no Sq x Skv matrix exists. Each work item is computed by one thread in a fixed order, so
-results do not depend on the thread count.
+no Sq x Skv matrix exists. Threads take work items as they free up; each item is computed by
+one thread, the same way whichever thread takes it, so results do not depend on the thread
+count or on which thread takes which item.
 """
 import contextlib
 import threading
