@@ -107,8 +107,18 @@ def to_kind(x, like):
     if kind == "cupy":
         import cupy
         return cupy.asarray(x)
+    return numba_device_array(x)
+
+
+def numba_device_array(x):
+    """A NumPy array copied to a new Numba device array of its dtype. bfloat16 goes as its
+    uint16 bits: numba-cuda's host-to-device copy needs a buffer format, which ml_dtypes'
+    bfloat16 has none of ("cannot include dtype 'E' in a buffer" on a GPU)."""
     from numba import cuda
-    return cuda.to_device(np.ascontiguousarray(x))
+    x = np.ascontiguousarray(x)
+    if x.dtype.name == "bfloat16":
+        return cuda.to_device(x.view(np.uint16)).view(x.dtype)
+    return cuda.to_device(x)
 
 
 def to_host(x):

@@ -15,6 +15,23 @@ def _numba_cuda_installed():
         return False
 
 
+#: a module that numba-cuda imports when it compiles its first kernel: importing it tells
+#: whether numba-cuda can compile with this NumPy (numba-cuda 0.30 cannot with NumPy >= 2.5,
+#: which removed np.row_stack)
+CUDA_COMPILER_MODULE = "numba.cuda.np.npyimpl"
+
+
+def _numba_cuda_compile_problem():
+    """Why numba-cuda cannot compile a kernel in this environment, or None."""
+    try:
+        importlib.import_module(CUDA_COMPILER_MODULE)
+    except Exception as exc:  # noqa: BLE001 - any failure here would fail every kernel launch
+        import numpy
+        return (f"numba-cuda cannot compile kernels with NumPy {numpy.__version__} "
+                f"({type(exc).__name__}: {exc}); numba-cuda 0.30 needs NumPy < 2.5")
+    return None
+
+
 class CpuBackend:
     name = "cpu"
     devices = ("cpu",)
@@ -50,6 +67,9 @@ class CudaBackend:
         if not _numba_cuda_installed():
             reasons.append("numba-cuda is not installed (pip install 'pfa_numba[cuda]')")
         else:
+            broken = _numba_cuda_compile_problem()
+            if broken:
+                reasons.append(broken)
             try:
                 from numba import cuda
                 if not cuda.is_available():

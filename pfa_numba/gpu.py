@@ -31,8 +31,6 @@ from ._arrays import array_kind, to_kind
 from ._geometry import (P_CODE, P_D, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE, T_K, T_L, T_M,
                         T_O, T_P, T_Q, T_V, geometry, scale_factors)
 
-SIMULATOR = bool(getattr(cuda, "simulator", None)) or cuda.__name__.endswith("simulator")
-
 
 def _pad_dim(d):
     """Compile-time head-dim capacity: the next power of two >= d (>= 32)."""

@@ -235,6 +235,22 @@ def test_s1_device_cuda_without_backend():
     assert "cuda" in str(err).lower()
 
 
+def test_s1_device_cuda_when_numba_cuda_cannot_compile(monkeypatch, tmp_path):
+    """numba-cuda 0.30 with NumPy 2.5 fails inside its first kernel compile: device='cuda'
+    refuses with a RuntimeError naming NumPy's version, before any kernel is launched."""
+    from pfa_numba import dispatch
+    if not dispatch._numba_cuda_installed():
+        pytest.skip("numba-cuda is not installed here")
+    (tmp_path / "pfa_test_broken_compiler.py").write_text(
+        "raise AttributeError(\"module 'numpy' has no attribute 'row_stack'\")\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(dispatch, "CUDA_COMPILER_MODULE", "pfa_test_broken_compiler")
+    q, k, v, kw = make("BNSD")
+    err = assert_raises(RuntimeError, lambda: run(q, k, v, kw, device="cuda"))
+    assert "row_stack" in str(err) and f"NumPy {np.__version__}" in str(err)
+    assert run(q, k, v, kw, device="cpu").shape == q.shape       # the CPU is unaffected
+
+
 @pytest.mark.parametrize("flag", [1, 0, "True", None], ids=["int1", "int0", "strTrue", "None"])
 def test_s1_return_softmax_lse_not_bool(flag):
     q, k, v, kw = make("BNSD")

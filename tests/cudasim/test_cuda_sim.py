@@ -1,6 +1,7 @@
-"""The CUDA kernel under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1, set by the test runner
-before Numba is imported), on tiny problems with patched small tiles so that every case crosses
-several query blocks and kv tiles, against pfa_numba.reference."""
+"""The CUDA kernel on tiny problems with patched small tiles, so that every case crosses several
+query blocks and kv tiles, against pfa_numba.reference: under the CUDA simulator
+(NUMBA_ENABLE_CUDASIM=1, set by the test runner before Numba is imported), or on a real GPU when
+the process has one (``python -m pytest tests/cudasim`` on a GPU machine)."""
 import os
 import sys
 
@@ -9,13 +10,15 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numba  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from pfa_numba import config, prompt_flash_attention  # noqa: E402
-from _cases import DTYPES, assert_matches_reference, qkv, to_layout  # noqa: E402
+from _cases import DTYPES, assert_matches_reference, qkv  # noqa: E402
 
-if not getattr(cuda, "simulator", None) and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
-    pytest.skip("run with NUMBA_ENABLE_CUDASIM=1 (scripts/run_tests.py does)",
+SIMULATED = bool(numba.config.ENABLE_CUDASIM)
+if not SIMULATED and not cuda.is_available():
+    pytest.skip("no GPU here: run with NUMBA_ENABLE_CUDASIM=1 (scripts/run_tests.py does)",
                 allow_module_level=True)
 
 
@@ -106,6 +109,23 @@ def test_device_arrays_in_device_arrays_out():
     assert hasattr(cpu, "copy_to_host")
     assert_matches_reference(cpu.copy_to_host(), (q, k, v),
                              dict(num_heads=2, input_layout="BNSD"), np.float32)
+
+
+def test_bf16_numba_device_arrays():
+    """bf16 Numba device arrays are made from uint16 bits (numba-cuda cannot copy ml_dtypes'
+    bfloat16 to a GPU directly); results come back as bf16 device arrays, on either device."""
+    from pfa_numba._arrays import numba_device_array
+    rng = np.random.default_rng(9)
+    bf16 = DTYPES["bf16"]
+    q, k, v = qkv(rng, "BNSD", bf16, 1, 2, 1, 5, 6, 16)
+    dq, dk, dv = (numba_device_array(x) for x in (q, k, v))
+    assert dq.dtype == bf16 and np.array_equal(dq.copy_to_host().view(np.uint16),
+                                               q.view(np.uint16))
+    kw = dict(num_heads=2, num_key_value_heads=1, input_layout="BNSD", scale_value=0.25)
+    for device in (None, "cpu"):
+        out = prompt_flash_attention(dq, dk, dv, **kw, device=device)
+        assert hasattr(out, "copy_to_host") and out.dtype == bf16
+        assert_matches_reference(out.copy_to_host(), (q, k, v), kw, bf16)
 
 
 def _int8_problem(rng, n=2, sq=5, skv=7, d=32):
