@@ -268,6 +268,60 @@ def run(cases, repeats=5, progress=True):
     return results
 
 
+#: The first-call programs, each run in a fresh process with a warm cache (``python -c``):
+#: pfa_numba's fp32 call, and the floor any Numba program pays, a one-line cached ``@njit``
+#: function in a module of its own (the same NumPy and Numba imports, the same typing set-up
+#: and cache load).
+FIRST_CALL_PFA = """import numpy as np
+from pfa_numba import prompt_flash_attention
+q = np.ones((1, 8, 256, 64), np.float32)
+prompt_flash_attention(q, q, q, num_heads=8, input_layout='BNSD')
+"""
+FIRST_CALL_NUMBA = """import sys
+sys.path.insert(0, {folder!r})
+import numpy as np
+import one_line
+one_line.total(np.ones(4))
+"""
+ONE_LINE_MODULE = """from numba import njit
+
+
+@njit(cache=True)
+def total(a):
+    return a.sum()
+"""
+
+
+def first_call(repeats=5):
+    """Wall time of a fresh ``python -c`` process computing a first call with a warm cache:
+    pfa_numba against a one-line cached Numba function, interleaved. Returns the two lists of
+    seconds (one warm-up run each first, which fills the caches)."""
+    import subprocess
+    import sys
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        with open(os.path.join(folder, "one_line.py"), "w") as f:
+            f.write(ONE_LINE_MODULE)
+        programs = {"pfa_numba": FIRST_CALL_PFA,
+                    "numba": FIRST_CALL_NUMBA.format(folder=folder)}
+        times = {name: [] for name in programs}
+        for i in range(repeats + 1):
+            for name, code in programs.items():
+                t0 = time.perf_counter()
+                subprocess.run([sys.executable, "-c", code], check=True)
+                if i:
+                    times[name].append(time.perf_counter() - t0)
+    return times["pfa_numba"], times["numba"]
+
+
+def first_call_markdown(pfa, floor):
+    return (f"First call in a fresh process with a warm cache (`python -c`, end to end, median "
+            f"of {len(pfa)} interleaved runs): pfa_numba {np.median(pfa):.2f} s (fp32 "
+            f"(1, 8, 256, 64)); a one-line cached Numba function {np.median(floor):.2f} s, the "
+            f"floor of any Numba program here (importing NumPy and Numba, Numba's typing set-up "
+            f"and cache load, interpreter exit).")
+
+
 def environment():
     import numba
     import scipy
@@ -337,7 +391,7 @@ def main(args):
     peak = sgemm_peak()
     results = run(cases, repeats=args.repeats)
     peak = max(peak, sgemm_peak())           # before and after the cases
-    table = markdown(results, peak)
+    table = markdown(results, peak) + "\n\n" + first_call_markdown(*first_call())
     env = environment()
     stamp = time.strftime("%Y-%m-%d")
     text = f"# pfa_numba CPU benchmark ({stamp})\n\n{env}\n\n{table}\n"

@@ -50,3 +50,10 @@ def test_baseline_is_the_dense_bnsd_mha_case_of_the_same_shape():
     base = varlen.baseline()
     assert (base.S, base.varlen) == (4, False)
     assert base.useful_flops() == varlen.useful_flops()
+
+
+def test_first_call_runs_both_programs_in_fresh_processes():
+    pfa, floor = _bench.first_call(repeats=1)
+    assert len(pfa) == len(floor) == 1 and pfa[0] > 0 and floor[0] > 0
+    text = _bench.first_call_markdown(pfa, floor)
+    assert "pfa_numba" in text and "one-line cached Numba function" in text
