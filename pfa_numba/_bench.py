@@ -295,7 +295,8 @@ def total(a):
 def first_call(repeats=5):
     """Wall time of a fresh ``python -c`` process computing a first call with a warm cache:
     pfa_numba against a one-line cached Numba function, interleaved. Returns the two lists of
-    seconds (one warm-up run each first, which fills the caches)."""
+    seconds (one warm-up run each first, which fills the caches: Numba's, and Python's
+    bytecode cache, which the runs may write whatever PYTHONDONTWRITEBYTECODE says here)."""
     import subprocess
     import sys
     import tempfile
@@ -304,11 +305,12 @@ def first_call(repeats=5):
             f.write(ONE_LINE_MODULE)
         programs = {"pfa_numba": FIRST_CALL_PFA,
                     "numba": FIRST_CALL_NUMBA.format(folder=folder)}
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
         times = {name: [] for name in programs}
         for i in range(repeats + 1):
             for name, code in programs.items():
                 t0 = time.perf_counter()
-                subprocess.run([sys.executable, "-c", code], check=True)
+                subprocess.run([sys.executable, "-c", code], check=True, env=env)
                 if i:
                     times[name].append(time.perf_counter() - t0)
     return times["pfa_numba"], times["numba"]
