@@ -1,13 +1,16 @@
 """On a machine with an NVIDIA GPU: check the CUDA kernel at realistic sizes and time it.
 
     python scripts/gpu_check.py [--quick]
+    python -m pytest tests/cudasim     # the kernel tests, run on the GPU (no simulator)
 
-1. Correctness: pfa_numba on CUDA (Numba device arrays, and torch / CuPy tensors when those are
-   installed) against the CPU path and pfa_numba.reference (on a head subset), for fp16, bf16
-   and fp32, dense / causal / band / user mask / pse / GQA / varlen.
+1. Correctness: pfa_numba on CUDA (Numba device arrays, and torch tensors when torch has CUDA)
+   against pfa_numba.reference (the first kv group's heads) and the CPU path (every head), for
+   fp16, bf16 and fp32, dense / causal / band / user mask / pse / GQA / varlen; every case is
+   reported, then the script fails if any did.
 2. Speed: a side-by-side table of pfa_numba CUDA vs torch SDPA (flash backend, when torch with
    CUDA is installed) for fp16 and bf16 at (1,16,4096,128) dense and causal and (4,32,1024,128).
-Exits non-zero if a check fails.
+Exits non-zero if a check fails. numba-cuda 0.30 needs NumPy < 2.5 (its first kernel compile
+fails otherwise).
 """
 import argparse
 import sys
