@@ -279,7 +279,8 @@ def plan(query, key, value, attn_mask, actual_seq_lengths, actual_seq_lengths_kv
     qparams = None
     if is_quant:
         if layout == "TND":
-            given = [k for k, x in quant.items() if x is not None] or ["int8 query"]
+            given = [f"{k} of shape {V.shape_str(np.shape(x))}" for k, x in quant.items()
+                     if x is not None] or [f"an int8 query of shape {V.shape_str(query.shape)}"]
             raise RuntimeError(f"input_layout 'TND' supports no quantization, got "
                                f"{', '.join(given)}")
         qparams = plan_quant(dtype, quant, n, d)
@@ -310,8 +311,9 @@ def plan(query, key, value, attn_mask, actual_seq_lengths, actual_seq_lengths_kv
         q_ends = V.check_cumulative_ends("actual_seq_lengths", actual_seq_lengths, t)
         kv_ends = V.check_cumulative_ends("actual_seq_lengths_kv", actual_seq_lengths_kv, tkv)
         if q_ends.size != kv_ends.size:
-            raise ValueError(f"actual_seq_lengths ({q_ends.size} ends) and actual_seq_lengths_kv "
-                             f"({kv_ends.size} ends) must have the same length")
+            raise ValueError(f"actual_seq_lengths and actual_seq_lengths_kv must have the same "
+                             f"length (one end per sequence), got {q_ends.tolist()} and "
+                             f"{kv_ends.tolist()}")
         batch = q_ends.size
         q_start = np.concatenate([[0], q_ends[:-1]]).astype(np.int64)
         kv_start = np.concatenate([[0], kv_ends[:-1]]).astype(np.int64)

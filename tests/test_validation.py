@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from pfa_numba import prompt_flash_attention as pfa
+from pfa_numba import _validate as V
 
 
 FP16 = np.dtype(np.float16)
@@ -588,7 +589,7 @@ def test_s3_tnd_lengths_unequal_count(q_ends, kv_ends):
     kw["actual_seq_lengths"] = q_ends
     kw["actual_seq_lengths_kv"] = kv_ends
     assert_raises(ValueError, lambda: run(q, k, v, kw),
-                  AnyOf("actual_seq_lengths", "actual_seq_lengths_kv"))
+                  AnyOf("actual_seq_lengths", "actual_seq_lengths_kv"), str(q_ends), str(kv_ends))
 
 
 @pytest.mark.parametrize("which,ends,total", [
@@ -1482,8 +1483,9 @@ def test_s8_mode4_int8_output_rejects_negative_tokens(qdt, pre, nxt):
 ], ids=["fp16_qs2", "int8_fp16_out", "int8_int8_out"])
 def test_s8_tnd_rejects_quantization(qdt, args):
     q, k, v, kw = make("TND", qdt)
-    assert_raises(RuntimeError, lambda: run(q, k, v, kw, **args),
-                  AnyOf(*args.keys(), "input_layout", "TND", "query"))
+    err = assert_raises(RuntimeError, lambda: run(q, k, v, kw, **args), "TND", *args.keys())
+    for name, x in args.items():                 # each argument received, with its shape
+        assert f"{name} of shape {V.shape_str(np.shape(x))}" in str(err)
 
 
 @pytest.mark.quant
