@@ -1,6 +1,6 @@
 """On a machine with an NVIDIA GPU: check the CUDA kernel at realistic sizes and time it.
 
-    python scripts/gpu_check.py [--quick]
+    python scripts/gpu_check.py [--quick] [--tiles]
     python -m pytest tests/cudasim     # the kernel tests, run on the GPU (no simulator)
 
 1. Correctness: pfa_numba on CUDA (Numba device arrays, and torch tensors when torch has CUDA)
@@ -162,9 +162,53 @@ def bench(quick):
                   f"{flop / t_torch / 1e12:8.2f} {t_torch / t_pfa:9.3f}", flush=True)
 
 
+#: (CUDA_Q_ROWS, CUDA_KV_COLS, CUDA_TILE_ELEMS) to time against the defaults: threads per
+#: block, kv columns per shared-memory tile, and the cap on a tile's float32 values (a tile's
+#: columns are at most CUDA_TILE_ELEMS // the padded head dim; K and V tiles together must
+#: stay within 48 KiB of static shared memory)
+TILE_VARIANTS = [(64, 64, 4096), (32, 64, 4096), (128, 64, 4096), (256, 64, 4096),
+                 (128, 16, 2048), (64, 48, 6144), (128, 48, 6144)]
+
+
+def tiles(quick, shape=None):
+    """Time the kernel's tile sizes on one problem (fp16, dense; ``shape`` (B, N, S, D) or the
+    default); each variant's output is compared with the first's (tile sizes must not change
+    the result beyond rounding)."""
+    from pfa_numba import config, prompt_flash_attention
+    from pfa_numba._arrays import numba_device_array
+    from numba import cuda
+    b, n, s, d = shape or ((1, 8, 1024, 128) if quick else (1, 16, 2048, 128))
+    rng = np.random.default_rng(2)
+    dev = [numba_device_array(rng.standard_normal((b, n, s, d)).astype(np.float16))
+           for _ in range(3)]
+    kw = dict(num_heads=n, input_layout="BNSD", scale_value=d ** -0.5)
+    saved = (config.CUDA_Q_ROWS, config.CUDA_KV_COLS, config.CUDA_TILE_ELEMS)
+    first = None
+    print(f"\n  tile sizes, fp16 dense {(b, n, s, d)}: (rows per block, kv columns, tile cap)")
+    try:
+        for rows, cols, elems in TILE_VARIANTS:
+            config.CUDA_Q_ROWS, config.CUDA_KV_COLS, config.CUDA_TILE_ELEMS = rows, cols, elems
+            out = prompt_flash_attention(*dev, **kw).copy_to_host().astype(np.float32)
+            first = out if first is None else first
+            t = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                prompt_flash_attention(*dev, **kw)
+                cuda.synchronize()
+                t.append(time.perf_counter() - t0)
+            med = float(np.median(t))
+            print(f"  {str((rows, cols, elems)):20s} {med * 1e3:9.2f} ms "
+                  f"{4.0 * b * n * s * s * d / med / 1e12:6.2f} TFLOP/s   max |out - first| "
+                  f"{np.abs(out - first).max():.1e}", flush=True)
+    finally:
+        config.CUDA_Q_ROWS, config.CUDA_KV_COLS, config.CUDA_TILE_ELEMS = saved
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tiles", action="store_true",
+                    help="also time the kernel's tile sizes (TILE_VARIANTS)")
     args = ap.parse_args()
     from numba import cuda
     if not cuda.is_available():
@@ -174,6 +218,8 @@ def main():
     print("correctness at realistic sizes:")
     ok = check(args.quick)
     bench(args.quick)
+    if args.tiles:
+        tiles(args.quick)
     return 0 if ok else 1
 
 
