@@ -8,6 +8,9 @@ PNG plot. ``python -m pfa_numba bench`` runs it; ``benchmarks/run.py`` is the sa
 import dataclasses
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -297,9 +300,6 @@ def first_call(repeats=5):
     pfa_numba against a one-line cached Numba function, interleaved. Returns the two lists of
     seconds (one warm-up run each first, which fills the caches: Numba's, and Python's
     bytecode cache, which the runs may write whatever PYTHONDONTWRITEBYTECODE says here)."""
-    import subprocess
-    import sys
-    import tempfile
     with tempfile.TemporaryDirectory() as folder:
         with open(os.path.join(folder, "one_line.py"), "w") as f:
             f.write(ONE_LINE_MODULE)
