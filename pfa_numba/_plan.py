@@ -90,7 +90,7 @@ class Problem:
 def storage_code(dtype):
     if dtype == V.F16:
         return CODE_F16
-    if dtype == V.BF16:
+    if V.is_bf16(dtype):
         return CODE_BF16
     return CODE_F32
 
@@ -298,7 +298,7 @@ def plan(query, key, value, attn_mask, actual_seq_lengths, actual_seq_lengths_kv
     if d > V.MAX_HEAD_DIM:
         raise RuntimeError(f"head dim D must be <= {V.MAX_HEAD_DIM}, got {d} (query shape "
                            f"{V.shape_str(query.shape)})")
-    if dtype == V.BF16 and d % 16:
+    if V.is_bf16(dtype) and d % 16:
         raise RuntimeError(f"bfloat16 needs head dim D % 16 == 0, got D = {d} (query shape "
                            f"{V.shape_str(query.shape)})")
 
@@ -460,9 +460,9 @@ def plan_quant(dtype, quant, n, d):
     if "quant_scale2" in given:
         out_dtype = V.I8
         s2 = given["quant_scale2"]
-        ok = (V.F32,) + ((V.BF16,) if dtype == V.BF16 else ())
-        if s2.dtype not in ok:
-            raise TypeError(f"quant_scale2 dtype must be float32{' or bfloat16' if dtype == V.BF16 else ''} "
+        bf16 = V.is_bf16(dtype)
+        if not (s2.dtype == V.F32 or (bf16 and s2.dtype == dtype)):
+            raise TypeError(f"quant_scale2 dtype must be float32{' or bfloat16' if bf16 else ''} "
                             f"for a {V.dtype_name(dtype)} query, got {V.dtype_name(s2.dtype)}")
         h = n * d
         per_channel_shapes = [(h,), (1, 1, h), (1, n, 1, d), (n, d), (1, 1, n, d)]

@@ -8,7 +8,6 @@ argument rules the Ascend kernel enforces. Checks never use ``assert`` (it vanis
 import numbers
 import operator
 
-import ml_dtypes
 import numpy as np
 
 from ._core import TOKENS_INF
@@ -26,12 +25,20 @@ MAX_HEAD_DIM = 512
 MAX_BATCH = 65536
 BAND_MASK_SIDE = 2048
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
 I8 = np.dtype(np.int8)
-FLOAT_DTYPES = (F16, BF16, F32)
 DISCARD_MASK_DTYPES = (np.dtype(np.bool_), I8, np.dtype(np.uint8))
+
+
+def is_bf16(dt):
+    """Whether ``dt`` is ml_dtypes' bfloat16. ml_dtypes is imported only for a dtype of that
+    name (whoever made a bfloat16 array has imported it already): its import costs about 25 ms
+    of a fresh process's first call."""
+    if dt.name != "bfloat16":
+        return False
+    import ml_dtypes
+    return dt == np.dtype(ml_dtypes.bfloat16)
 
 
 def dtype_name(dt):
@@ -148,7 +155,7 @@ def check_array(name, x):
 
 def check_qkv_dtypes(query, key, value):
     dt = query.dtype
-    if dt not in FLOAT_DTYPES and dt != I8:
+    if dt not in (F16, F32, I8) and not is_bf16(dt):
         raise TypeError(f"query dtype must be float16, bfloat16, float32 or int8, got "
                         f"{dtype_name(dt)}")
     for name, x in (("key", key), ("value", value)):

@@ -66,3 +66,22 @@ def test_memory_stays_far_below_s_squared():
     """Sq = Skv = 16384: an S^2 float32 score matrix per head would be 1 GiB."""
     growth_mib = float(_run(MEMORY, 2))
     assert growth_mib < 128, f"peak RSS grew by {growth_mib:.0f} MiB"
+
+
+def test_float32_call_leaves_ml_dtypes_unimported():
+    """ml_dtypes (about 25 ms of a fresh process's first call) is imported only when a
+    bfloat16 array arrives, and then recognised."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from pfa_numba import prompt_flash_attention
+        q = np.ones((1, 2, 16, 16), np.float32)
+        prompt_flash_attention(q, q, q, num_heads=2, input_layout='BNSD')
+        before = 'ml_dtypes' in sys.modules
+        import ml_dtypes
+        out = prompt_flash_attention(q.astype(ml_dtypes.bfloat16), q.astype(ml_dtypes.bfloat16),
+                                     q.astype(ml_dtypes.bfloat16), num_heads=2,
+                                     input_layout='BNSD')
+        print(before, out.dtype == ml_dtypes.bfloat16)
+    """)
+    assert _run(code, 1) == "False True"
