@@ -219,8 +219,12 @@ def sgemm_peak(repeats=7, n=2048):
     return 2 * n ** 3 / min(t) / 1e12
 
 
-def run(cases, repeats=5, progress=True):
-    """Time every case; returns a list of result dicts."""
+def run(cases, repeats=5, progress=True, gemm_n=2048):
+    """Time every case; returns a list of result dicts. Each repeat also times NumPy's sgemm
+    on two gemm_n x gemm_n float32 matrices: this machine's speed drifts over minutes (at
+    2048^3 it ran at 0.14-0.20 TFLOP/s within one case's seven repeats and 0.20-0.30 within
+    another's), so pfa_numba's share of the GEMM rate is also taken against the sgemm of the
+    same repeat."""
     try:
         from tqdm import tqdm
     except ImportError:
@@ -236,6 +240,8 @@ def run(cases, repeats=5, progress=True):
         if base is not None:       # timed in the same repeats: pfa_numba's cost per FLOP
             impls["baseline"] = pfa_call(base, *make_inputs(base))[0]
         impls = {k_: f for k_, f in impls.items() if f is not None}
+        a = np.random.default_rng(1).standard_normal((gemm_n, gemm_n), dtype=np.float32)
+        impls["sgemm"] = lambda: a @ a
         mem = {}
         for name, f in impls.items():       # warm-up (JIT, caches) and memory
             with PeakRSS() as pr:
@@ -261,10 +267,14 @@ def run(cases, repeats=5, progress=True):
         if base is not None:
             per_flop = float(np.median(np.array(times["pfa_numba"]) / np.array(times["baseline"]))
                              * base.useful_flops() / case.useful_flops())
+        # pfa_numba's TFLOP/s over the sgemm's in the same repeat
+        gemm_share = float(np.median(np.array(times["sgemm"]) / np.array(times["pfa_numba"]))
+                           * case.useful_flops() / (2.0 * gemm_n ** 3))
         out_mib = case.B * case.N * case.S * case.D * np.dtype(_dtype(case.dtype)).itemsize / 2 ** 20
-        results.append(dict(case=case, med=med, ratio=ratio, mem=mem, err=err, out_mib=out_mib,
-                            per_flop=per_flop,
-                            tflops={n: case.useful_flops() / t / 1e12 for n, t in med.items()}))
+        results.append(dict(case=case, med=med, times=times, ratio=ratio, mem=mem, err=err,
+                            out_mib=out_mib, per_flop=per_flop, gemm_share=gemm_share,
+                            tflops={n: case.useful_flops() / t / 1e12 for n, t in med.items()
+                                    if n != "sgemm"}))
         if progress and not tqdm:
             print(f"  {case.name}: " + ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in med.items()),
                   flush=True)
@@ -340,17 +350,19 @@ def environment():
 
 def markdown(results, peak_tflops):
     rows = [f"sgemm peak (NumPy BLAS, 2048^3 fp32, best of 7 runs before and of 7 after the "
-            f"cases): {peak_tflops:.3f} TFLOP/s. "
+            f"cases): {peak_tflops:.3f} TFLOP/s; \"% sgemm, same repeats\": pfa_numba's TFLOP/s "
+            f"over those of the same sgemm timed in each of its repeats (median), which follows "
+            f"the machine's drifting speed. "
             f"Ratios are torch (or NumPy) time / pfa_numba time, the median over the repeats of "
             f"the ratio within one repeat: > 1 means pfa_numba is faster. "
             f"TFLOP/s count useful (kept) pairs only. \"per FLOP vs MHA\": pfa_numba's time per "
             f"useful FLOP on a GQA, BSH or varlen case over its time per FLOP on the BNSD MHA "
             f"case of the same shape (varlen: of the actual lengths), timed in the same repeats "
             f"(1.00: the same cost).", "",
-            "| case | pfa_numba ms | TFLOP/s | % sgemm peak | torch ms | torch / pfa | "
-            "NumPy ms | NumPy / pfa | pfa extra MiB (output MiB) | max err vs ref | "
+            "| case | pfa_numba ms | TFLOP/s | % sgemm peak | % sgemm, same repeats | torch ms | "
+            "torch / pfa | NumPy ms | NumPy / pfa | pfa extra MiB (output MiB) | max err vs ref | "
             "per FLOP vs MHA |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         m, t = r["med"], r["tflops"]
         p = m["pfa_numba"]
@@ -361,7 +373,8 @@ def markdown(results, peak_tflops):
         tm, tr = cell("torch")
         nm, nr = cell("numpy")
         rows.append(f"| {r['case'].name} | {p * 1e3:.1f} | {t['pfa_numba']:.3f} | "
-                    f"{100 * t['pfa_numba'] / peak_tflops:.0f}% | {tm} | {tr} | {nm} | {nr} | "
+                    f"{100 * t['pfa_numba'] / peak_tflops:.0f}% | {100 * r['gemm_share']:.0f}% | "
+                    f"{tm} | {tr} | {nm} | {nr} | "
                     f"{r['mem']['pfa_numba']:.0f} ({r['out_mib']:.0f}) | {r['err']:.1e} | "
                     + ("-" if r["per_flop"] is None else f"{r['per_flop']:.2f}") + " |")
     return "\n".join(rows)

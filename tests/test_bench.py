@@ -13,13 +13,18 @@ def test_harness_times_checks_and_writes(tmp_path, monkeypatch):
              _bench.Case("fp16 band tiny", 1, 2, 64, 16, dtype="fp16", mode="band", band=8),
              _bench.Case("fp32 GQA BSH varlen tiny", 1, 4, 64, 16, nkv=2, layout="BSH",
                          varlen=True)]
-    results = _bench.run(cases, repeats=2, progress=False)
+    results = _bench.run(cases, repeats=2, progress=False, gemm_n=64)
     assert [r["case"].name for r in results] == [c.name for c in cases]
     for r in results:
         assert r["err"] < 1e-2                          # checked against the reference
         assert r["ratio"]["pfa_numba"] == 1.0
         assert all(t > 0 for t in r["med"].values())
         assert ("numpy" in r["med"]) == (r["case"].dtype == "fp32")
+        # against NumPy's sgemm timed in the same repeats: (F / t_pfa) / (2 n^3 / t_sgemm)
+        t = {name: np.array(x) for name, x in r["times"].items()}
+        assert len(t["sgemm"]) == len(t["pfa_numba"]) == 2 and "sgemm" not in r["tflops"]
+        assert np.isclose(r["gemm_share"], np.median(t["sgemm"] / t["pfa_numba"])
+                          * r["case"].useful_flops() / (2 * 64 ** 3))
         # GQA / BSH / varlen cases: time per useful FLOP against dense BNSD MHA, same repeats
         assert (r["per_flop"] is not None) == (r["case"].baseline() is not None)
     assert results[2]["per_flop"] > 0 and "baseline" in results[2]["med"]
