@@ -79,9 +79,8 @@ def test_float32_call_leaves_ml_dtypes_unimported():
         prompt_flash_attention(q, q, q, num_heads=2, input_layout='BNSD')
         before = 'ml_dtypes' in sys.modules
         import ml_dtypes
-        out = prompt_flash_attention(q.astype(ml_dtypes.bfloat16), q.astype(ml_dtypes.bfloat16),
-                                     q.astype(ml_dtypes.bfloat16), num_heads=2,
-                                     input_layout='BNSD')
+        b = q.astype(ml_dtypes.bfloat16)
+        out = prompt_flash_attention(b, b, b, num_heads=2, input_layout='BNSD')
         print(before, out.dtype == ml_dtypes.bfloat16)
     """)
     assert _run(code, 1) == "False True"
