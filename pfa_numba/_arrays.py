@@ -6,6 +6,8 @@ torch). :class:`Meta` lets the planner work on CUDA arrays through metadata-only
 """
 import numpy as np
 
+from ._validate import is_bf16
+
 
 def checked(name, fn, x):
     """``fn(x)`` for CUDA array argument ``name``, with its failures as the errors of SPEC 10:
@@ -101,7 +103,7 @@ def to_kind(x, like):
     kind = array_kind(like)
     if kind == "torch":
         import torch
-        if x.dtype.name == "bfloat16":
+        if is_bf16(x.dtype):
             return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16).to(like.device)
         return torch.from_numpy(np.ascontiguousarray(x)).to(like.device)
     if kind == "cupy":
@@ -116,7 +118,7 @@ def numba_device_array(x):
     bfloat16 has none of ("cannot include dtype 'E' in a buffer" on a GPU)."""
     from numba import cuda
     x = np.ascontiguousarray(x)
-    if x.dtype.name == "bfloat16":
+    if is_bf16(x.dtype):
         return cuda.to_device(x.view(np.uint16)).view(x.dtype)
     return cuda.to_device(x)
 
