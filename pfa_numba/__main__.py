@@ -18,21 +18,9 @@ def _median_time(fn, repeats):
     return float(np.median(times))
 
 
-def naive_attention(q, k, v, scale, keep):
-    """Plain NumPy attention in float32 on (B, N, S, D) arrays, materialising the scores."""
-    g = q.shape[1] // k.shape[1]
-    k = np.repeat(k.astype(np.float32), g, axis=1)
-    v = np.repeat(v.astype(np.float32), g, axis=1)
-    s = np.matmul(q.astype(np.float32), k.swapaxes(-1, -2)) * np.float32(scale)
-    s = np.where(keep, s, -np.inf)
-    s -= s.max(axis=-1, keepdims=True)
-    p = np.exp(s)
-    p /= p.sum(axis=-1, keepdims=True)
-    return np.matmul(p, v)
-
-
 def demo(args):
     from pfa_numba import prompt_flash_attention, reference
+    from pfa_numba._bench import naive_attention
 
     print("pfa_numba demo: Ascend prompt_flash_attention on the CPU\n")
     print("1. The MindSpore call, unchanged, on NumPy arrays:")
@@ -101,7 +89,8 @@ def warmup(args):
     q8 = np.ones((1, 1, 4, 32), np.int8)
     scales = dict(deq_scale1=np.ones(1, np.float32), quant_scale1=np.ones(1, np.float32),
                   deq_scale2=np.ones(1, np.float32))
-    from pfa_numba import _amx, config
+    from pfa_numba import config
+    from pfa_numba.cpu import _amx
 
     def float32_tiles():          # float16 / bfloat16 where AMX is off or not offered
         amx = config.CPU_AMX
@@ -148,7 +137,7 @@ def info(args):
     print(f"  threads        {numba.get_num_threads()} (NUMBA_NUM_THREADS), threading layer "
           f"{numba.config.THREADING_LAYER}")
     print(f"  cache          {numba.config.CACHE_DIR or os.path.dirname(pfa_numba.__file__)}")
-    from pfa_numba import _amx, _gemm
+    from pfa_numba.cpu import _amx, _gemm
     products = ("AVX-512 register blocks" if _gemm.available() else "BLAS sgemm (no AVX-512)")
     print(f"  float32 tiles  {products}")
     print("  AMX            " + ("used for bfloat16 and float16 tile products"

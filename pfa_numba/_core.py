@@ -17,7 +17,6 @@ Contents:
   -inf/+inf/NaN; :func:`exp_nonpos5`, a shorter one for the AMX kernel;
 * int8 quantization steps: :func:`round_f16`, :func:`round_half_even`, :func:`saturate_int8`;
 * :func:`order_key`: an order-preserving float -> int32 map, so a row max vectorises;
-* the band predicate (:func:`band_lo`, :func:`band_hi`) of SPEC section 4.1;
 * the online-softmax steps in the triton tutorial's order (acc, l, m):
   :func:`max_nan`, :func:`rescale_factor`, :func:`lse_value`.
 """
@@ -30,12 +29,6 @@ from numba.extending import intrinsic
 # ---------------------------------------------------------------------------------------------
 # constants
 # ---------------------------------------------------------------------------------------------
-
-#: pre/next tokens >= this value mean "no limit" (SPEC 4.1).
-TOKENS_INF = 2147483647
-#: The kernels' representation of an unlimited band side: far beyond any length, and adding
-#: or subtracting a length never overflows int64.
-BAND_INF = 1 << 62
 
 F32_ZERO = np.float32(0.0)
 F32_ONE = np.float32(1.0)
@@ -392,46 +385,8 @@ def max_nan(a, b):
 
 
 # ---------------------------------------------------------------------------------------------
-# the band (SPEC 4.1) and the online softmax
+# the online softmax
 # ---------------------------------------------------------------------------------------------
-
-@jit
-def band_lo(i, pre_e):
-    """First kv column kept by the band for query row ``i`` (before clipping to 0)."""
-    return i - pre_e
-
-
-@jit
-def band_hi(i, next_e, kl):
-    """Last kv column (inclusive) kept for row ``i``: ``min(i + nextE, kL - 1)``."""
-    hi = i + next_e
-    if hi > kl - 1:
-        hi = kl - 1
-    return hi
-
-
-@jit
-def row_band(i, pre_e, next_e, kl):
-    """The kept column range [lo, hi] of row ``i``; empty when lo > hi."""
-    lo = band_lo(i, pre_e)
-    if lo < 0:
-        lo = 0
-    return lo, band_hi(i, next_e, kl)
-
-
-@jit
-def block_kv_range(i0, i1, pre_e, next_e, kl):
-    """The kv columns [jstart, jend) that any row of [i0, i1) may keep; tiles outside them
-    (wholly outside the band, or past kL) are never visited."""
-    return max(i0 - pre_e, 0), min(i1 - 1 + next_e + 1, kl)
-
-
-@jit
-def tile_inside_band(i0, i1, j0, j1, pre_e, next_e):
-    """True when every (row, column) of rows [i0, i1) x columns [j0, j1) is inside the band:
-    such a tile needs no per-element band mask."""
-    return (i1 - 1) - pre_e <= j0 and j1 - 1 <= i0 + next_e
-
 
 @jit
 def rescale_factor(m_old, m_new):

@@ -16,8 +16,8 @@ from typing import Optional
 import numpy as np
 
 from . import _validate as V
-from ._core import (BAND_INF, CODE_BF16, CODE_F16, CODE_F32, MASK_ADD_F16, MASK_DISCARD,
-                    MASK_NONE)
+from ._band import band_edges
+from ._core import CODE_BF16, CODE_F16, CODE_F32, MASK_ADD_F16, MASK_DISCARD, MASK_NONE
 
 _QUANT_ARGS = ("deq_scale1", "quant_scale1", "deq_scale2", "quant_scale2", "quant_offset2")
 
@@ -149,33 +149,6 @@ def _heads_and_dims(layout, query, key, value, num_heads, num_kv_heads):
             raise RuntimeError(f"head dim D differs between query ({d}) and {name} "
                                f"({x.shape[-1]}); {name} shape {V.shape_str(x.shape)}")
     return n, nkv, d
-
-
-def _band_edges(sparse_mode, has_mask, pre_tokens, next_tokens, qlen, klen):
-    """Per-batch (preE, nextE) of the SPEC 4.1 table; BAND_INF stands for +inf."""
-    b = qlen.shape[0]
-    inf = np.full(b, BAND_INF, dtype=np.int64)
-
-    def tok(t):
-        t = V.tokens_to_band(t)
-        return BAND_INF if t is None else max(t, -BAND_INF)
-
-    pre, nxt = tok(pre_tokens), tok(next_tokens)
-    if sparse_mode == 0:
-        if not has_mask:
-            return inf, inf.copy()
-        return np.full(b, pre, np.int64), np.full(b, nxt, np.int64)
-    if sparse_mode == 1:
-        return inf, inf.copy()
-    if sparse_mode == 2:
-        return inf, np.zeros(b, np.int64)
-    shift = klen - qlen
-    if sparse_mode == 3:
-        return inf, shift
-    # sparse_mode 4: the band anchored at the bottom-right corner of (qL, kL)
-    pre_e = inf if pre == BAND_INF else pre - shift
-    next_e = inf.copy() if nxt == BAND_INF else nxt + shift
-    return np.asarray(pre_e, np.int64), np.asarray(next_e, np.int64)
 
 
 def _check_band_mask(attn_mask, sparse_mode, batch):
@@ -368,7 +341,7 @@ def plan(query, key, value, attn_mask, actual_seq_lengths, actual_seq_lengths_kv
             V.check_band_signs(pre_tokens, next_tokens, "sparse_mode 4",
                                int8_out=qparams is not None and qparams.out_dtype == V.I8)
     pse = None if pse_shift is None else _pse(pse_shift, dtype, batch, n, sq, skv)
-    pre_e, next_e = _band_edges(sparse_mode, attn_mask is not None, pre_tokens, next_tokens,
+    pre_e, next_e = band_edges(sparse_mode, attn_mask is not None, pre_tokens, next_tokens,
                                 qlen, klen)
 
     return Problem(layout=layout, B=batch, N=n, Nkv=nkv, G=g, Sq=sq, Skv=skv, D=d, dtype=dtype,

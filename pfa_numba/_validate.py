@@ -10,7 +10,7 @@ import operator
 
 import numpy as np
 
-from ._core import TOKENS_INF
+from ._band import tokens_to_band
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -104,11 +104,6 @@ def check_range(name, value, lo, hi):
     if not lo <= value <= hi:
         raise RuntimeError(f"{name} must be in [{lo}, {hi}], got {value}")
     return value
-
-
-def tokens_to_band(value):
-    """pre/next tokens >= 2147483647 mean +inf (None here)."""
-    return None if value >= TOKENS_INF else value
 
 
 def check_band_signs(pre_tokens, next_tokens, where, int8_out=False):

@@ -152,7 +152,7 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
             sparse_mode, inner_precise, return_softmax_lse)
     meta = None
     if query_on_cuda:
-        from . import _arrays
+        from .gpu import arrays as _arrays
         if device == "cpu" or _arrays.simulated(query):
             # computed on the host: copy in, compute, return the query's kind
             host = {name: None if x is None else _arrays.checked(name, _arrays.to_host, x)

@@ -58,13 +58,13 @@ CPU_BAND_Q_TILES = 2
 #: 'contract' allows FMA; 'arcp', 'nsz' and 'afn' cost no inf/NaN behaviour.
 CPU_FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
 
-#: bf16 and float16 tile products on Intel AMX where the CPU and OS offer it (pfa_numba._amx;
+#: bf16 and float16 tile products on Intel AMX where the CPU and OS offer it (pfa_numba.cpu._amx;
 #: float16 as exact bf16 hi + lo parts). False: the float32 path for every dtype. Measured
 #: 2026-11-29, fp16 (1, 16, 2048, 128), 2 threads: 142 ms on AMX, 199 ms on the float32 path.
 CPU_AMX = True
 
 #: float32 tile products (fp32 / fp16 storage, and bf16 without AMX) on the register-blocked
-#: AVX-512 kernels of pfa_numba._gemm where the host has AVX-512; False, or a host without it:
+#: AVX-512 kernels of pfa_numba.cpu._gemm where the host has AVX-512; False, or a host without it:
 #: SciPy's BLAS sgemm. Measured 2026-11-29, 1 thread, 512 x 512 tiles, D = 128 / 64:
 #: Q K^T 151 / 148 GFLOP/s vs sgemm 126 / 116; P V 148 / 138 vs 130 / 121.
 CPU_AVX512_GEMM = True

@@ -81,8 +81,8 @@ class CudaBackend:
         return reasons
 
     def run(self, problem, meta=None, query=None):
-        from . import gpu
-        return gpu.run(problem, meta, query)
+        from .gpu import launch
+        return launch.run(problem, meta, query)
 
 
 BACKENDS = (CpuBackend(), CudaBackend())

@@ -22,10 +22,9 @@ layouts (not TND), no quantization.
 import numpy as np
 
 from . import _validate as V
+from ._band import TOKENS_INF as INF, shifted_edges, tokens_for_edges
 from .api import prompt_flash_attention as _pfa
 from .merge import merge_attention
-
-INF = 2147483647
 
 
 def _part(q, k, v, mask, qlens, klens, pse, kwargs):
@@ -41,13 +40,6 @@ def _take(x, axis, a, e):
     idx = [slice(None)] * x.ndim
     idx[axis] = slice(a, e)
     return x[tuple(idx)]
-
-
-def _lengths(value, batch, full):
-    if value is None:
-        return np.full(batch, full, np.int64)
-    arr = np.asarray(list(value) if isinstance(value, (list, tuple)) else value, np.int64)
-    return np.full(batch, arr[0], np.int64) if arr.size == 1 else arr
 
 
 def prompt_flash_attention(client, query, key, value, attn_mask=None, actual_seq_lengths=None,
@@ -75,9 +67,10 @@ def prompt_flash_attention(client, query, key, value, attn_mask=None, actual_seq
              pse_shift, (None,) * 5, num_heads, scale_value, pre_tokens, next_tokens,
              input_layout, num_key_value_heads, sparse_mode, inner_precise, False)
     B, Sq, Skv = p.B, p.Sq, p.Skv
-    qlen, klen = _lengths(actual_seq_lengths, B, Sq), _lengths(actual_seq_lengths_kv, B, Skv)
+    qlen, klen = p.qlen, p.klen
     axis_q = _kv_axis(layout)
     band_mask = np.triu(np.ones((2048, 2048), bool), 1)
+    user_mask = sparse_mode == 1 or (sparse_mode == 0 and attn_mask is not None)
 
     # batch chunks; modes 2-4 re-anchor the band per part, which needs one (qL, kL) per chunk:
     # chunks whose batches differ in length are split into single batches
@@ -97,36 +90,26 @@ def prompt_flash_attention(client, query, key, value, attn_mask=None, actual_seq
         b0, b1 = int(c[0]), int(c[-1]) + 1
         q_c = query[b0:b1]
         q_ref = client.scatter(q_c)
-        shift = int(klen[b0] - qlen[b0])
         chunk_futures = []
         for a, e in zip(cuts[:-1], cuts[1:]):
             k_p = _take(key[b0:b1], axis_q, a, e)
             v_p = _take(value[b0:b1], axis_q, a, e)
             kl_p = np.clip(klen[b0:b1] - a, 0, e - a)
-            kw = dict(common)
+            kw = dict(common, sparse_mode=sparse_mode)
             mask_p = None
-            if sparse_mode == 0 and attn_mask is not None or sparse_mode == 1:
+            # the chunk's band in part coordinates j - a, as tokens of mode 0 (user masks) or
+            # of mode 4 (modes 2-4: anchored at the part's own (qL, kL'))
+            edges = shifted_edges(int(p.pre_e[b0]), int(p.next_e[b0]), int(a))
+            if user_mask:
                 m = attn_mask
                 m = m[b0:b1] if m.ndim >= 3 and m.shape[0] == B and B > 1 else m
                 mask_p = m[..., :Sq, a:e]
-                kw.update(sparse_mode=sparse_mode)
                 if sparse_mode == 0:
-                    kw.update(pre_tokens=pre_tokens if pre_tokens >= INF else pre_tokens + a,
-                              next_tokens=next_tokens if next_tokens >= INF else next_tokens - a)
+                    pre_p, next_p = tokens_for_edges(*edges, 0)
+                    kw.update(pre_tokens=pre_p, next_tokens=next_p)
             elif sparse_mode in (2, 3, 4):
-                # the band in part coordinates j' = j - a, through mode 4's anchor
-                # (preE' = pre' - (kL' - qL), nextE' = next' + (kL' - qL))
-                if sparse_mode == 2:
-                    pre_e, next_e = None, 0
-                elif sparse_mode == 3:
-                    pre_e, next_e = None, shift
-                else:
-                    pre_e = None if pre_tokens >= INF else pre_tokens - shift
-                    next_e = None if next_tokens >= INF else next_tokens + shift
-                shift_p = int(kl_p[0] - qlen[b0])
-                kw.update(sparse_mode=4,
-                          pre_tokens=INF if pre_e is None else pre_e + a + shift_p,
-                          next_tokens=INF if next_e is None else next_e - a - shift_p)
+                pre_p, next_p = tokens_for_edges(*edges, int(kl_p[0] - qlen[b0]))
+                kw.update(sparse_mode=4, pre_tokens=pre_p, next_tokens=next_p)
                 mask_p = band_mask
             pse_p = None if pse_shift is None else \
                 (pse_shift[b0:b1] if pse_shift.shape[0] == B and B > 1 else pse_shift)[..., :Sq, a:e]

@@ -45,7 +45,7 @@ def check(quick):
 
 def _check_case(name, dt, c):
     from pfa_numba import prompt_flash_attention, reference
-    from pfa_numba._arrays import numba_device_array
+    from pfa_numba.gpu.arrays import numba_device_array
     rng = np.random.default_rng(0)
     ok = True
     b, n, nkv, s, d = c["B"], c["N"], c["Nkv"], c["S"], c["D"]
@@ -108,7 +108,7 @@ def bench(quick):
     from numba import cuda
 
     from pfa_numba import prompt_flash_attention
-    from pfa_numba._arrays import numba_device_array
+    from pfa_numba.gpu.arrays import numba_device_array
     try:
         import torch
         import torch.nn.functional as F
@@ -175,7 +175,7 @@ def tiles(quick, shape=None):
     default); each variant's output is compared with the first's (tile sizes must not change
     the result beyond rounding)."""
     from pfa_numba import config, prompt_flash_attention
-    from pfa_numba._arrays import numba_device_array
+    from pfa_numba.gpu.arrays import numba_device_array
     from numba import cuda
     b, n, s, d = shape or ((1, 8, 1024, 128) if quick else (1, 16, 2048, 128))
     rng = np.random.default_rng(2)

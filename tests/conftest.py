@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from pfa_numba import _gemm, config
+from pfa_numba import config
+from pfa_numba.cpu import _gemm
 
 
 def pytest_configure(config):

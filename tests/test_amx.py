@@ -9,7 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pfa_numba import _amx, _vector, config, prompt_flash_attention, reference
+from pfa_numba import config, prompt_flash_attention, reference
+from pfa_numba.cpu import _amx, _vector
 from _cases import BF16, assert_matches_reference, qkv
 
 pytestmark = pytest.mark.skipif(not _amx.available(),
@@ -54,7 +55,7 @@ def test_float16_split_is_exact():
     """Every finite float16 is the sum of its two bf16 parts, neither a bf16 subnormal (AMX
     would read it as zero)."""
     from numba import njit
-    from pfa_numba.cpu import _split_f16
+    from pfa_numba.cpu.amx_pack import _split_f16
 
     @njit
     def split_all(u, hi, lo):
@@ -178,7 +179,7 @@ def test_softmax_against_the_old_running_max(monkeypatch, dtype, ramp):
     """On AMX a row's softmax step first takes p against its old running max, kept when no
     score exceeds it by more than LAZY_MARGIN (8): scores rising by 0, 1.3, 6.4 and 32 per
     64-column tile exercise the kept pass, the retaken one, and both within one row."""
-    from pfa_numba import cpu
+    from pfa_numba.cpu import rows as cpu
     assert cpu.LAZY_MARGIN == 8.0
     monkeypatch.setattr(config, "CPU_KV_COLS", 64)
     q, k, v = _rising_scores(dtype, ramp, 400)

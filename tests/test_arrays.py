@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from pfa_numba import _arrays, _plan
+from pfa_numba import _plan
+from pfa_numba.gpu import arrays as _arrays
 from pfa_numba import _validate as V
 from pfa_numba._geometry import geometry
 

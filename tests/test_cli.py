@@ -21,7 +21,7 @@ def test_warmup_compiles_every_cpu_kernel():
     out = _run("warmup")
     for word in ("uint16 storage", "float32 storage", "int8 pipeline"):
         assert word in out
-    from pfa_numba import _amx
+    from pfa_numba.cpu import _amx
     assert ("float16 and bfloat16 on AMX" in out) == _amx.available()
 
 

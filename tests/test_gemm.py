@@ -9,7 +9,8 @@ layout pads. Without AVX-512 the product tests are skipped, and say so.
 import numpy as np
 import pytest
 
-from pfa_numba import _gemm, config, prompt_flash_attention
+from pfa_numba import config, prompt_flash_attention
+from pfa_numba.cpu import _gemm
 from _cases import DTYPES, assert_matches_reference, qkv
 
 
@@ -160,7 +161,7 @@ def test_non_finite_values_stay_in_their_rows(products, dt):
 def test_scratch_buffers_start_a_cache_line(dtype, n):
     """Tile buffers start a 64-byte line (a vector load or AMX tile row never straddles two)."""
     from numba import njit
-    from pfa_numba._vector import LINE, aligned_empty
+    from pfa_numba.cpu._vector import LINE, aligned_empty
 
     @njit
     def make(n, like):
@@ -175,21 +176,21 @@ def test_scratch_buffers_start_a_cache_line(dtype, n):
 
 
 def test_kernel_buffers_start_a_cache_line():
-    from pfa_numba import cpu
-    from pfa_numba._vector import LINE
+    from pfa_numba.cpu import block_f32 as cpu
+    from pfa_numba.cpu._vector import LINE
     params = np.zeros(17, np.int64)
     params[[cpu.P_G, cpu.P_D, cpu.P_ROWS, cpu.P_COLS, cpu.P_GEMM]] = [2, 72, 40, 100, 1]
     for buf in cpu._f32_buffers(params):
         assert buf.size and buf.ctypes.data % LINE == 0
 
 
-@pytest.mark.skipif(not __import__("pfa_numba")._vector.host_has("f16c"),
+@pytest.mark.skipif(not __import__("pfa_numba.cpu._vector").cpu._vector.host_has("f16c"),
                     reason="this CPU has no F16C")
 def test_hardware_f16_widening_is_exact():
     """f16_bits_to_f32_hw (VCVTPH2PS) widens every binary16 value as _core.f16_to_f32 does."""
     from numba import njit
     from pfa_numba._core import f16_to_f32
-    from pfa_numba._vector import f16_bits_to_f32_hw
+    from pfa_numba.cpu._vector import f16_bits_to_f32_hw
 
     @njit
     def both(h, hw, sw):
@@ -207,14 +208,14 @@ def test_hardware_f16_widening_is_exact():
     assert np.array_equal(sw[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
-@pytest.mark.skipif(not __import__("pfa_numba")._vector.host_has("f16c"),
+@pytest.mark.skipif(not __import__("pfa_numba.cpu._vector").cpu._vector.host_has("f16c"),
                     reason="this CPU has no F16C")
 def test_hardware_f16_rounding_is_ieee():
     """f32_to_f16_bits_hw (VCVTPS2PH) rounds as NumPy's float16 cast, subnormal, overflowing
     and tied results included (and so as _core.f32_to_f16)."""
     from numba import njit
     from pfa_numba._core import f32_to_f16
-    from pfa_numba._vector import f32_to_f16_bits_hw
+    from pfa_numba.cpu._vector import f32_to_f16_bits_hw
 
     @njit
     def both(x, hw, sw):

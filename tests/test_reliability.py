@@ -10,7 +10,7 @@ import pytest
 from numba import njit, prange
 
 from pfa_numba import config, prompt_flash_attention
-from pfa_numba._vector import take_next
+from pfa_numba.cpu._vector import take_next
 from _cases import DTYPES, assert_matches_reference, qkv
 
 

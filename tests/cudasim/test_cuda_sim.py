@@ -114,7 +114,7 @@ def test_device_arrays_in_device_arrays_out():
 def test_bf16_numba_device_arrays():
     """bf16 Numba device arrays are made from uint16 bits (numba-cuda cannot copy ml_dtypes'
     bfloat16 to a GPU directly); results come back as bf16 device arrays, on either device."""
-    from pfa_numba._arrays import numba_device_array
+    from pfa_numba.gpu.arrays import numba_device_array
     rng = np.random.default_rng(9)
     bf16 = DTYPES["bf16"]
     q, k, v = qkv(rng, "BNSD", bf16, 1, 2, 1, 5, 6, 16)

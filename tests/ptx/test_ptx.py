@@ -11,11 +11,12 @@ import pytest
 cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is in the test extra")
 from numba import types  # noqa: E402
 
+from pfa_numba import _band as Band  # noqa: E402
 from pfa_numba import _core as C  # noqa: E402
 
 
 def _probe(out_f, out_u, inp_f, inp_u, code):
-    """Calls every helper of _core once, so each is compiled into the kernel."""
+    """Calls every helper of _core and _band once, so each is compiled into the kernel."""
     i = cuda.grid(1)
     x = inp_f[i]
     h = inp_u[i]
@@ -25,13 +26,13 @@ def _probe(out_f, out_u, inp_f, inp_u, code):
     e = C.exp_f32(x) + C.exp_nonpos(-x) + C.exp_nonpos5(-x)
     y = C.from_order_key(C.order_key(x))
     m = C.max_nan(x, y)
-    lo, hi = C.row_band(i, np.int64(3), np.int64(5), np.int64(100))
-    js, je = C.block_kv_range(i, i + 4, np.int64(3), np.int64(5), np.int64(100))
-    lo = lo + js + je + (1 if C.tile_inside_band(i, i + 4, js, je, np.int64(3), np.int64(5)) else 0)
+    lo, hi = Band.row_band(i, np.int64(3), np.int64(5), np.int64(100))
+    js, je = Band.block_kv_range(i, i + 4, np.int64(3), np.int64(5), np.int64(100))
+    lo = lo + js + je + (1 if Band.tile_inside_band(i, i + 4, js, je, np.int64(3), np.int64(5)) else 0)
     r = C.rescale_factor(x, m)
     lse = C.lse_value(m, e + C.F32_ONE)
-    lo2 = C.band_lo(i, np.int64(2))
-    hi2 = C.band_hi(i, np.int64(2), np.int64(50))
+    lo2 = Band.band_lo(i, np.int64(2))
+    hi2 = Band.band_hi(i, np.int64(2), np.int64(50))
     out_f[i] = a + e + m + r + lse + np.float32(lo + hi + lo2 + hi2)
 
 
@@ -69,7 +70,7 @@ def _kernel_specialisations():
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm_80", "sm_90"])
 @pytest.mark.parametrize("int8,storage,out,dpad,bq,bkv", list(_kernel_specialisations()))
 def test_attention_kernel_compiles_without_fp64(cc, int8, storage, out, dpad, bq, bkv):
-    from pfa_numba import gpu
+    from pfa_numba.gpu import kernels as gpu
     src = (gpu.kernel_source_int8 if int8 else gpu.kernel_source)(dpad, bq, bkv)
     ptx, _ = cuda.compile_ptx(src, gpu.kernel_signature(storage, out, int8=int8), cc=cc)
     bad = [line.strip() for line in ptx.splitlines() if F64.search(line)]

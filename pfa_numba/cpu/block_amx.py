@@ -1,0 +1,139 @@
+"""bf16 and float16 work items on AMX: tile products in bf16 tile registers, the softmax of
+``rows``; an item AMX could get wrong runs on the float32 block instead."""
+import numpy as np
+from numba import njit, prange
+from .._core import CODE_F16, F32_NEG_INF, F32_ZERO
+from .._geometry import P_BLAS, P_CODE, P_COLS, P_D, P_G, T_K, T_Q, T_V
+from ._amx import BLOCK, gemm_bf16, padded, tile_config
+from ._blas import scratch
+from ._vector import aligned_empty, take_next
+from .amx_pack import (_F16_EXP, _SUBNORMAL_LIMIT, _TINY_V_LIMIT, _amx_pack_k, _amx_pack_rows,
+                       _amx_pack_v, _bf16_scan)
+from .block_f32 import _add_pv_exact, _block, _f32_buffers, _finish
+from .items import _item, _segment, _sizes
+from .rows import _LAZY_V_LIMIT, _rescale_rows, _softmax_rows
+from ._jit import FASTMATH
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scales,
+               b, g, i0, cfg, qh, kt, vv, tmp, sb, pp, acc, tb, m, l, alpha):
+    """One work item of a bf16 or float16 problem on AMX (see :func:`_block`). Float16 values
+    enter as bf16 hi + lo parts (exact), kept in the second halves of qh, kt and vv, and each
+    product sums three bf16 products (all but lo . lo). Returns False, having written nothing,
+    when an input of the item could be flushed by AMX (see _SUBNORMAL_LIMIT) or, for float16,
+    is not finite."""
+    G = params[P_G]
+    D = params[P_D]
+    tk = params[P_COLS]
+    code = params[P_CODE]
+    f16 = code == CODE_F16
+    Dp = padded(D)
+    # second operand parts (element offsets), -1: none
+    q_lo = qh.size // 2 if f16 else -1
+    k_lo = kt.size // 2 if f16 else -1
+    v_lo = vv.size // 2 if f16 else -1
+    i1, R, jstart, jend = _item(params, lens, b, i0)
+    no_keys = np.empty(0, np.int32)            # the row maxima are taken in the softmax pass
+    if jstart < jend:
+        for h in range(G):       # head h: rows h, h + G, ... (position-major)
+            if not _amx_pack_rows(qh[h * Dp:], q_lo, G * Dp, q,
+                                  boff[T_Q, b] + (g * G + h) * strides[T_Q, 0]
+                                  + i0 * strides[T_Q, 1],
+                                  strides[T_Q, 1], strides[T_Q, 2], i1 - i0, D, Dp, code):
+                return False
+        for rr in range(R):
+            m[rr] = F32_NEG_INF
+            l[rr] = F32_ZERO
+        acc[:padded(R) * Dp] = F32_ZERO
+        k_base = boff[T_K, b] + g * strides[T_K, 0]
+        v_base = boff[T_V, b] + g * strides[T_V, 0]
+        for j0 in range(jstart, jend, tk):
+            j1 = min(j0 + tk, jend)
+            nc = j1 - j0
+            ncp = padded(nc)
+            ex = max(_amx_pack_k(kt, k_lo, k, k_base + j0 * strides[T_K, 1], strides[T_K, 1],
+                                 strides[T_K, 2], nc, ncp, D, Dp, tmp, code),
+                     _amx_pack_v(vv, v_lo, v, v_base + j0 * strides[T_V, 1], strides[T_V, 1],
+                                 strides[T_V, 2], nc, ncp, D, Dp, code))
+            if f16:
+                if ex == _F16_EXP:
+                    return False
+                v_finite = lazy = True
+            else:
+                key_k, _ = _bf16_scan(kt, ncp * Dp)
+                key_v, ex = _bf16_scan(vv, ncp * Dp)
+                if key_k < _SUBNORMAL_LIMIT or key_v < _TINY_V_LIMIT:
+                    return False
+                v_finite = ex != np.uint32(0x7F80)
+                lazy = ex < _LAZY_V_LIMIT
+            r0 = 0
+            while r0 < R:
+                r1, cl, ch, inside = _segment(params, lens, b, i0, i1, j0, j1, r0, R, BLOCK)
+                ns = ch - cl
+                if ns > 0:
+                    nrow = r1 - r0
+                    nrp = padded(nrow)
+                    nsp = padded(ns)
+                    c0 = cl - j0
+                    # S = Q K^T on AMX, scaled in the softmax pass
+                    gemm_bf16(cfg, qh[r0 * Dp:], q_lo, Dp, kt[2 * c0:], k_lo, 2 * ncp, sb, nsp,
+                              nrp, nsp, Dp, False)
+                    s2 = sb[:nrp * nsp].reshape(nrp, nsp)
+                    p3 = pp[:2 * nrp * nsp].reshape(nrp, 2, nsp)
+                    _softmax_rows(s2, r0, r1, ns, p3, v_finite, lazy, inside, i0, g, b, cl, mask8,
+                                  mask16, pse, params, strides, boff, lens, scales[0], m, l, alpha,
+                                  no_keys)
+                    _rescale_rows(acc[r0 * Dp:], Dp, nrow, D, alpha[r0:])
+                    if v_finite:
+                        # P as bf16 hi and lo parts, interleaved per row: lda 2 nsp, lo at + nsp
+                        gemm_bf16(cfg, pp, nsp, 2 * nsp, vv[c0 * Dp:], v_lo, 2 * Dp,
+                                  acc[r0 * Dp:], Dp, nrp, Dp, nsp, True)
+                    else:
+                        _add_pv_exact(acc[r0 * Dp:], Dp, nrow, D, sb, nsp, ns, vv[c0 * Dp:],
+                                      2 * Dp, 2)
+                r0 = r1
+    _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, i1, acc, Dp, m, l, tb,
+            jstart < jend)
+    return True
+
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work,
+                   params, scales):
+    """:func:`_attention` for bf16 and float16 storage on AMX; a work item AMX could get wrong
+    (see :func:`_block_amx`) is computed by :func:`_block` instead."""
+    D, rows, tk, nthr, n_items = _sizes(params, work)
+    Rp = padded(rows)
+    Cp = padded(tk)
+    Dp = padded(D)
+    parts = 2 if params[P_CODE] == CODE_F16 else 1      # float16: bf16 hi and lo parts
+    taken = np.zeros(1, np.int64)
+    for t in prange(nthr):
+        cfg = tile_config()
+        qh = aligned_empty(parts * Rp * Dp, np.uint16)
+        kt = aligned_empty(parts * Cp * Dp, np.uint16)
+        vv = aligned_empty(parts * Cp * Dp, np.uint16)
+        tmp = aligned_empty(16 * Dp, np.uint32)
+        pp = aligned_empty(2 * Rp * Cp, np.uint16)
+        sb = aligned_empty(Rp * Cp, np.float32)
+        acc = aligned_empty(Rp * Dp, np.float32)
+        tb = aligned_empty(16 * D, np.float32)   # also _pack_kt's 16 rows (fallback)
+        m = np.empty(rows, np.float32)
+        l = np.empty(rows, np.float32)
+        alpha = np.empty(rows, np.float32)
+        qb = sb2 = acc2 = kb = vb = np.empty(0, np.float32)
+        kx = np.empty(0, np.int32)
+        blas = scratch(params[P_BLAS])
+        w = take_next(taken)
+        while w < n_items:
+            if not _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens,
+                              params, scales, work[w, 0], work[w, 1], work[w, 2], cfg, qh, kt,
+                              vv, tmp, sb, pp, acc, tb, m, l, alpha):
+                if qb.size == 0:
+                    qb, sb2, acc2, kb, vb, kx = _f32_buffers(params)
+                _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens,
+                       params, scales, work[w, 0], work[w, 1], work[w, 2], qb, sb2, tb, acc2, kb,
+                       vb, kx, m, l, alpha, blas)
+            w = take_next(taken)

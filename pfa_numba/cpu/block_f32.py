@@ -1,0 +1,220 @@
+"""The float32 work item: tile products on the AVX-512 register blocks of ``_gemm`` or on BLAS,
+the softmax of ``rows``, the deferred division and SPEC 5 in the finish."""
+import numpy as np
+from numba import njit, prange
+from .._band import row_band
+from .._core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, lse_value, order_key,
+                     store, widen)
+from .._geometry import (P_BLAS, P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_GEMM, P_IP, P_LSE, P_MASK,
+                         P_OCODE, P_PSE, P_ROWS, T_K, T_L, T_O, T_Q, T_V)
+from ._blas import gemm_rm, scratch
+from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
+from ._vector import aligned_empty, take_next, wide_vectors
+from .items import _item, _segment, _sizes
+from .rows import (_PF_ROWS, _all_finite, _load_row, _pack_kt, _prefetch_row, _rescale_rows,
+                   _scale_row, _softmax_rows, _store_row)
+from ._jit import FASTMATH, LEAF
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def f32_widths(params):
+    """(acc / V row length, rows to allocate per item, columns per kv tile to allocate) of the
+    float32 kernel for ``params``: the register-blocked products (P_GEMM) read and write up to
+    MR - 1 rows past a segment's last, 16-lane acc / V rows and whole K^T panels; BLAS touches
+    exactly the data."""
+    D = params[P_D]
+    rows = params[P_G] * params[P_ROWS]
+    tk = params[P_COLS]
+    if params[P_GEMM] != 0:
+        return vector_width(D), rows + MR, panels(tk) * PANEL
+    return D, rows, tk
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scales,
+           b, g, i0, qb, sb, tb, acc, kb, vb, kx, m, l, alpha, blas):
+    """One work item in float32: rows of positions [i0, i1) of the G query heads of kv head g
+    in batch b (see :func:`_item`). The tile products run on the register-blocked kernels of
+    _gemm (params[P_GEMM]) or on BLAS."""
+    G = params[P_G]
+    D = params[P_D]
+    code = params[P_CODE]
+    tk = params[P_COLS]
+    own = params[P_GEMM] != 0
+    any_user = params[P_MASK] != 0 or params[P_PSE] != 0
+    ldv = f32_widths(params)[0]          # row length of acc and of the V tile
+    i1, R, jstart, jend = _item(params, lens, b, i0)
+    no_p3 = np.empty((1, 2, 1), np.uint16)        # the in-place softmax writes no bf16 parts
+    if jstart < jend:
+        q2 = qb[:R * D].reshape(R, D)
+        for rr in range(R):
+            off = (boff[T_Q, b] + (g * G + rr % G) * strides[T_Q, 0]
+                   + (i0 + rr // G) * strides[T_Q, 1])
+            _load_row(q2, rr, q, off, strides[T_Q, 2], D, code, scales[0])
+            if scales[1] != F32_ONE:      # a scale_value beyond float32's range, in two factors
+                _scale_row(q2, rr, D, scales[1])
+            m[rr] = F32_NEG_INF
+            l[rr] = F32_ZERO
+        acc[:] = F32_ZERO
+        k_base = boff[T_K, b] + g * strides[T_K, 0]
+        v_base = boff[T_V, b] + g * strides[T_V, 0]
+        for j0 in range(jstart, jend, tk):
+            j1 = min(j0 + tk, jend)
+            nc = j1 - j0
+            v2 = vb[:nc * ldv].reshape(nc, ldv)
+            if own:
+                _pack_kt(kb, k, k_base + j0 * strides[T_K, 1], strides[T_K, 1], strides[T_K, 2],
+                         nc, D, code, tb)
+            else:
+                k2 = kb[:nc * D].reshape(nc, D)
+            for c in range(nc):
+                if not own:
+                    _load_row(k2, c, k, k_base + (j0 + c) * strides[T_K, 1], strides[T_K, 2], D,
+                              code, F32_ONE)
+                if c + _PF_ROWS < nc:
+                    _prefetch_row(v, v_base + (j0 + c + _PF_ROWS) * strides[T_V, 1],
+                                  D * strides[T_V, 2])
+                _load_row(v2, c, v, v_base + (j0 + c) * strides[T_V, 1], strides[T_V, 2], D,
+                          code, F32_ONE)
+                v2[c, D:] = F32_ZERO
+            v_finite = _all_finite(vb, nc * ldv)
+            r0 = 0
+            while r0 < R:
+                r1, cl, ch, inside = _segment(params, lens, b, i0, i1, j0, j1, r0, R,
+                                              PANEL if own else 1)
+                ns = ch - cl
+                if ns > 0:
+                    nrow = r1 - r0
+                    # S = Q K^T; softmax; acc = acc * alpha + P V
+                    keys = kx[:0]
+                    if own:
+                        lds = panels(ns) * PANEL
+                        if inside and not any_user and ns == lds:
+                            # the product also takes the row maxima (no column past ns)
+                            keys = kx[:padded_rows(nrow)]
+                            keys[:] = order_key(F32_NEG_INF)
+                            scores(qb, r0 * D, D, kb, (cl - j0) * D, D, sb, lds, nrow, panels(ns),
+                                   keys)
+                        else:
+                            scores(qb, r0 * D, D, kb, (cl - j0) * D, D, sb, lds, nrow, panels(ns),
+                                   None)
+                    else:
+                        lds = ns
+                        gemm_rm(blas, nrow, ns, D, qb, r0 * D, D, True, kb,
+                                (cl - j0) * D, D, sb, 0, ns, F32_ZERO)
+                    s2 = sb[:nrow * lds].reshape(nrow, lds)
+                    _softmax_rows(s2, r0, r1, ns, no_p3, False, False, inside, i0, g, b, cl,
+                                  mask8, mask16, pse, params, strides, boff, lens, F32_ONE, m, l,
+                                  alpha, keys)
+                    _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, alpha[r0:])
+                    vo = (cl - j0) * ldv
+                    if not v_finite:
+                        _add_pv_exact(acc[r0 * ldv:], ldv, nrow, D, sb, lds, ns, vb[vo:], ldv, 1)
+                    elif own:
+                        # the register blocks also add the padding rows' P (zero) to the rows
+                        # below the segment: + 0 changes nothing
+                        sb[nrow * lds:padded_rows(nrow) * lds] = F32_ZERO
+                        accumulate(sb, lds, vb, vo, ldv, acc, r0 * ldv, ldv, nrow, ns)
+                    else:
+                        gemm_rm(blas, nrow, D, ns, sb, 0, lds, False, vb, vo, ldv,
+                                acc, r0 * ldv, ldv, F32_ONE)
+                r0 = r1
+    _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, i1, acc, ldv, m, l, tb,
+            jstart < jend)
+
+
+@njit(**LEAF)
+def _add_pv_exact(acc, ld, R, D, p, ldp, nc, vb, ldv, pair):
+    """acc[rr] += sum over the columns c with p[rr, c] != 0 of p[rr, c] * V[c] (V holding inf
+    or NaN: BLAS would turn 0 * inf into NaN for rows that do not read that column).
+    V[c, d] is vb[(c // pair) * ldv + d * pair + c % pair] (pair 1: row-major; 2: VNNI bf16)."""
+    wide_vectors()
+    for rr in range(R):
+        arow = acc[rr * ld:rr * ld + D]
+        for c in range(nc):
+            pv = p[rr * ldp + c]
+            if pv != F32_ZERO:
+                base = (c // pair) * ldv + c % pair
+                for d in range(D):
+                    arow[d] += pv * widen(vb[base + d * pair], CODE_BF16 if pair == 2 else CODE_F32)
+
+
+@njit(**LEAF)
+def _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, i1, acc, ld, m, l, tb,
+            computed):
+    """Deferred division, rounding to the output storage and softmax_lse of one work item
+    (acc row rr at acc[rr * ld:]); rows with nothing kept follow SPEC 5."""
+    G = params[P_G]
+    D = params[P_D]
+    code = params[P_CODE]
+    inner_precise = params[P_IP]
+    want_lse = params[P_LSE] != 0
+    want_flags = params[P_FLAGS] != 0
+    ocode = params[P_OCODE]
+    kl = lens[1, b]
+    pre_e = lens[2, b]
+    next_e = lens[3, b]
+    for rr in range(G * (i1 - i0)):
+        i = i0 + rr // G
+        n = g * G + rr % G
+        o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
+        osd = strides[T_O, 2]
+        l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
+        mm = m[rr] if computed else F32_NEG_INF
+        if mm != F32_NEG_INF:
+            _store_row(out, o_off, osd, acc, rr * ld, l[rr], D, ocode)
+            if want_lse:
+                lse[l_off] = lse_value(mm, l[rr])
+            if want_flags:
+                flags[l_off] = 1
+        elif inner_precise < 2:
+            # SPEC 5: band non-empty but every band column masked -> mean of V over the band
+            lo, hi = row_band(i, pre_e, next_e, kl)
+            if lo <= hi:
+                trow = tb[:D]
+                trow[:] = F32_ZERO
+                for j in range(lo, hi + 1):
+                    off = boff[T_V, b] + g * strides[T_V, 0] + j * strides[T_V, 1]
+                    for d in range(D):
+                        trow[d] += widen(v[off + d * strides[T_V, 2]], code)
+                cnt = np.float32(hi - lo + 1)
+                for d in range(D):
+                    store(out, o_off + d * osd, trow[d] / cnt, ocode)
+                if want_flags:
+                    flags[l_off] = 1
+
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _f32_buffers(params):
+    """Per-thread buffers of :func:`_block`: (qb, sb, acc, kb, vb, kx)."""
+    D = params[P_D]
+    ldv, rows, tkp = f32_widths(params)
+    qb = aligned_empty(rows * D, np.float32)
+    qb[:] = F32_ZERO                         # rows past a work item's stay finite
+    return (qb, aligned_empty(rows * tkp, np.float32), aligned_empty(rows * ldv, np.float32),
+            aligned_empty(tkp * D, np.float32), aligned_empty(tkp * ldv, np.float32),
+            aligned_empty(rows, np.int32))
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work, params,
+               scales):
+    """Run every work item. Each of the nthr threads takes the next item not yet taken whenever
+    it is free (items are sorted by cost, most expensive first), so a thread that runs slower,
+    on a core shared with other work, takes fewer items instead of holding the call up."""
+    D, rows, tk, nthr, n_items = _sizes(params, work)
+    taken = np.zeros(1, np.int64)
+    for t in prange(nthr):
+        qb, sb, acc, kb, vb, kx = _f32_buffers(params)
+        tb = aligned_empty(16 * D, np.float32)   # _pack_kt's 16 rows, _finish's one
+        m = np.empty(rows, np.float32)
+        l = np.empty(rows, np.float32)
+        alpha = np.empty(rows, np.float32)
+        blas = scratch(params[P_BLAS])
+        w = take_next(taken)
+        while w < n_items:
+            _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params,
+                   scales, work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, kx, m,
+                   l, alpha, blas)
+            w = take_next(taken)

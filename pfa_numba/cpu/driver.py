@@ -1,0 +1,131 @@
+"""Running a planned problem on the CPU: buffers, tile sizes, kernel choice, one call at a time."""
+import contextlib
+import numba
+import numpy as np
+import threading
+from numba import njit, prange
+from . import _amx, _gemm
+from .. import config
+from .._core import CODE_BF16, CODE_F16, CODE_F32, quantize_output, widen
+from .._geometry import geometry, scale_factors
+from .._plan import storage_code
+from ._blas import sgemm_address
+from .amx_pack import AMX_MAX_SCALE
+from .block_amx import _attention_amx
+from .block_f32 import _attention
+from .block_int8 import INT8_MAX_KV_COLS, _attention_int8
+from .items import _work_items, seg_rows, sub_rows, tile_shape
+
+
+class _OneCallAtATime:
+    """Serialises kernel calls (Numba's parallel runtime and BLAS limits are process-wide) and,
+    for a call that uses BLAS, holds the BLAS libraries to one thread while the parallel kernel
+    runs (cheap, cached)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._controller = None
+
+    @contextlib.contextmanager
+    def __call__(self, blas):
+        with self._lock:
+            if not blas:
+                yield
+                return
+            if self._controller is None:
+                from threadpoolctl import ThreadpoolController
+                self._controller = ThreadpoolController()
+            limit = self._controller.limit(limits=1, user_api="blas")
+            try:
+                yield
+            finally:
+                limit.restore_original_limits()
+
+
+_one_call_at_a_time = _OneCallAtATime()
+
+def use_register_blocks():
+    """The float32 tile products run on _gemm's register blocks where the host has AVX-512
+    (config.CPU_AVX512_GEMM), else on BLAS."""
+    return bool(config.CPU_AVX512_GEMM) and _gemm.available()
+
+
+def use_amx(p):
+    """bf16 and float16 problems run their tile products on AMX where this process can
+    (config.CPU_AMX)."""
+    return (p.code in (CODE_BF16, CODE_F16) and bool(config.CPU_AMX)
+            and abs(p.scale) <= AMX_MAX_SCALE and _amx.available())
+
+
+def run(p):
+    """Compute a planned problem on the CPU; returns (out, lse or None) as NumPy arrays."""
+    quant = p.quant
+    int8_out = quant is not None and quant.out_dtype == np.int8
+    # int8 output is quantized from the float16 (or float32) result in a second pass
+    direct_dtype = np.float16 if (p.dtype == np.int8 or (int8_out and p.dtype != np.float32)) \
+        else p.dtype
+    out = np.zeros(p.out_shape, dtype=direct_dtype)
+    lse = np.full(p.lse_shape, -np.inf, dtype=np.float32)
+    flags = np.zeros(p.lse_shape, dtype=np.uint8) if int8_out else np.zeros(1, np.uint8)
+    q_rows, kv_cols = tile_shape(p)
+    if p.dtype == np.int8:
+        kv_cols = min(kv_cols, INT8_MAX_KV_COLS)
+    rows_per_head = max(1, q_rows // p.G)
+    work = _work_items(p, rows_per_head) if out.size and p.B else np.zeros((0, 3), np.int64)
+    if work.shape[0]:
+        nthreads = config.CPU_THREADS or numba.get_num_threads()
+        nthreads = max(1, min(int(nthreads), work.shape[0]))
+        ocode = CODE_F16 if direct_dtype == np.float16 else storage_code(np.dtype(direct_dtype))
+        amx = p.dtype != np.int8 and use_amx(p)
+        own = use_register_blocks()
+        blas = p.dtype == np.int8 or not own          # the int8 kernel's products are BLAS
+        params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None,
+                           p.inner_precise, p.want_lse or int8_out, rows_per_head, kv_cols,
+                           nthreads, ocode, int8_out, sub_rows(), seg_rows(amx), own,
+                           sgemm_address() if blas else 0], dtype=np.int64)
+        lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e]).astype(np.int64)
+        qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out, lse)
+        l_flat, f_flat = lse.reshape(-1), flags.reshape(-1)
+        with _one_call_at_a_time(blas):
+            if p.dtype == np.int8:
+                qp = np.array([quant.deq1, np.float16(p.scale), quant.quant1, quant.deq2],
+                              dtype=np.float32)
+                _attention_int8(qf, kf, vf, o_flat, l_flat, f_flat, mask8, pse, strides, boff,
+                                lens, work, params, qp)
+            else:
+                kernel = _attention_amx if amx else _attention
+                kernel(qf, kf, vf, o_flat, l_flat, f_flat, mask8, mask16, pse, strides, boff,
+                       lens, work, params, scale_factors(p.scale))
+    if int8_out:
+        out = quantize_int8_output(p, out, flags)
+    return out, (lse if p.want_lse else None)
+
+
+@njit(parallel=True, cache=True)
+def _quantize_rows(o, code, flags, scale2, offset2, y):
+    """y[b, n, i, :] = _core.quantize_output of the rows computed (flags 1); the others stay 0.
+    o, y: (B, N, Sq, D) views; scale2/offset2: float16-rounded, 1 or N*D values."""
+    B, N, S, D = o.shape
+    per_channel = scale2.size > 1
+    for b in prange(B):
+        for n in range(N):
+            for i in range(S):
+                if flags[b, n, i, 0] == 0:
+                    continue
+                for d in range(D):
+                    c = n * D + d if per_channel else 0
+                    y[b, n, i, d] = np.int8(quantize_output(widen(o[b, n, i, d], code),
+                                                            scale2[c], offset2[c]))
+
+
+def quantize_int8_output(p, o, flags):
+    """SPEC 8 output quantization of the float result ``o`` (float16 or float32, in the output
+    layout) into a new int8 array; rows that are structural zeros (flags 0) stay 0."""
+    q = p.quant
+    s2 = q.scale2.astype(np.float16).astype(np.float32)
+    o2 = q.offset2.astype(np.float16).astype(np.float32)
+    code = CODE_F16 if o.dtype == np.float16 else CODE_F32
+    y = np.zeros(p.out_shape, dtype=np.int8)
+    _quantize_rows(p.out_view(o).view(np.uint16 if code == CODE_F16 else np.float32), code,
+                   flags, s2, o2, p.out_view(y))
+    return y

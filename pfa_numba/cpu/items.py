@@ -1,0 +1,100 @@
+"""Work items of the CPU kernels: which rows, kv tiles and row segments each computes, and the
+order they are taken in."""
+import numpy as np
+from numba import njit
+from .. import config
+from .._band import BAND_INF, block_kv_range, tile_inside_band
+from .._geometry import P_COLS, P_D, P_G, P_ROWS, P_SEG, P_SUB, P_THREADS
+from ._amx import BLOCK
+from ._jit import LEAF
+
+
+@njit(cache=True)
+def _sizes(params, work):
+    """(D, rows per work item over the G heads, kv columns per tile, threads, work items)."""
+    return (params[P_D], params[P_G] * params[P_ROWS], params[P_COLS], params[P_THREADS],
+            work.shape[0])
+
+
+@njit(**LEAF)
+def _item(params, lens, b, i0):
+    """Geometry of work item (b, i0): (i1, R, jstart, jend). Its R = G * (i1 - i0) rows are
+    stacked position-major: row rr is query position i0 + rr // G of query head g * G + rr % G;
+    only kv columns [jstart, jend) can be kept by any of them."""
+    G = params[P_G]
+    i1 = min(i0 + params[P_ROWS], lens[0, b])
+    jstart, jend = block_kv_range(i0, i1, lens[2, b], lens[3, b], lens[1, b])
+    return i1, G * (i1 - i0), jstart, jend
+
+
+@njit(**LEAF)
+def _segment(params, lens, b, i0, i1, j0, j1, r0, R, align):
+    """The next row segment [r0, r1) of a kv tile [j0, j1), and its columns [cl, ch).
+
+    A tile wholly inside the band is one segment of all R rows. A tile the band cuts is taken
+    CPU_SUB_ROWS rows at a time (a multiple of ``align``), each over only the columns its rows
+    can keep (cl a multiple of ``align`` from j0): on a causal diagonal or a band edge this
+    skips most of the cut-off triangle. Returns (r1, cl, ch, inside); cl >= ch: nothing kept.
+    """
+    G = params[P_G]
+    pre_e = lens[2, b]
+    next_e = lens[3, b]
+    if tile_inside_band(i0, i1, j0, j1, pre_e, next_e):
+        return min(R, r0 + params[P_SEG]), j0, j1, True
+    r1 = min(R, r0 + params[P_SUB])
+    p0 = i0 + r0 // G
+    p1 = i0 + (r1 - 1) // G + 1
+    lo, hi = block_kv_range(p0, p1, pre_e, next_e, lens[1, b])
+    cl = j0 + (max(lo - j0, 0) // align) * align
+    ch = min(j1, hi)
+    return r1, cl, ch, tile_inside_band(p0, p1, cl, ch, pre_e, next_e)
+
+
+def _work_items(p, rows_per_head):
+    """(b, kv head, i0) for every block with rows to compute, most expensive first."""
+    tiles = -(-p.qlen // rows_per_head)
+    b = np.repeat(np.arange(p.B, dtype=np.int64), tiles)
+    first = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    i0 = (np.arange(b.size, dtype=np.int64) - first) * rows_per_head
+    # estimated cost: band columns of the block
+    i1 = np.minimum(i0 + rows_per_head, p.qlen[b])
+    lo = np.maximum(i0 - p.pre_e[b], 0)
+    hi = np.minimum(i1 - 1 + p.next_e[b] + 1, p.klen[b])
+    cost = np.maximum(hi - lo, 0) * (i1 - i0)
+    order = np.argsort(-cost, kind="stable")
+    b, i0 = b[order], i0[order]
+    g = np.arange(p.Nkv, dtype=np.int64)
+    work = np.empty((b.size * p.Nkv, 3), np.int64)
+    work[:, 0] = np.repeat(b, p.Nkv)
+    work[:, 1] = np.tile(g, b.size)
+    work[:, 2] = np.repeat(i0, p.Nkv)
+    return work
+
+
+
+
+def tile_shape(p):
+    """(query rows per work item, kv columns per tile) for problem ``p``.
+
+    Large tiles make large GEMMs; a narrow band (sparse_mode 4, or mode 0 with small pre/next)
+    wants tiles that follow its width so that few computed scores fall outside it.
+    """
+    q_rows, kv_cols = max(1, int(config.CPU_Q_ROWS)), max(1, int(config.CPU_KV_COLS))
+    if p.B and (p.pre_e < BAND_INF).all() and (p.next_e < BAND_INF).all():
+        width = int((p.pre_e + p.next_e + 1).max())
+        band_tile = max(int(config.CPU_BAND_TILE_MIN), width // int(config.CPU_BAND_TILE_DIV))
+        q_rows = min(q_rows, band_tile * max(1, int(config.CPU_BAND_Q_TILES)))
+        kv_cols = min(kv_cols, band_tile)
+    return q_rows, kv_cols
+
+
+def sub_rows():
+    """Rows per segment of a tile the band cuts (config.CPU_SUB_ROWS, a multiple of 32)."""
+    return max(1, -(-int(config.CPU_SUB_ROWS) // BLOCK)) * BLOCK
+
+
+def seg_rows(amx):
+    """Rows per segment of a tile inside the band (config.CPU_SEG_ROWS, or CPU_AMX_SEG_ROWS
+    for the AMX kernel; a multiple of 32)."""
+    rows = config.CPU_AMX_SEG_ROWS if amx else config.CPU_SEG_ROWS
+    return max(1, -(-int(rows) // BLOCK)) * BLOCK

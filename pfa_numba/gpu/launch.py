@@ -1,0 +1,125 @@
+"""Running a planned problem on the GPU: device arrays in place or copied in, one kernel launch,
+results of the query's kind."""
+import numpy as np
+from numba import cuda
+
+from .arrays import array_kind, to_kind
+from .kernels import kernel_for, launch_config
+from .._geometry import geometry, scale_factors
+from .._core import CODE_F16, CODE_I8
+
+
+class _DeviceSpan:
+    """A flat read-only span of device memory exposed through __cuda_array_interface__."""
+
+    def __init__(self, ptr, n, dtype, owner):
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": np.dtype(dtype).str,
+                                         "data": (ptr, False), "version": 3, "strides": None}
+
+
+def _output_like(query, shape, dtype):
+    """An uninitialised CUDA array of the query's library (its bf16 as the library holds it)."""
+    kind = array_kind(query)
+    if kind == "torch":
+        import torch
+        tdt = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
+               np.dtype(np.int8): torch.int8}.get(np.dtype(dtype), torch.bfloat16)
+        return torch.empty(shape, dtype=tdt, device=query.device)
+    if kind == "cupy":
+        import cupy
+        return cupy.empty(shape, dtype=dtype)
+    return cuda.device_array(shape, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# running a planned problem
+# ---------------------------------------------------------------------------------------------
+
+def run(p, meta=None, query=None):
+    """Compute planned problem ``p`` on the GPU.
+
+    ``meta`` is None for NumPy inputs (copied in; NumPy results), or the :class:`_arrays.Meta`
+    the plan's arrays were made with (CUDA inputs read in place; results of ``query``'s kind).
+    """
+    from .._geometry import storage
+    on_device = meta is not None
+    int8_in = p.dtype == np.int8
+    int8_out = p.quant is not None and p.quant.out_dtype == np.int8
+    out_host = np.empty(p.out_shape, dtype=p.out_dtype)
+    lse_host = np.empty(p.lse_shape, dtype=np.float32)
+    if out_host.size == 0 or p.B == 0:
+        out_host[...] = 0
+        lse_host[...] = -np.inf
+        return _finish(out_host, lse_host if p.want_lse else None, on_device, query, p)
+
+    qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out_host, lse_host)
+
+    def dev(flat, original):
+        if original is None or not on_device:
+            return cuda.to_device(np.ascontiguousarray(flat))
+        ptr, owner = meta.device_pointer(flat)
+        return cuda.as_cuda_array(_DeviceSpan(ptr, flat.size, flat.dtype, owner))
+
+    d_q, d_k, d_v = dev(qf, p.q), dev(kf, p.k), dev(vf, p.v)
+    d_m8 = dev(mask8, p.mask if p.mask is not None and p.mask.dtype != np.float16 else None)
+    d_m16 = dev(mask16, p.mask if p.mask is not None and p.mask.dtype == np.float16 else None)
+    d_pse = dev(pse, p.pse)
+
+    out_storage = np.int8 if int8_out else storage(p.out_dtype)
+    if on_device:
+        out_dev = _output_like(query, p.out_shape, p.out_dtype)
+        lse_dev = _output_like(query, p.lse_shape, np.float32) if p.want_lse else \
+            cuda.device_array(1, np.float32)
+        d_out = _flat_device(out_dev, out_storage)
+        d_lse = _flat_device(lse_dev, np.float32)
+    else:
+        d_out = cuda.device_array(o_flat.size, dtype=out_storage)
+        d_lse = cuda.device_array(lse_host.size if p.want_lse else 1, dtype=np.float32)
+
+    dpad, bq, bkv = launch_config(p)
+    rows = np.full(p.B, p.Sq, np.int64) if not p.packed else p.qlen.astype(np.int64)
+    lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e, rows]).astype(np.int64)
+    qtiles = max(1, -(-int(rows.max()) // bq))
+    ocode = CODE_I8 if int8_out else (CODE_F16 if int8_in else p.code)
+    params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None, p.inner_precise,
+                       p.want_lse, 0, 0, 0, ocode, 0, 0, 0], dtype=np.int64)
+    if int8_in:
+        q_ = p.quant
+        fparams = np.array([q_.deq1, np.float16(p.scale), q_.quant1, q_.deq2], np.float32)
+    else:
+        fparams = scale_factors(p.scale)
+    if int8_out:   # float16-rounded output quantization scales, 1 or H values
+        s2 = p.quant.scale2.astype(np.float16).astype(np.float32)
+        o2 = p.quant.offset2.astype(np.float16).astype(np.float32)
+    else:
+        s2 = o2 = np.zeros(1, np.float32)
+    kern = kernel_for(dpad, bq, bkv, int8=int8_in)
+    grid = (p.B * qtiles, p.N)
+    kern[grid, bq](d_q, d_k, d_v, d_out, d_lse, d_m8, d_m16, d_pse, cuda.to_device(strides),
+                   cuda.to_device(boff), cuda.to_device(lens), cuda.to_device(params), qtiles,
+                   cuda.to_device(fparams), cuda.to_device(s2), cuda.to_device(o2))
+    cuda.synchronize()
+    if on_device:
+        return out_dev, (lse_dev if p.want_lse else None)
+    out_host.reshape(-1).view(out_storage)[...] = d_out.copy_to_host()
+    if p.want_lse:
+        lse_host.reshape(-1)[...] = d_lse.copy_to_host()
+    return out_host, (lse_host if p.want_lse else None)
+
+
+def _flat_device(arr, storage_dtype):
+    """A contiguous CUDA array of ours as a flat Numba device array of its storage type."""
+    kind = array_kind(arr)
+    if kind == "torch":
+        import torch
+        if arr.dtype == torch.bfloat16:
+            arr = arr.view(torch.int16)
+    d = cuda.as_cuda_array(arr) if kind != "numba" else arr
+    return d.reshape(d.size).view(storage_dtype)
+
+
+def _finish(out, lse, on_device, query, p):
+    if not on_device:
+        return out, lse
+    return to_kind(out, query), (to_kind(lse, query) if lse is not None else None)
