@@ -22,35 +22,24 @@ derandomized) and ``long`` (10,000 examples)::
     PFA_HYPOTHESIS_PROFILE=long python -m pytest tests/test_fuzz.py -q -p no:cacheprovider
 """
 import math
-import os
 import warnings
 
-import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from pfa_numba import prompt_flash_attention, trans_quant_param
 from _cases import assert_matches_reference
+from _strategies import (BF16, F16, F32, FLOAT_DTYPES, I8, INF, LAYOUTS, QUANT_KINDS, TND_MODES,
+                         as_form, draw_dtype_name, draw_nkv_arg, draw_tnd_lengths,
+                         ignore_underflow, input_state, int8_scales, mask_2048, profile_settings,
+                         pse_dtype, random_input, tnd_ends, tokens_used, tokens_valid,
+                         view_variant)
 
-_COMMON = dict(deadline=None, print_blob=True,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                      HealthCheck.filter_too_much])
-settings.register_profile("pfa-fuzz-ci", max_examples=300, derandomize=True, **_COMMON)
-settings.register_profile("pfa-fuzz-long", max_examples=10_000, **_COMMON)
-PROFILE = os.environ.get("PFA_HYPOTHESIS_PROFILE", "ci")
-if PROFILE not in ("ci", "long"):
-    raise ValueError(f"PFA_HYPOTHESIS_PROFILE must be 'ci' or 'long', got {PROFILE!r}")
-PROFILE_SETTINGS = settings.get_profile(f"pfa-fuzz-{PROFILE}")
+PROFILE_SETTINGS = profile_settings(ci=("pfa-fuzz-ci", 300), long=("pfa-fuzz-long", 10_000))
 
-F16 = np.dtype(np.float16)
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F32 = np.dtype(np.float32)
-I8 = np.dtype(np.int8)
-DTYPES = {"fp16": F16, "bf16": BF16, "fp32": F32, "int8": I8}
-LAYOUTS = ("BSH", "BNSD", "BSND", "BNSD_BSND", "TND")
-INF = 2147483647
+DTYPES = dict(FLOAT_DTYPES, int8=I8)
 ALLOWED = (TypeError, ValueError, RuntimeError)
 T, V_, R = TypeError, ValueError, RuntimeError
 ANY = (T, V_, R)
@@ -66,17 +55,10 @@ QUANT = ("deq_scale1", "quant_scale1", "deq_scale2", "quant_scale2", "quant_offs
 INT_ARGS = ("num_heads", "num_key_value_heads", "pre_tokens", "next_tokens", "sparse_mode",
             "inner_precise")
 
-_BAND = {}
-
 
 def band_mask(dtype=np.bool_, shape=(2048, 2048)):
     """(2048, 2048)-class masks, built once per dtype, read-only (never read by the library)."""
-    dtype = np.dtype(dtype)
-    if dtype not in _BAND:
-        m = np.triu(np.ones((2048, 2048), bool), 1).astype(dtype)
-        m.setflags(write=False)
-        _BAND[dtype] = m
-    m = _BAND[dtype]
+    m = mask_2048("triu", dtype)
     if shape == (2048, 2048):
         return m
     return np.broadcast_to(m.reshape((1,) * (len(shape) - 2) + m.shape), shape)
@@ -89,21 +71,16 @@ def band_mask(dtype=np.bool_, shape=(2048, 2048)):
 def base_specs(draw):
     c = {}
     c["layout"] = layout = draw(st.sampled_from(LAYOUTS))
-    kinds = ["float"] * 3 + ([] if layout == "TND" else
-                             ["int8->float16", "int8->int8", "float->int8"])
+    kinds = ["float"] * 3 + ([] if layout == "TND" else list(QUANT_KINDS))
     c["kind"] = kind = draw(st.sampled_from(kinds))
-    c["dtype"] = "int8" if kind.startswith("int8") else draw(st.sampled_from(["fp16", "bf16",
-                                                                             "fp32"]))
+    c["dtype"] = draw_dtype_name(draw, kind)
     nkv = draw(st.integers(1, 2))
     c["N"], c["Nkv"] = nkv * draw(st.integers(1, 2)), nkv
-    c["nkv_arg"] = draw(st.sampled_from([0, nkv])) if c["N"] == nkv else nkv
+    c["nkv_arg"] = draw_nkv_arg(draw, c["N"], nkv)
     c["D"] = draw(st.sampled_from([16, 32]))
     if layout == "TND":
-        nb = draw(st.integers(0, 2))
-        c["B"] = nb
-        c["q_lens"] = draw(st.lists(st.integers(0, 4), min_size=nb, max_size=nb))
-        c["kv_lens"] = draw(st.lists(st.integers(0, 4), min_size=nb, max_size=nb))
-        c["mode"] = mode = draw(st.sampled_from([0, 2, 3, 4]))
+        c["B"], c["q_lens"], c["kv_lens"] = draw_tnd_lengths(draw, 2, 4)
+        c["mode"] = mode = draw(st.sampled_from(TND_MODES))
         c["mask"] = None if mode == 0 else "band"
         c["pse"] = False
         c["lens"] = (None, None)
@@ -147,25 +124,15 @@ def qkv_shapes(c, layout=None):
     return (b, n, sq, d), (b, nkv, skv, d)
 
 
-def pse_dtype(dtype):
-    return F16 if dtype in (F16, I8) else dtype
-
-
+@ignore_underflow
 def build_base(c):
     """The valid call ``c`` describes, as a dict of every argument by name."""
-    with np.errstate(under="ignore"):
-        return _build_base(c)
-
-
-def _build_base(c):
     rng = np.random.default_rng(c["seed"])
     dtype = DTYPES[c["dtype"]]
     qs, ks = qkv_shapes(c)
 
     def arr(shape):
-        if dtype == I8:
-            return rng.integers(-128, 128, shape, dtype=np.int8)
-        return (rng.standard_normal(shape) * 0.5).astype(np.float32).astype(dtype)
+        return random_input(rng, shape, dtype, 0.5)
 
     call = dict(query=arr(qs), key=arr(ks), value=arr(ks), attn_mask=None,
                 actual_seq_lengths=None, actual_seq_lengths_kv=None, pse_shift=None,
@@ -175,8 +142,8 @@ def _build_base(c):
                 num_key_value_heads=c["nkv_arg"], sparse_mode=c["mode"],
                 inner_precise=c["ip"], device=c["device"], return_softmax_lse=c["lse"])
     if c["layout"] == "TND":
-        call["actual_seq_lengths"] = np.cumsum([0] + c["q_lens"])[1:].tolist()
-        call["actual_seq_lengths_kv"] = np.cumsum([0] + c["kv_lens"])[1:].tolist()
+        call["actual_seq_lengths"] = tnd_ends(c["q_lens"]).tolist()
+        call["actual_seq_lengths_kv"] = tnd_ends(c["kv_lens"]).tolist()
     else:
         call["actual_seq_lengths"], call["actual_seq_lengths_kv"] = (
             None if x is None else list(x) for x in c["lens"])
@@ -191,33 +158,13 @@ def _build_base(c):
     if c["mask"] == "band":
         call["attn_mask"] = band_mask()
     if c["kind"].startswith("int8"):
-        call["deq_scale1"] = np.array([3.0 / (math.sqrt(c["D"]) * 5000)], np.float32)
-        call["quant_scale1"] = np.array([127.0], np.float32)
-        call["deq_scale2"] = np.array([1 / 127.0], np.float32)
+        call["deq_scale1"], call["quant_scale1"], call["deq_scale2"] = int8_scales(c["D"])
     if c["kind"].endswith("->int8"):
         sdt = BF16 if dtype == BF16 and c["offset2"] else F32
         call["quant_scale2"] = np.array([0.5 if dtype == I8 else 20.0], np.float32).astype(sdt)
         if c["offset2"]:
             call["quant_offset2"] = np.array([1.0], np.float32).astype(sdt)
     return call
-
-
-def tokens_used(call):
-    mode = call["sparse_mode"]
-    return mode == 4 or (mode == 0 and call["attn_mask"] is not None)
-
-
-def tokens_valid(pre, nxt, used, int8_out_mode4):
-    """SPEC 4.1 sign rules (values >= 2147483647 mean +inf)."""
-    if not used:
-        return True
-    p = None if pre >= INF else pre
-    n = None if nxt >= INF else nxt
-    if p is not None and n is not None and (p + n < 0 or (p < 0 and n < 0)):
-        return False
-    if int8_out_mode4 and (pre < 0 or nxt < 0):
-        return False
-    return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -522,7 +469,8 @@ def m_tokens(data, call, c):
 
     def judge(final):       # judged on the final call (another mutation may add a mask)
         int8_out_mode4 = final["quant_scale2"] is not None and final["sparse_mode"] == 4
-        if tokens_valid(pre, nxt, tokens_used(final), int8_out_mode4):
+        used = tokens_used(final["sparse_mode"], final["attn_mask"] is not None)
+        if tokens_valid(pre, nxt, used, int8_out_mode4):
             return VALID
         return (R,)
     return judge
@@ -680,34 +628,9 @@ STRUCTURAL = dict(s_layout=s_layout, s_dtype=s_dtype, s_heads=s_heads, s_mode=s_
 
 # ---- valid: the call stays valid -----------------------------------------------------------
 def _view(x, kind):
-    if x.dtype.hasobject:
-        return x
-    if kind == "F":
-        return np.asfortranarray(x)
-    if kind == "rev":
-        return np.ascontiguousarray(x[::-1])[::-1] if x.ndim else x
-    if kind == "ro":
-        y = x.copy()
-        y.setflags(write=False)
-        return y
-    if kind == "pad":
-        if x.ndim == 0:
-            return x
-        big = np.zeros(x.shape[:-1] + (x.shape[-1] + 2,), x.dtype)
-        big[..., 1:-1] = x
-        return big[..., 1:-1]
-    if kind == "unaligned":
-        buf = np.zeros(x.nbytes + x.itemsize + 1, np.uint8)
-        y = buf[1:1 + x.nbytes].view(x.dtype).reshape(x.shape)
-        y[...] = x
-        return y
-    if kind == "bcast" and x.ndim and x.shape[0]:
-        return np.broadcast_to(x[:1], x.shape)  # zero stride, read-only (values change: fine)
-    if kind == "struct" and x.ndim:             # byte strides not a multiple of the item size
-        rec = np.zeros(x.shape, dtype=[("pad", "u1"), ("x", x.dtype)])
-        rec["x"] = x
-        return rec["x"]
-    return x
+    """``view_variant`` (zeros around a "pad" window two wider); "bcast" changes the values
+    (fine: the call stays valid)."""
+    return x if x.dtype.hasobject else view_variant(x, kind, 0, pad=2)
 
 
 def v_views(data, call, c, untouched):
@@ -757,9 +680,7 @@ def v_lengths(data, call, c, untouched):
         full = c["Sq"] if which == "actual_seq_lengths" else c["Skv"]
         x = [full] * _pick(data, [1, c["B"]], "count")
     form = _pick(data, ["tuple", "int32", "int64", "uint8", "list_np"], "form")
-    call[which] = {"tuple": lambda: tuple(x), "int32": lambda: np.array(x, np.int32),
-                   "int64": lambda: np.array(x, np.int64), "uint8": lambda: np.array(x, np.uint8),
-                   "list_np": lambda: [np.int32(v) for v in x]}[form]()
+    call[which] = as_form(x, form, list_np=np.int32)
     return VALID
 
 
@@ -800,20 +721,8 @@ def describe(call):
     return "prompt_flash_attention(" + ", ".join(parts) + ")"
 
 
-def _root(a):
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    return a
-
-
 def snapshot(call):
-    snap = {}
-    for k, x in call.items():
-        if isinstance(x, np.ndarray):
-            snap[k] = (x.tobytes(), _root(x).tobytes(), x.shape, x.strides)
-        elif isinstance(x, (list, tuple, dict)):
-            snap[k] = repr(x)
-    return snap
+    return {k: input_state(x) for k, x in call.items()}
 
 
 @st.composite

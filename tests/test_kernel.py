@@ -5,6 +5,7 @@ kv tile edges; a few cases run at the default tiles too. The case matrix runs on
 product paths (register blocks and BLAS; on the BLAS path bf16 leaves AMX for it too).
 """
 import itertools
+import math
 import warnings
 
 import numpy as np
@@ -121,6 +122,24 @@ def test_seed_example():
                                  16, input_layout='BNSD')
     assert out.shape == (1, 16, 256, 16) and out.dtype == np.float16
     assert np.all(out == 1)
+    # all-ones inputs give ones whichever columns a row keeps: the same shapes with random
+    # inputs, where the band and the mask decide the output (default tiles). The README's
+    # second call: Ascend's causal mask, sparse_mode 3 (Sq == Skv: row i keeps columns <= i).
+    rng = np.random.default_rng(20)
+    q, k, v = qkv(rng, "BNSD", np.float16, 1, 16, 16, 256, 256, 16)
+    mask = np.triu(np.ones((2048, 2048), dtype=bool), 1)
+    kw = dict(num_heads=16, input_layout="BNSD", sparse_mode=3, scale_value=0.25)
+    out, lse = prompt_flash_attention(q, k, v, mask, **kw, return_softmax_lse=True)
+    assert out.shape == (1, 16, 256, 16) and out.dtype == np.float16
+    assert lse.shape == (1, 16, 256, 1) and lse.dtype == np.float32
+    assert_matches_reference(out, (q, k, v, mask), kw, np.float16, lse=lse)
+    assert np.array_equal(out[0, :, 0], v[0, :, 0])     # row 0 keeps column 0 alone
+    # sparse_mode 0 with an explicit random bool mask and a band of pre 30, next 5 tokens
+    user = rng.random((1, 1, 256, 256)) < 0.3
+    kw = dict(num_heads=16, input_layout="BNSD", sparse_mode=0, scale_value=0.25,
+              pre_tokens=30, next_tokens=5)
+    out, lse = prompt_flash_attention(q, k, v, user, **kw, return_softmax_lse=True)
+    assert_matches_reference(out, (q, k, v, user), kw, np.float16, lse=lse)
 
 
 @pytest.mark.parametrize("shape", ["SqSkv", "BSqSkv", "1SqSkv", "B1SqSkv", "11SqSkv", "padded2",
@@ -338,3 +357,134 @@ def test_tnd_packed_sequences(small_tiles, dt, mode):
                                       return_softmax_lse=True)
     assert out.shape == (40, 4, 16) and lse.shape == (40, 4, 1)
     assert_matches_reference(out, (q, k, v, mask, q_ends, kv_ends), kw, dtype, lse=lse)
+
+
+# --------------------------------------------------------------------------------------------
+# the band's last column (outside the case matrix): with every score equal (K = 0) and V one-hot
+# per kv column (D = Skv), a row's output is 1 / |kept| at exactly its kept columns and 0
+# elsewhere, so the output shows which columns were averaged
+# --------------------------------------------------------------------------------------------
+BIG = 2147483647        # pre/next_tokens at or above: +inf
+
+
+def _band_ends(mode, pre, nxt, ql, kl):
+    """(preE, nextE) of SPEC 4.1's table for one batch (floats; inf: unlimited)."""
+    def tokens(t):
+        return math.inf if t >= BIG else float(t)
+    if mode == 0:                           # with a mask
+        return tokens(pre), tokens(nxt)
+    if mode == 2:
+        return math.inf, 0.0
+    if mode == 3:
+        return math.inf, float(kl - ql)
+    assert mode == 4
+    return tokens(pre) - (kl - ql), tokens(nxt) + (kl - ql)
+
+
+def _spec_band(sq, skv, ql, kl, pre_e, next_e, right=0, clip=0):
+    """band(i, j) of SPEC 4.1 over (Sq, Skv), rows i < qL: 0 <= j < kL and
+    i - preE <= j <= i + nextE. ``right`` / ``clip`` move the band's right edge / the kL clip
+    by that many columns (the off-by-one implementations this test must catch)."""
+    i = np.arange(sq)[:, None]
+    j = np.arange(skv)[None, :]
+    return (i < ql) & (j < kl + clip) & (i - pre_e <= j) & (j <= i + next_e + right)
+
+
+# mode, Sq, Skv, actual_seq_lengths, actual_seq_lengths_kv, pre_tokens, next_tokens, (N, Nkv),
+# clip: some row's i + nextE reaches past kL - 1 < Skv - 1 (the clip decides its last column)
+BAND_EDGE_CASES = [
+    (0, 37, 29, [37, 30], [29, 22], 5, 3, (2, 2), True),
+    (0, 37, 29, [37, 30], [29, 22], BIG, 6, (2, 1), True),
+    (0, 30, 35, [30, 25], [35, 28], -2, 9, (1, 1), True),  # the band right of the diagonal
+    (0, 41, 33, [41, 40], [33, 27], 10, -3, (3, 1), True),  # ... and left of it
+    (2, 37, 30, [37, 33], [30, 22], BIG, 0, (2, 1), True),
+    (3, 23, 40, [23, 17], [40, 33], BIG, 0, (2, 2), False),  # nextE = kL - qL > 0
+    (3, 40, 23, [40, 31], [23, 19], BIG, 0, (2, 1), False),  # nextE < 0: early rows empty
+    (4, 31, 45, [31, 26], [45, 38], 7, 2, (2, 1), True),
+    (4, 45, 31, [45, 33], [31, 20], 4, 9, (1, 1), True),
+    (4, 33, 47, [33, 29], [47, 41], -3, 6, (3, 3), True),
+    (4, 27, 29, [27, 27], [29, 28], BIG, 0, (2, 1), False),
+]
+
+
+@pytest.fixture(params=["small tiles", "row segments"])
+def band_tiles(request, small_tiles, monkeypatch):
+    """Tiles of 12 query rows x 7 kv columns; or 7 columns with every query row in one work
+    item, a tile the band cuts taken 32 rows at a time (row segments, each over the columns its
+    rows keep)."""
+    if request.param == "row segments":
+        monkeypatch.setattr(config, "CPU_Q_ROWS", 150)
+        monkeypatch.setattr(config, "CPU_SUB_ROWS", 1)       # rounded up to 32
+        monkeypatch.setattr(config, "CPU_SEG_ROWS", 1)
+        monkeypatch.setattr(config, "CPU_AMX_SEG_ROWS", 1)
+    return request.param
+
+
+@pytest.mark.parametrize("dt", ["fp32", "fp16"])
+@pytest.mark.parametrize("mode,sq,skv,qlens,kvlens,pre,nxt,heads,clip", BAND_EDGE_CASES,
+                         ids=[f"sm{c[0]}-Sq{c[1]}Skv{c[2]}-kL{c[4][1]}-pre{c[5]}-next{c[6]}"
+                              .replace(str(BIG), "inf") for c in BAND_EDGE_CASES])
+def test_band_last_column(band_tiles, dt, mode, sq, skv, qlens, kvlens, pre, nxt, heads,
+                          clip):
+    """A row's last kept column is hi = min(i + nextE, kL - 1) (SPEC 4.1), whatever the tiles:
+    the kept columns, read off the output, are SPEC's, and not those of a band one column
+    wider or narrower at its right edge, or clipped at kL instead of kL - 1."""
+    dtype = DTYPES[dt]
+    rng = np.random.default_rng(sq * 100 + skv)
+    b, (n, nkv), d = len(qlens), heads, skv
+    q = rng.integers(-3, 4, (b, n, sq, d)).astype(dtype)          # any q: K = 0
+    k = np.zeros((b, nkv, skv, d), dtype)                          # every score 0
+    v = np.broadcast_to(np.eye(skv, dtype=dtype), (b, nkv, skv, d)).copy()   # V[j] = e_j
+    keep = np.zeros((b, sq, skv), bool)
+    more, fewer, at_kl = ("one column more at the right edge",
+                          "one column fewer at the right edge", "the clip at kL, not kL - 1")
+    wrong = {more: np.zeros_like(keep), fewer: np.zeros_like(keep), at_kl: np.zeros_like(keep)}
+    if mode == 0:
+        mask = rng.random((b, 1, sq, skv)) < 0.25
+    else:
+        mask = np.triu(np.ones((2048, 2048), bool), 1)
+    for bb in range(b):
+        ql, kl = qlens[bb], kvlens[bb]
+        pre_e, next_e = _band_ends(mode, pre, nxt, ql, kl)
+        band = _spec_band(sq, skv, ql, kl, pre_e, next_e)
+        for i in range(ql):
+            hi = min(i + next_e, kl - 1)
+            lo = max(i - pre_e, 0)
+            if hi < lo:                                            # an empty band (SPEC 5)
+                assert not band[i].any()
+                continue
+            hi, lo = int(hi), int(lo)
+            assert band[i].nonzero()[0].max() == hi and band[i].nonzero()[0].min() == lo
+            if mode == 0:       # the user mask leaves both edges of the band (and beyond) kept
+                mask[bb, 0, i, max(lo - 1, 0):lo + 1] = False
+                mask[bb, 0, i, hi:hi + 2] = False
+        user = ~mask[bb, 0] if mode == 0 else True
+        keep[bb] = band & user
+        wrong[more][bb] = _spec_band(sq, skv, ql, kl, pre_e, next_e, right=1) & user
+        wrong[fewer][bb] = _spec_band(sq, skv, ql, kl, pre_e, next_e, right=-1) & user
+        wrong[at_kl][bb] = _spec_band(sq, skv, ql, kl, pre_e, next_e, clip=1) & user
+    # the case tells SPEC's band from the wrong ones (the clip only where ``clip`` says)
+    assert (wrong[more] != keep).any() and (wrong[fewer] != keep).any()
+    assert (wrong[at_kl] != keep).any() == clip
+    wrong = {what: w for what, w in wrong.items() if (w != keep).any()}
+
+    kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", sparse_mode=mode,
+              pre_tokens=pre, next_tokens=nxt)
+    args = (q, k, v, mask, qlens, kvlens)
+    out, lse = prompt_flash_attention(*args, **kw, return_softmax_lse=True)
+    ref = assert_matches_reference(out, args, kw, dtype, lse=lse)
+    o = out.astype(np.float64)
+    count = keep.sum(axis=-1)                                      # (B, Sq)
+    want = np.where(count[..., None] > 0, keep / np.maximum(count, 1)[..., None], 0.0)
+    for g in range(n):
+        kept = o[:, g] > 0
+        for what, w in wrong.items():
+            assert not np.array_equal(kept, w), f"head {g}: the kernel's band is SPEC's with {what}"
+        bad = np.argwhere((kept != keep).any(axis=-1))
+        assert not bad.size, (f"head {g}: (b, i) = {bad[:3].tolist()} keep columns "
+                              f"{[np.flatnonzero(kept[tuple(x)]).tolist() for x in bad[:3]]}, "
+                              f"SPEC {[np.flatnonzero(keep[tuple(x)]).tolist() for x in bad[:3]]}")
+        np.testing.assert_allclose(o[:, g], want, rtol=2e-3 if dt == "fp16" else 1e-6, atol=0)
+        assert np.array_equal(ref[:, g] > 0, keep)                 # the reference agrees
+        with np.errstate(divide="ignore"):
+            np.testing.assert_allclose(lse[:, g, :, 0], np.log(count), rtol=1e-5, atol=1e-6)

@@ -17,42 +17,26 @@ Profiles (selected by the environment variable ``PFA_HYPOTHESIS_PROFILE``):
       PFA_HYPOTHESIS_PROFILE=long python -m pytest tests/test_properties.py -q -p no:cacheprovider
 """
 import math
-import os
 import warnings
 
-import ml_dtypes
 import numpy as np
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from pfa_numba import config, prompt_flash_attention, reference, trans_quant_param
 from _cases import assert_matches_reference, to_layout
+from _strategies import (BF16, F16, F32, FLOAT_DTYPES as DTYPES, I8, LAYOUTS, LEN_FORMS,
+                         MASK_DTYPES, PADDED, QUANT_KINDS, SCALES, TND_MODES, VIEWS, as_form,
+                         band_mask_spec, band_tokens, draw_dtype_name, draw_nkv_arg,
+                         draw_padded_masking, draw_tnd_lengths, heads, ignore_underflow,
+                         input_state, int8_scales, mask_2048, profile_settings, pse_dtype,
+                         random_input, tnd_ends, tokens_used, view_variant)
+
+PROFILE_SETTINGS = profile_settings(ci=("pfa-properties-ci", 60),
+                                    long=("pfa-properties-long", 2000))
 
 # --------------------------------------------------------------------------------------------
-# profiles
-# --------------------------------------------------------------------------------------------
-_COMMON = dict(deadline=None, print_blob=True,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                      HealthCheck.filter_too_much])
-settings.register_profile("pfa-properties-ci", max_examples=60, derandomize=True, **_COMMON)
-settings.register_profile("pfa-properties-long", max_examples=2000, **_COMMON)
-PROFILE = os.environ.get("PFA_HYPOTHESIS_PROFILE", "ci")
-if PROFILE not in ("ci", "long"):
-    raise ValueError(f"PFA_HYPOTHESIS_PROFILE must be 'ci' or 'long', got {PROFILE!r}")
-PROFILE_SETTINGS = settings.get_profile(f"pfa-properties-{PROFILE}")
-
-F16 = np.dtype(np.float16)
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F32 = np.dtype(np.float32)
-I8 = np.dtype(np.int8)
-DTYPES = {"fp16": F16, "bf16": BF16, "fp32": F32}
-PADDED = ("BSH", "BNSD", "BSND", "BNSD_BSND")
-INF = 2147483647
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-MASK_DTYPES = {"bool": np.dtype(np.bool_), "int8": I8, "uint8": np.dtype(np.uint8)}
-
-# --------------------------------------------------------------------------------------------
-# helpers: tiles, snapshots, views
+# helpers: tiles, snapshots, the band mask
 # --------------------------------------------------------------------------------------------
 _TILE_NAMES = ("CPU_Q_ROWS", "CPU_KV_COLS", "CPU_BAND_TILE_MIN", "CPU_THREADS")
 
@@ -78,23 +62,9 @@ tile_values = st.tuples(st.integers(1, 20), st.integers(1, 20),
                         st.sampled_from([1, 2, 3, 5, 64]), st.sampled_from([None, 1, 2]))
 
 
-def _root(a):
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    return a
-
-
 def snapshot(objs):
     """Bytes of every array (and of the memory it lives in), and copies of everything else."""
-    snap = []
-    for x in objs:
-        if isinstance(x, np.ndarray):
-            snap.append((x.tobytes(), _root(x).tobytes()))
-        elif isinstance(x, (list, tuple)):
-            snap.append(repr(x))
-        else:
-            snap.append(None)
-    return snap
+    return [input_state(x) for x in objs]
 
 
 def assert_unchanged(objs, before, what="input"):
@@ -103,199 +73,41 @@ def assert_unchanged(objs, before, what="input"):
         assert b == a, f"{what} #{i} was modified by the call"
 
 
-def view_variant(x, kind, fill):
-    """The same values as ``x`` in another memory arrangement (read in place by the library)."""
-    if kind == "c" or x.ndim == 0:
-        return x
-    if kind == "F":
-        return np.asfortranarray(x)
-    if kind == "rev":
-        return np.ascontiguousarray(x[::-1])[::-1]
-    if kind == "ro":
-        y = x.copy()
-        y.setflags(write=False)
-        return y
-    if kind == "pad":       # last axis a window of a wider array (garbage around it)
-        big = np.full(x.shape[:-1] + (x.shape[-1] + 3,), fill, dtype=x.dtype)
-        big[..., 1:1 + x.shape[-1]] = x
-        return big[..., 1:1 + x.shape[-1]]
-    if kind == "step2":     # every other element of the second axis
-        shape = list(x.shape)
-        shape[1] *= 2
-        big = np.full(shape, fill, dtype=x.dtype)
-        big[:, ::2] = x
-        return big[:, ::2]
-    if kind == "unaligned":  # data at an odd byte address
-        buf = np.zeros(x.nbytes + x.itemsize + 1, np.uint8)
-        y = buf[1:1 + x.nbytes].view(x.dtype).reshape(x.shape)
-        y[...] = x
-        return y
-    if kind == "struct":     # a field of a structured array: byte strides not a multiple of
-        rec = np.zeros(x.shape, dtype=[("pad", "u1"), ("x", x.dtype)])   # the item size
-        rec["x"] = x
-        return rec["x"]
-    if kind == "bcast":      # zero stride on the first axis (every batch holds batch 0)
-        return np.broadcast_to(x[:1], x.shape) if x.shape[0] else x
-    raise AssertionError(kind)
-
-
-VIEWS = ("c", "c", "c", "F", "rev", "ro", "pad", "step2", "unaligned", "struct", "bcast")
-
-
-def _as_form(values, form):
-    """Lengths / ends in one of the accepted Python and NumPy forms."""
-    if form == "list":
-        return [int(x) for x in values]
-    if form == "tuple":
-        return tuple(int(x) for x in values)
-    if form == "list_np":
-        return [np.int64(x) for x in values]
-    if form in ("int64", "int32", "uint8", "uint64"):
-        return np.array(values, dtype=form)
-    raise AssertionError(form)
-
-
-LEN_FORMS = ("list", "tuple", "list_np", "int64", "int32", "uint8", "uint64")
-
-# the (2048, 2048) masks of modes 2-4, built once, read-only (their content is never read)
-_MASK2048 = {}
-
-
 def band_mask(content, dtype_name, shape_kind, batch):
-    key = (content, dtype_name)
-    if key not in _MASK2048:
-        if content == "triu":
-            m = np.triu(np.ones((2048, 2048), bool), 1)
-        else:
-            m = np.zeros((2048, 2048), bool)
-        m = m.astype(MASK_DTYPES[dtype_name])
-        m.setflags(write=False)
-        _MASK2048[key] = m
-    m = _MASK2048[key]
+    """The (2048, 2048) mask of modes 2-4 in one of its accepted shapes."""
+    m = mask_2048(content, MASK_DTYPES[dtype_name])
     return {"2": m, "12": m[None], "112": m[None, None],
             "B12": np.broadcast_to(m, (batch, 1, 2048, 2048))}[shape_kind]
 
 
 # --------------------------------------------------------------------------------------------
-# strategies
+# strategies (the pieces of a call are in _strategies)
 # --------------------------------------------------------------------------------------------
-ANY_TOKENS = st.one_of(st.integers(-45, 45),
-                       st.sampled_from([INF, INF + 1, INF - 1, 2 ** 40, INT64_MAX, -2 ** 31,
-                                        -2 ** 40, INT64_MIN, 0, -1]))
-
-
-@st.composite
-def band_tokens(draw, used, nonneg=False):
-    """(pre_tokens, next_tokens): anything when unused; valid per SPEC 4.1 when used."""
-    if not used:
-        return draw(ANY_TOKENS), draw(ANY_TOKENS)
-    if nonneg:
-        big = st.sampled_from([INF, INT64_MAX, 2 ** 40])
-        return (draw(st.one_of(st.integers(0, 45), big)),
-                draw(st.one_of(st.integers(0, 45), big)))
-    pre = draw(ANY_TOKENS)
-    if pre >= INF:
-        return pre, draw(ANY_TOKENS)
-    lo = -pre           # pre + next >= 0 (and so never both negative)
-    big = st.sampled_from([INF, INT64_MAX, 2 ** 40])
-    if lo >= INF:       # only an unlimited next_tokens fits
-        return pre, draw(st.sampled_from([INF, INT64_MAX]))
-    nxt = draw(st.one_of(st.just(lo), st.integers(lo, max(lo, 0) + 45), big))
-    return pre, nxt
-
-
-SCALES = st.one_of(
-    st.sampled_from([0, 1, -2, 3, 0.0, -0.5, 0.125, 2.5, np.float16(0.25), np.float32(-0.3),
-                     np.float64(0.7), np.int32(2), np.int64(-1), np.uint8(1)]),
-    st.floats(-3, 3, allow_nan=False, width=32))
-
-
-@st.composite
-def seq_lengths(draw, batch, full):
-    """actual_seq_lengths(_kv) for the padded layouts (SPEC 6): None, one value, or B values."""
-    kind = draw(st.sampled_from(["none", "none", "one", "batch"]))
-    if kind == "none":
-        return None
-    value = st.one_of(st.just(0), st.just(full), st.integers(0, full))
-    vals = [draw(value)] if kind == "one" else draw(st.lists(value, min_size=batch,
-                                                             max_size=batch))
-    return (draw(st.sampled_from(LEN_FORMS)), vals)
-
-
-@st.composite
-def heads(draw, max_n=8):
-    nkv = draw(st.integers(1, max_n))
-    g = draw(st.integers(1, max_n // nkv))
-    return nkv * g, nkv
-
-
-@st.composite
-def user_mask_spec(draw, fp16_ok):
-    """A user mask (modes 0, 1); float16 (additive, deprecated) only for a float16 query."""
-    choices = ["bool", "int8", "uint8"] + (["float16"] if fp16_ok else [])
-    return dict(shape=draw(st.sampled_from(["2", "3B", "31", "4B", "41"])),
-                pad=(draw(st.integers(0, 4)), draw(st.integers(0, 4))),
-                dtype=draw(st.sampled_from(choices)),
-                density=draw(st.sampled_from([0.0, 0.2, 0.5, 0.9, 1.0])),
-                full_row=draw(st.booleans()),
-                view=draw(st.sampled_from(["c", "c", "F", "rev", "step2", "ro", "struct",
-                                           "bcast"])))
-
-
-@st.composite
-def band_mask_spec(draw):
-    return dict(band=True, shape=draw(st.sampled_from(["2", "12", "112", "B12"])),
-                dtype=draw(st.sampled_from(list(MASK_DTYPES))),
-                content=draw(st.sampled_from(["triu", "zeros"])))
-
-
-@st.composite
-def pse_spec(draw):
-    return dict(batch1=draw(st.booleans()),
-                pad=(draw(st.integers(0, 3)), draw(st.integers(0, 3))),
-                spread=draw(st.sampled_from([0.5, 2.0, 8.0])),
-                specials=draw(st.lists(st.sampled_from(["-inf", "-inf-row", "+inf", "nan"]),
-                                       max_size=2, unique=True)),
-                view=draw(st.sampled_from(["c", "c", "F", "rev", "ro", "pad", "struct",
-                                           "bcast"])))
-
-
 @st.composite
 def float_specs(draw):
     """A valid floating-point call (SPEC 1-7, 9), described by plain values."""
     sp = {}
-    sp["layout"] = layout = draw(st.sampled_from(PADDED + ("TND",)))
+    sp["layout"] = layout = draw(st.sampled_from(LAYOUTS))
     sp["dtype"] = dt = draw(st.sampled_from(list(DTYPES)))
     sp["N"], sp["Nkv"] = n, nkv = draw(heads())
     sp["D"] = draw(st.sampled_from([16, 32, 48, 64]) if dt == "bf16" else
                    st.one_of(st.integers(1, 72), st.sampled_from([1, 16, 64, 72])))
-    sp["nkv_arg"] = draw(st.sampled_from([0, n])) if nkv == n else nkv
+    sp["nkv_arg"] = draw_nkv_arg(draw, n, nkv)
     if layout == "TND":
-        nb = draw(st.integers(0, 3))
-        sp["q_lens"] = draw(st.lists(st.integers(0, 15), min_size=nb, max_size=nb))
-        sp["kv_lens"] = draw(st.lists(st.integers(0, 15), min_size=nb, max_size=nb))
+        batch, sp["q_lens"], sp["kv_lens"] = draw_tnd_lengths(draw, 3, 15)
         sp["ends_form"] = (draw(st.sampled_from(LEN_FORMS)), draw(st.sampled_from(LEN_FORMS)))
-        sp["sparse_mode"] = mode = draw(st.sampled_from([0, 2, 3, 4]))
+        sp["sparse_mode"] = mode = draw(st.sampled_from(TND_MODES))
         sp["mask"] = None if mode == 0 else draw(band_mask_spec())
         sp["pse"] = None
-        batch = nb
     else:
         sp["B"] = batch = draw(st.integers(0, 3))
         sp["Sq"] = sq = draw(st.integers(0, 40))
         sp["Skv"] = skv = draw(st.integers(0, 40))
-        sp["sparse_mode"] = mode = draw(st.sampled_from([0, 0, 1, 2, 3, 4]))
-        if mode == 0:
-            sp["mask"] = draw(st.one_of(st.none(), user_mask_spec(dt == "fp16")))
-        elif mode == 1:
-            sp["mask"] = draw(user_mask_spec(dt == "fp16"))
-        else:
-            sp["mask"] = draw(band_mask_spec())
-        sp["pse"] = draw(st.one_of(st.none(), pse_spec()))
-        sp["asl"] = draw(seq_lengths(batch, sq))
-        sp["aslkv"] = draw(seq_lengths(batch, skv))
+        sp.update(draw_padded_masking(draw, dt, batch, sq, skv))
+        mode = sp["sparse_mode"]
         sp["poison"] = draw(st.booleans())
         sp["views"] = tuple(draw(st.sampled_from(VIEWS)) for _ in range(3))
-    used = mode == 4 or (mode == 0 and sp["mask"] is not None)
+    used = tokens_used(mode, sp["mask"] is not None)
     sp["pre"], sp["next"] = draw(band_tokens(used))
     sp["scale"] = draw(st.one_of(st.just(1.0 / math.sqrt(sp["D"])), SCALES))
     sp["ip"] = draw(st.integers(0, 3))
@@ -313,7 +125,7 @@ def _resolve_lengths(form_vals, batch, full):
     if form_vals is None:
         return None, np.full(batch, full, np.int64)
     form, vals = form_vals
-    arg = _as_form(vals, form)
+    arg = as_form(vals, form)
     per_b = np.full(batch, vals[0], np.int64) if len(vals) == 1 else np.array(vals, np.int64)
     return arg, per_b.reshape(batch)
 
@@ -342,6 +154,15 @@ def _user_mask(rng, ms, batch, sq, skv):
     return view_variant(mask, ms["view"], fill)
 
 
+def _mask(rng, ms, batch, sq, skv):
+    """The attn_mask that the description ``ms`` holds: none, a band mask or a user mask."""
+    if ms is None:
+        return None
+    if ms.get("band"):
+        return band_mask(ms["content"], ms["dtype"], ms["shape"], batch)
+    return _user_mask(rng, ms, batch, sq, skv)
+
+
 def _pse(rng, ps, dtype, batch, n, sq, skv, qlen, klen):
     bp = 1 if ps["batch1"] else batch
     shape = (bp, n, sq + ps["pad"][0], skv + ps["pad"][1])
@@ -365,13 +186,9 @@ def _pse(rng, ps, dtype, batch, n, sq, skv, qlen, klen):
     return view_variant(pse.astype(dtype), ps["view"], np.nan)
 
 
+@ignore_underflow
 def build_float(sp):
     """(args, kwargs, info) of the call that ``sp`` (from :func:`float_specs`) describes."""
-    with np.errstate(under="ignore"):
-        return _build_float(sp)
-
-
-def _build_float(sp):
     rng = np.random.default_rng(sp["seed"])
     dtype = DTYPES[sp["dtype"]]
     layout, n, nkv, d = sp["layout"], sp["N"], sp["Nkv"], sp["D"]
@@ -384,11 +201,9 @@ def _build_float(sp):
         t, tkv = sum(sp["q_lens"]), sum(sp["kv_lens"])
         q, k, v = (rnd(t, n, d).astype(dtype), rnd(tkv, nkv, d).astype(dtype),
                    rnd(tkv, nkv, d).astype(dtype))
-        asl = _as_form(np.cumsum([0] + sp["q_lens"])[1:], sp["ends_form"][0])
-        aslkv = _as_form(np.cumsum([0] + sp["kv_lens"])[1:], sp["ends_form"][1])
-        ms = sp["mask"]
-        mask = None if ms is None else band_mask(ms["content"], ms["dtype"], ms["shape"],
-                                                 len(sp["q_lens"]))
+        asl = as_form(tnd_ends(sp["q_lens"]), sp["ends_form"][0])
+        aslkv = as_form(tnd_ends(sp["kv_lens"]), sp["ends_form"][1])
+        mask = _mask(rng, sp["mask"], len(sp["q_lens"]), 0, 0)      # None or a band mask
         pse = None
     else:
         b, sq, skv = sp["B"], sp["Sq"], sp["Skv"]
@@ -402,14 +217,8 @@ def _build_float(sp):
                 v4[bb, :, klen[bb]:] = np.inf
         q, k, v = (view_variant(to_layout(x.astype(dtype), layout), vk, np.nan)
                    for x, vk in zip((q4, k4, v4), sp["views"]))
-        ms = sp["mask"]
-        if ms is None:
-            mask = None
-        elif ms.get("band"):
-            mask = band_mask(ms["content"], ms["dtype"], ms["shape"], b)
-        else:
-            mask = _user_mask(rng, ms, b, sq, skv)
-            info["fp16_mask"] = mask.dtype == F16
+        mask = _mask(rng, sp["mask"], b, sq, skv)
+        info["fp16_mask"] = mask is not None and mask.dtype == F16
         pse = None if sp["pse"] is None else _pse(rng, sp["pse"], dtype, b, n, sq, skv, qlen,
                                                   klen)
     kw = dict(num_heads=n, scale_value=sp["scale"], pre_tokens=sp["pre"],
@@ -550,11 +359,11 @@ PER_CHANNEL = ("H", "11H", "1N1D", "ND", "11ND")
 @st.composite
 def quant_specs(draw):
     sp = {}
-    sp["kind"] = kind = draw(st.sampled_from(["int8->float16", "int8->int8", "float->int8"]))
-    sp["dtype"] = dt = "int8" if kind.startswith("int8") else draw(st.sampled_from(list(DTYPES)))
+    sp["kind"] = kind = draw(st.sampled_from(QUANT_KINDS))
+    sp["dtype"] = dt = draw_dtype_name(draw, kind)
     sp["layout"] = draw(st.sampled_from(PADDED))
     sp["N"], sp["Nkv"] = n, nkv = draw(heads(max_n=4))
-    sp["nkv_arg"] = draw(st.sampled_from([0, n])) if nkv == n else nkv
+    sp["nkv_arg"] = draw_nkv_arg(draw, n, nkv)
     out_int8 = kind != "int8->float16"
     sp["s2_shape"] = draw(st.sampled_from(("1",) * 3 + PER_CHANNEL)) if out_int8 else None
     if sp["s2_shape"] not in (None, "1"):
@@ -566,17 +375,9 @@ def quant_specs(draw):
     sp["B"] = batch = draw(st.integers(0, 3))
     sp["Sq"] = sq = draw(st.integers(0, 24))
     sp["Skv"] = skv = draw(st.integers(0, 24))
-    sp["sparse_mode"] = mode = draw(st.sampled_from([0, 0, 1, 2, 3, 4]))
-    if mode == 0:
-        sp["mask"] = draw(st.one_of(st.none(), user_mask_spec(dt == "fp16")))
-    elif mode == 1:
-        sp["mask"] = draw(user_mask_spec(dt == "fp16"))
-    else:
-        sp["mask"] = draw(band_mask_spec())
-    sp["pse"] = draw(st.one_of(st.none(), pse_spec()))
-    sp["asl"] = draw(seq_lengths(batch, sq))
-    sp["aslkv"] = draw(seq_lengths(batch, skv))
-    used = mode == 4 or (mode == 0 and sp["mask"] is not None)
+    sp.update(draw_padded_masking(draw, dt, batch, sq, skv))
+    mode = sp["sparse_mode"]
+    used = tokens_used(mode, sp["mask"] is not None)
     sp["pre"], sp["next"] = draw(band_tokens(used, nonneg=out_int8 and mode == 4))
     sp["ip"] = draw(st.integers(0, 3))
     sp["views"] = tuple(draw(st.sampled_from(VIEWS)) for _ in range(3))
@@ -609,13 +410,9 @@ def _channel_shape(kind, n, d):
             "ND": (n, d), "11ND": (1, 1, n, d)}[kind]
 
 
+@ignore_underflow
 def build_quant(sp):
     """(args, kwargs, dtype) of the quantized call that ``sp`` (:func:`quant_specs`) describes."""
-    with np.errstate(under="ignore"):
-        return _build_quant(sp)
-
-
-def _build_quant(sp):
     rng = np.random.default_rng(sp["seed"])
     layout, n, nkv, d = sp["layout"], sp["N"], sp["Nkv"], sp["D"]
     b, sq, skv = sp["B"], sp["Sq"], sp["Skv"]
@@ -624,20 +421,14 @@ def _build_quant(sp):
     kw = dict(num_heads=n, scale_value=sp["scale"], pre_tokens=sp["pre"],
               next_tokens=sp["next"], input_layout=layout, num_key_value_heads=sp["nkv_arg"],
               sparse_mode=sp["sparse_mode"], inner_precise=sp["ip"])
-    if sp["dtype"] == "int8":
-        dtype = I8
-        q4, k4, v4 = (rng.integers(-128, 128, s, dtype=np.int8)
-                      for s in ((b, n, sq, d), (b, nkv, skv, d), (b, nkv, skv, d)))
-        deq1 = np.array([3.0 * sp["deq1_factor"] / (math.sqrt(d) * 5000)], np.float32)
-        qs1 = np.array([sp["qs1"]], np.float32)
-        deq2 = np.array([sp["deq2_factor"] / sp["qs1"]], np.float32)
+    dtype = I8 if sp["dtype"] == "int8" else DTYPES[sp["dtype"]]
+    q4, k4, v4 = (random_input(rng, s, dtype, sp.get("spread", 1.0))
+                  for s in ((b, n, sq, d), (b, nkv, skv, d), (b, nkv, skv, d)))
+    if dtype == I8:
+        deq1, qs1, deq2 = int8_scales(d, sp["deq1_factor"], sp["qs1"], sp["deq2_factor"])
         if sp["deq_dtype"] == "uint64":
             deq1, deq2 = trans_quant_param(deq1), trans_quant_param(deq2)
         kw.update(deq_scale1=deq1, quant_scale1=qs1, deq_scale2=deq2)
-    else:
-        dtype = DTYPES[sp["dtype"]]
-        q4, k4, v4 = ((rng.standard_normal(s) * sp["spread"]).astype(np.float32).astype(dtype)
-                      for s in ((b, n, sq, d), (b, nkv, skv, d), (b, nkv, skv, d)))
     q, k, v = (view_variant(to_layout(x, layout), vk, 0)
                for x, vk in zip((q4, k4, v4), sp["views"]))
     if sp["kind"] != "int8->float16":
@@ -652,14 +443,8 @@ def _build_quant(sp):
             kw["quant_offset2"] = np.zeros(shape, sdt)
         elif sp["offset2"] == "random":
             kw["quant_offset2"] = rng.uniform(-8, 8, size=shape).astype(np.float32).astype(sdt)
-    ms = sp["mask"]
-    if ms is None:
-        mask = None
-    elif ms.get("band"):
-        mask = band_mask(ms["content"], ms["dtype"], ms["shape"], b)
-    else:
-        mask = _user_mask(rng, ms, b, sq, skv)
-    pdt = F16 if dtype in (F16, I8) else dtype
+    mask = _mask(rng, sp["mask"], b, sq, skv)
+    pdt = pse_dtype(dtype)
     ps = sp["pse"]
     if ps is not None and dtype == I8:    # a NaN / +inf score has no int8 P8 (SPEC 8)
         ps = dict(ps, specials=[s for s in ps["specials"] if s in ("-inf", "-inf-row")])
