@@ -20,11 +20,9 @@ from . import prompt_flash_attention, reference
 
 INF = 2147483647
 #: Before each timed call: a pause, then one untimed call of the same implementation. BLAS and
-#: OpenMP worker threads spin for a while after a call (OpenBLAS about 0.1 s), taking a core
-#: from whichever implementation runs next: fp32 dense (1, 16, 2048, 128) right after NumPy's
-#: naive attention took 294 ms for pfa_numba against 197 ms alone. And this virtual machine
-#: wakes slowly from a pause: a 10 ms call right after 0.1 s idle took 9-108 ms; the untimed
-#: call takes that (sleep + untimed call: (1, 16, 1024, 64) 36 ms, sleep alone 65 ms).
+#: OpenMP worker threads spin for a while after a call, taking a core from whichever
+#: implementation runs next; the pause outlasts that spinning. And this virtual machine wakes
+#: slowly from a pause; the untimed call takes that. Measurements: docs/tuning.md.
 QUIET_S = 0.25
 
 
@@ -220,7 +218,7 @@ class PeakRSS:
 
 def sgemm_peak(repeats=7, n=2048):
     """float32 GEMM throughput of this machine (NumPy's BLAS, all threads), TFLOP/s: the best
-    of ``repeats`` (a peak; this machine's speed drifts by 10-30% over minutes)."""
+    of ``repeats`` (a peak; this machine's speed drifts over minutes, see docs/tuning.md)."""
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
     a @ a
     t = []
@@ -233,10 +231,9 @@ def sgemm_peak(repeats=7, n=2048):
 
 def run(cases, repeats=5, progress=True, gemm_n=2048):
     """Time every case; returns a list of result dicts. Each repeat also times NumPy's sgemm
-    on two gemm_n x gemm_n float32 matrices: this machine's speed drifts over minutes (at
-    2048^3 it ran at 0.14-0.20 TFLOP/s within one case's seven repeats and 0.20-0.30 within
-    another's), so pfa_numba's share of the GEMM rate is also taken against the sgemm of the
-    same repeat."""
+    on two gemm_n x gemm_n float32 matrices: this machine's speed drifts over minutes (see
+    docs/tuning.md), so pfa_numba's share of the GEMM rate is also taken against the sgemm of
+    the same repeat."""
     try:
         from tqdm import tqdm
     except ImportError:

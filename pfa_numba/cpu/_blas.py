@@ -3,7 +3,7 @@
 ``np.dot`` inside ``njit`` cannot accumulate into its output (beta = 1), so ``P @ V`` would need
 a temporary and an extra pass per tile. Here the kernel calls the Fortran ``sgemm`` that
 ``scipy.linalg.cython_blas`` exports, through its address passed in at run time: compiled
-kernels hold no address (they stay cacheable), and SciPy (0.3-0.5 s to import) is only imported
+kernels hold no address (they stay cacheable), and SciPy (slow to import) is only imported
 by a call that uses BLAS (:func:`sgemm_address`).
 """
 import ctypes

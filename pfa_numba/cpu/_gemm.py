@@ -6,9 +6,8 @@ BLAS spends part of each such call packing its operands into its own layout, and
 tuned for large square matrices. Here the operands are packed once, by the kernel's own loads,
 into the layout a 6 x 64 register block wants, and the block itself is emitted as LLVM vector
 code: 24 zmm accumulators, each step one broadcast of a row value and four vector loads feeding
-24 fused multiply-adds. Measured on the 2-core AVX-512 machine (1 thread, 512 x 512 tiles):
-``Q K^T`` 144-154 GFLOP/s (SciPy's OpenBLAS sgemm on the same tiles: 116-131), ``P V`` 131-151
-(OpenBLAS: 113-133).
+24 fused multiply-adds. On these tiles both products outrun OpenBLAS's sgemm (measurements:
+docs/tuning.md).
 
 Layouts (all float32, flat buffers with element offsets):
 - ``Q`` rows of D values, ``ldq`` apart; the products read MR rows at a time, so a buffer must

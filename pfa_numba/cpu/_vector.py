@@ -2,10 +2,10 @@
 
 - :func:`wide_vectors`: LLVM's x86 backend prefers 256-bit vectors on AVX-512 CPUs (a frequency
   trade-off made for mixed code). The softmax, packing and rescale loops of the CPU kernel are
-  pure vector arithmetic between the tile products, and run 1.5-1.8x faster in 512-bit
-  registers (measured: exp pass 0.50 -> 0.33 ns/element, row max 0.23 -> 0.15). Called first in
-  a function, it sets that function's LLVM attributes ``prefer-vector-width`` and
-  ``min-legal-vector-width`` to 512; on CPUs without AVX-512 they change nothing.
+  pure vector arithmetic between the tile products, and run faster in 512-bit registers
+  (measurements: docs/tuning.md). Called first in a function, it sets that function's LLVM
+  attributes ``prefer-vector-width`` and ``min-legal-vector-width`` to 512; on CPUs without
+  AVX-512 they change nothing.
 - :func:`aligned_empty`: scratch buffers that start a cache line.
 - :func:`take_next`: an atomic counter, so that threads take work items as they free up.
 - :func:`prefetch`, ``bf16_bits_hw``, :func:`f16_bits_to_f32_hw`, ``f32_to_f16_bits_hw``,
@@ -89,7 +89,7 @@ LINE = 64
 def aligned_empty(n, dtype):
     """An uninitialised 1-d array of n ``dtype`` values whose first element starts a cache
     line. Numba's allocator aligns to 16 or 32 bytes only; a tile load from an address 32 bytes
-    past a line boundary takes 4-5x as long (measured: 21-28 ns vs 4.8 ns per 1 KiB tile)."""
+    past a line boundary takes several times as long (docs/tuning.md)."""
     buf = np.empty(n + LINE, dtype)
     off = (LINE - buf.ctypes.data % LINE) % LINE // buf.itemsize
     return buf[off:off + n]
