@@ -4,6 +4,7 @@ import numpy as np
 from . import _validate as V
 from . import dispatch
 from ._plan import plan
+from .gpu.arrays import Staged
 
 
 def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths=None,
@@ -135,45 +136,16 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
     kernel (heads, head dim, masks, sparse_mode, inner_precise, pre/next signs). Every message
     names the argument and the value received; invalid input never writes into any array.
     """
-    V.check_device(device)
-    tensors = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
-               "pse_shift": pse_shift}
-    query_on_cuda = V.is_cuda_array(query)
-    for name, x in tensors.items():
-        if x is not None and V.is_cuda_array(x) != query_on_cuda:
-            where = "a CUDA array" if not query_on_cuda else "a host (NumPy) array"
-            raise RuntimeError(f"{name} is {where} but query is "
-                               f"{'a CUDA array' if query_on_cuda else 'a host (NumPy) array'}: "
-                               f"query, key, value, attn_mask and pse_shift must live on the same "
-                               f"device (got {type(x).__name__} for {name})")
-    device = device or ("cuda" if query_on_cuda else "cpu")
-    quant = (deq_scale1, quant_scale1, deq_scale2, quant_scale2, quant_offset2)
-    rest = (num_heads, scale_value, pre_tokens, next_tokens, input_layout, num_key_value_heads,
-            sparse_mode, inner_precise, return_softmax_lse)
-    meta = None
-    if query_on_cuda:
-        from .gpu import arrays as _arrays
-        if device == "cpu" or _arrays.simulated(query):
-            # computed on the host: copy in, compute, return the query's kind
-            host = {name: None if x is None else _arrays.checked(name, _arrays.to_host, x)
-                    for name, x in tensors.items()}
-            problem = plan(host["query"], host["key"], host["value"], host["attn_mask"],
-                           actual_seq_lengths, actual_seq_lengths_kv, host["pse_shift"], quant,
-                           *rest)
-            out, lse = dispatch.choose(problem, device).run(problem)
-            out = _arrays.to_kind(out, query)
-            lse = None if lse is None else _arrays.to_kind(lse, query)
-            return (out, lse) if problem.want_lse else out
-        meta = _arrays.Meta()
-        tensors = {name: None if x is None else _arrays.checked(name, meta.make, x)
-                   for name, x in tensors.items()}
-    problem = plan(tensors["query"], tensors["key"], tensors["value"], tensors["attn_mask"],
-                   actual_seq_lengths, actual_seq_lengths_kv, tensors["pse_shift"], quant, *rest)
-    backend = dispatch.choose(problem, device)
-    if backend.name == "cuda":
-        out, lse = backend.run(problem, meta, query if query_on_cuda else None)
-    else:
-        out, lse = backend.run(problem)
+    valid = V.validate(V.Call(query, key, value, attn_mask, actual_seq_lengths,
+                              actual_seq_lengths_kv, pse_shift, deq_scale1, quant_scale1,
+                              deq_scale2, quant_scale2, quant_offset2, num_heads, scale_value,
+                              pre_tokens, next_tokens, input_layout, num_key_value_heads,
+                              sparse_mode, inner_precise, device, return_softmax_lse),
+                       stage=Staged)
+    problem = plan(valid)
+    out, lse = dispatch.choose(problem, valid.device).run(problem, valid.staged)
+    if valid.staged is not None:
+        out, lse = valid.staged.results(out, lse)
     return (out, lse) if problem.want_lse else out
 
 

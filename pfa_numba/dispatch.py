@@ -47,7 +47,8 @@ class CpuBackend:
             reasons.append(f"dtype {V.dtype_name(problem.dtype)} is not supported")
         return reasons
 
-    def run(self, problem):
+    def run(self, problem, staged=None):
+        """(out, lse or None) as NumPy arrays; CUDA arguments arrive as host copies."""
         from . import cpu
         return cpu.run(problem)
 
@@ -80,9 +81,13 @@ class CudaBackend:
             reasons.append(f"dtype {V.dtype_name(problem.dtype)} is not supported")
         return reasons
 
-    def run(self, problem, meta=None, query=None):
+    def run(self, problem, staged=None):
+        """(out, lse or None): NumPy arrays for NumPy inputs (copied in and out), arrays of the
+        query's kind for CUDA inputs (read in place)."""
         from .gpu import launch
-        return launch.run(problem, meta, query)
+        if staged is None or staged.meta is None:
+            return launch.run(problem)
+        return launch.run(problem, staged.meta, staged.query)
 
 
 BACKENDS = (CpuBackend(), CudaBackend())

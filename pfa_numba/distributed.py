@@ -63,9 +63,12 @@ def prompt_flash_attention(client, query, key, value, attn_mask=None, actual_seq
         raise ValueError(f"kv_splits and batch_splits must be >= 1, got {kv_splits} and "
                          f"{batch_splits}")
     from ._plan import plan
-    p = plan(query, key, value, attn_mask, actual_seq_lengths, actual_seq_lengths_kv,
-             pse_shift, (None,) * 5, num_heads, scale_value, pre_tokens, next_tokens,
-             input_layout, num_key_value_heads, sparse_mode, inner_precise, False)
+    p = plan(V.validate(V.Call(query, key, value, attn_mask, actual_seq_lengths,
+                               actual_seq_lengths_kv, pse_shift, num_heads=num_heads,
+                               scale_value=scale_value, pre_tokens=pre_tokens,
+                               next_tokens=next_tokens, input_layout=input_layout,
+                               num_key_value_heads=num_key_value_heads, sparse_mode=sparse_mode,
+                               inner_precise=inner_precise)))
     B, Sq, Skv = p.B, p.Sq, p.Skv
     qlen, klen = p.qlen, p.klen
     axis_q = _kv_axis(layout)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from pfa_numba import _plan
-from pfa_numba.gpu import arrays as _arrays
 from pfa_numba import _validate as V
+from pfa_numba.gpu import arrays as _arrays
 from pfa_numba._geometry import geometry
 
 
@@ -41,11 +41,11 @@ def test_meta_planning_recovers_every_device_pointer(layout):
     args = dict(num_heads=2, scale_value=0.1, pre_tokens=2147483647, next_tokens=0,
                 input_layout=layout, num_key_value_heads=0, sparse_mode=1, inner_precise=1,
                 return_softmax_lse=False)
-    real = _plan.plan(q, k, v, mask, None, None, None, (None,) * 5, *args.values())
+    real = _plan.plan(V.validate(V.Call(q, k, v, mask, **args)))
     meta = _arrays.Meta()
     mq, mk, mv, mm = (meta.make(HostBackedCudaArray(x)) for x in (q, k, v, mask))
     assert all(isinstance(x, np.ndarray) and not x.flags.writeable for x in (mq, mk, mv, mm))
-    planned = _plan.plan(mq, mk, mv, mm, None, None, None, (None,) * 5, *args.values())
+    planned = _plan.plan(V.validate(V.Call(mq, mk, mv, mm, **args)))
     out = np.zeros(real.out_shape, np.float16)
     lse = np.zeros(real.lse_shape, np.float32)
     g_real = geometry(real, out, lse)

@@ -138,3 +138,25 @@ def to_host(x):
         return x.copy_to_host()
     from numba import cuda
     return cuda.as_cuda_array(x).copy_to_host()
+
+
+class Staged:
+    """The CUDA array arguments of a call, made readable by the host-side checks and planner:
+    host copies (``device='cpu'``, or the CUDA simulator's arrays, which hold host memory) or
+    metadata-only arrays over the device memory (:class:`Meta`), which the CUDA backend reads
+    in place."""
+
+    def __init__(self, call, device):
+        self.query = call.query
+        self.copied = device == "cpu" or simulated(call.query)
+        self.meta = None if self.copied else Meta()
+        make = to_host if self.copied else self.meta.make
+        self.call = call.with_arrays({name: checked(name, make, x)
+                                      for name, x in call.tensors().items() if x is not None})
+
+    def results(self, out, lse):
+        """The results as arrays of the query's kind (those computed on host copies are copied
+        to the device; the CUDA backend's are already there)."""
+        if not self.copied:
+            return out, lse
+        return to_kind(out, self.query), (None if lse is None else to_kind(lse, self.query))
