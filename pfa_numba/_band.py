@@ -31,7 +31,7 @@ Kernel side (inlined into the CPU and CUDA kernels alike): :func:`row_band` (fro
 """
 import numpy as np
 
-from ._core import jit
+from ._core import F32_NEG_INF, jit
 
 #: pre/next tokens >= this value mean "no limit".
 TOKENS_INF = 2147483647
@@ -118,6 +118,36 @@ def row_band(i, pre_e, next_e, kl):
     if lo < 0:
         lo = 0
     return lo, band_hi(i, next_e, kl)
+
+
+#: what a finished row holds (:func:`row_outcome`)
+ROW_ZERO, ROW_SOFTMAX, ROW_MEAN = 0, 1, 2
+
+
+@jit
+def row_outcome(computed, m, l, inner_precise, i, pre_e, next_e, kl):
+    """What query row i holds when it is finished, with running max m and sum l: ROW_ZERO for
+    a row that is not computed (i >= qL); ROW_SOFTMAX when it kept a score; else ROW_MEAN of V
+    over its band or ROW_ZERO, by SPEC 5's rule in :func:`fully_masked_band`. Returns
+    (outcome, lo, hi, divisor): [lo, hi] the band of a ROW_MEAN row, and what the row's sums
+    are divided by (l, or the band's column count)."""
+    lo, hi = fully_masked_band(inner_precise, i, pre_e, next_e, kl)
+    if not computed:
+        return ROW_ZERO, lo, hi, np.float32(1.0)
+    if m != F32_NEG_INF:
+        return ROW_SOFTMAX, lo, hi, np.float32(l)
+    return (ROW_MEAN if lo <= hi else ROW_ZERO), lo, hi, np.float32(hi - lo + 1)
+
+
+@jit
+def fully_masked_band(inner_precise, i, pre_e, next_e, kl):
+    """SPEC 5, for a row that kept nothing: the band columns [lo, hi] whose V rows it
+    averages. Empty (zeros) with inner_precise 2 or 3, and when the band itself is empty
+    (rows of Ascend's fully masked band take the mean of V over it with 0 or 1)."""
+    lo, hi = row_band(i, pre_e, next_e, kl)
+    if inner_precise >= 2:
+        return lo, lo - 1
+    return lo, hi
 
 
 @jit

@@ -15,10 +15,17 @@ Contents:
 * storage conversions: float16 / bfloat16 bits <-> float32, round to nearest, ties to even;
 * :func:`exp_f32`, :func:`exp_nonpos`: vectorisable float32 exp (Cephes polynomial) with exact
   -inf/+inf/NaN; :func:`exp_nonpos5`, a shorter one for the AMX kernel;
-* int8 quantization steps: :func:`round_f16`, :func:`round_half_even`, :func:`saturate_int8`;
+* rounding steps: :func:`round_f16`, :func:`round_half_even`, :func:`saturate_int8`, and the
+  SPEC 8 output quantization :func:`quantize_output`;
 * :func:`order_key`: an order-preserving float -> int32 map, so a row max vectorises;
-* the online-softmax steps in the triton tutorial's order (acc, l, m):
-  :func:`max_nan`, :func:`rescale_factor`, :func:`lse_value`.
+* the online-softmax step: :func:`online_update` (new max and rescale factor),
+  :func:`softmax_weight`, :func:`running_sum`, :func:`lse_value`, with :func:`times_pow2` for a
+  scale_value beyond float32's range;
+* the int8 pipeline: :func:`int8_score`, :func:`int8_score_pse`, :func:`int8_weight` and
+  :func:`int8_out_f16`, the output deq2 * A / l rounded once to float16 in exact integer
+  arithmetic.
+
+The band and SPEC 5's rule for rows that keep nothing are in :mod:`._band`.
 """
 import math
 
@@ -276,13 +283,7 @@ def exp_f32(x):
     exp(-inf) = 0, exp(+inf) = inf, exp(NaN) = NaN; results below float32's normal range are 0.
     """
     x = np.float32(x)
-    xc = x
-    if xc > _EXP_HI:
-        xc = _EXP_HI
-    if xc < _EXP_LO:
-        xc = _EXP_LO
-    if xc != xc:
-        xc = F32_ZERO
+    xc = _by_range(x, _EXP_LO, x, _EXP_HI) if x == x else F32_ZERO
     n = floor_f32(xc * _LOG2E + _HALF)
     r = xc - n * _LN2_HI - n * _LN2_LO
     z = r * r
@@ -290,13 +291,20 @@ def exp_f32(x):
     # 2^n as two normal factors, so n = 128 (x near ln(FLT_MAX)) does not overflow early
     n1 = floor_f32(n * _HALF)
     y = y * pow2_f32(n1) * pow2_f32(n - n1)
+    return _by_range(x, F32_ZERO, y, F32_POS_INF)
+
+
+@jit
+def _by_range(x, below, inside, above):
+    """``below`` where x < _EXP_LO, ``above`` where x > _EXP_HI, x itself where it is NaN,
+    else ``inside``: exp's special ranges."""
     if x > _EXP_HI:
-        y = F32_POS_INF
+        return above
     if x < _EXP_LO:
-        y = F32_ZERO
+        return below
     if x != x:
-        y = x
-    return y
+        return x
+    return inside
 
 
 @jit
@@ -389,8 +397,20 @@ def max_nan(a, b):
 # ---------------------------------------------------------------------------------------------
 
 @jit
-def rescale_factor(m_old, m_new):
-    """Online-softmax step 'update m/l': the factor exp(m_old - m_new) for acc and l.
+def times_pow2(x, e):
+    """x * 2^e for an integer e >= 0, exact until it overflows to +-inf (0 stays 0, NaN NaN):
+    the exponent of a scale_value beyond float32's range, applied to score differences."""
+    x = np.float32(x)
+    while e > 0:
+        step = min(e, 126)
+        x = x * pow2_f32(np.float32(step))
+        e -= step
+    return x
+
+
+@jit
+def rescale_factor(m_old, m_new, post_e):
+    """The factor exp((m_old - m_new) * 2^post_e) for acc and l when the running max moves.
 
     A row that has kept nothing yet (m_new = -inf) keeps factor 1 (its acc and l are 0).
     """
@@ -398,14 +418,174 @@ def rescale_factor(m_old, m_new):
     m_new = np.float32(m_new)
     if m_new == F32_NEG_INF:
         return F32_ONE
-    return exp_f32(m_old - m_new)
+    return exp_f32(times_pow2(m_old - m_new, post_e))
 
 
 @jit
-def lse_value(m, l):
-    """softmax_lse of a finished row: m + log(l), -inf when nothing was kept (SPEC 9)."""
+def online_update(m_old, tile_max, post_e):
+    """The online-softmax step of a row over one tile whose kept scores have the maximum
+    ``tile_max``: (the new running max, the factor acc and l are rescaled by). Scores are
+    s * 2^post_e (post_e > 0 only for a scale_value beyond float32's range: the kernels keep s
+    and apply the power of two to differences from the max, see :func:`softmax_weight`)."""
+    m_new = max_nan(m_old, tile_max)
+    return m_new, rescale_factor(m_old, m_new, post_e)
+
+
+@jit
+def softmax_weight(s, m, post_e):
+    """The unnormalised weight exp((s - m) * 2^post_e) of a score s against the running max m
+    (0 for a dropped score, s = -inf)."""
+    return exp_nonpos(times_pow2(np.float32(s) - np.float32(m), post_e))
+
+
+@jit
+def running_sum(l, alpha, tile_sum):
+    """The running sum after a tile: the old one rescaled, plus the tile's weights."""
+    return np.float32(l) * np.float32(alpha) + np.float32(tile_sum)
+
+
+@jit
+def lse_value(m, l, post_e):
+    """softmax_lse of a finished row: m * 2^post_e + log(l), -inf when nothing was kept
+    (SPEC 9)."""
     m = np.float32(m)
     l = np.float32(l)
     if m == F32_NEG_INF:
         return F32_NEG_INF
-    return m + np.float32(math.log(l))
+    return times_pow2(m, post_e) + np.float32(math.log(l))
+
+
+# ---------------------------------------------------------------------------------------------
+# the int8 pipeline (SPEC 8): scores, softmax weights, and the output deq2 * A / l rounded once
+# to float16
+# ---------------------------------------------------------------------------------------------
+
+@jit
+def int8_score(a, deq1, scale16):
+    """The score of an exact integer product sum a: fp16(fp16(a * deq_scale1) * scale16), with
+    scale16 = fp16(scale_value)."""
+    return round_f16(round_f16(np.float32(a) * np.float32(deq1)) * np.float32(scale16))
+
+
+@jit
+def int8_score_pse(s, pse_bits):
+    """A score with its pse_shift element (float16 bits) added, rounded to float16 again."""
+    return round_f16(np.float32(s) + f16_to_f32(pse_bits))
+
+
+@jit
+def int8_weight(p, qs1):
+    """The quantized softmax weight of E = exp(s - m): clip(round_half_even(E * quant_scale1),
+    -128, 127) as an integral float32 (NaN stays NaN)."""
+    return saturate_int8(round_half_even(np.float32(p) * np.float32(qs1)))
+
+
+F32_NAN = np.float32(np.nan)
+_I64_ONE = np.int64(1)
+_F16_NAN_BITS = np.uint16(0x7E00)
+
+
+@jit
+def _bit_length(x):
+    """Number of significant bits of an int64 x >= 0 (0 for 0): a binary search over int64
+    shifts, the same on every target (no count-leading-zeros intrinsic needed)."""
+    x = np.int64(x)
+    n = np.int64(0)
+    step = np.int64(32)
+    while step > np.int64(0):
+        if x >= (_I64_ONE << step):
+            x = x >> step
+            n += step
+        step = step >> np.int64(1)
+    return n + x
+
+
+@jit
+def _f32_parts(x):
+    """(m, e) with |x| = m * 2^e exactly and 2^23 <= m < 2^24, both int64, for a finite
+    nonzero float32 x (subnormals are normalised)."""
+    u = np.int64(f32_as_u32(np.float32(x)) & np.uint32(0x7FFFFFFF))
+    be = u >> np.int64(23)
+    m = u & np.int64(0x7FFFFF)
+    if be == np.int64(0):
+        s = np.int64(24) - _bit_length(m)
+        return m << s, np.int64(-149) - s
+    return m | np.int64(0x800000), be - np.int64(150)
+
+
+@jit
+def int8_out_f16(a, deq2, l):
+    """The int8 pipeline's output element (SPEC 8): float16 bits (uint16) of the exact real
+    value deq2 * a / l, rounded once to nearest, ties to even; overflow is +-inf, subnormal
+    halves are correct. The same integer procedure on every target, no floating-point
+    rounding anywhere (and no fp64).
+
+    a: the exact integer sum P8 . V (any int64 value); deq2, l: float32, l > 0 (the softmax sum,
+    or the count of band columns for a SPEC 5 mean row). Special values: l NaN is the NaN-row
+    flag and gives NaN (so do deq2 NaN and l <= 0); an exact zero (a = 0 or deq2 = +-0) gives +0;
+    deq2 = +-inf gives +-inf (NaN for a = 0, as inf * 0); l = +inf gives +0 (NaN with an
+    infinite deq2). A nonzero value below half the smallest subnormal rounds to a signed zero.
+
+    Why it is exact: with |deq2| = md * 2^ed and l = ml * 2^el (md, ml integers in
+    [2^23, 2^24)) the value is |a| * md / ml * 2^(ed - el). |a| is cut to its top 37 bits,
+    |a| = ah * 2^s + al (al < 2^s, s <= 26 for any int64), and
+        n = ah * md + floor(al * md / 2^s) = floor(|a| * md / 2^s)          (exact, < 2^62)
+    with a sticky bit for the dropped al * md mod 2^s (or n = (|a| * 2^-s) * md exactly when
+    |a| has at most 37 bits). Then q = n // ml and, by floor(floor(x / 2^s) / ml) =
+    floor(x / (2^s ml)), |value| = (q + f) * 2^(s + ed - el) with 0 <= f < 1 and f > 0 exactly
+    when the sticky bit or n mod ml is nonzero. q lies in (2^35, 2^39): its bits below the
+    float16 quantum (at least 25) plus that sticky bit decide the rounding exactly.
+    All products stay below 2^62, so int64 never overflows.
+    """
+    a = np.int64(a)
+    deq2 = np.float32(deq2)
+    l = np.float32(l)
+    if not (l > F32_ZERO) or deq2 != deq2:
+        return _F16_NAN_BITS
+    sign = np.int64(0x8000) if (a < np.int64(0)) != (deq2 < F32_ZERO) else np.int64(0)
+    if deq2 == F32_POS_INF or deq2 == F32_NEG_INF:
+        if a == np.int64(0) or l == F32_POS_INF:
+            return _F16_NAN_BITS
+        return np.uint16(sign | np.int64(0x7C00))
+    if a == np.int64(0) or deq2 == F32_ZERO or l == F32_POS_INF:
+        return np.uint16(0)
+    ua = -a if a < np.int64(0) else a
+    e2 = np.int64(0)
+    if ua < np.int64(0):                      # a = -2^63: -a wraps; use 2^62 * 2 instead
+        ua = _I64_ONE << np.int64(62)
+        e2 = _I64_ONE
+    md, ed = _f32_parts(deq2)
+    ml, el = _f32_parts(l)
+    s = _bit_length(ua) - np.int64(37)
+    sticky = False
+    if s > np.int64(0):
+        ah = ua >> s                          # [2^36, 2^37)
+        t = (ua - (ah << s)) * md             # al * md < 2^(s + 24) <= 2^50
+        th = t >> s
+        n = ah * md + th                      # [2^59, 2^61 + 2^26)
+        sticky = t != (th << s)
+    else:
+        n = (ua << -s) * md                   # [2^59, 2^61), exact
+    q = n // ml                               # (2^35, 2^39)
+    sticky = sticky or n != q * ml
+    e2 = e2 + s + ed - el                     # |value| = (q + f) * 2^e2, 0 <= f < 1
+    bq = _bit_length(q)
+    e = bq - _I64_ONE + e2                    # |value| in [2^e, 2^(e + 1))
+    if e > np.int64(15):
+        return np.uint16(sign | np.int64(0x7C00))
+    qe = e - np.int64(10)                     # exponent of the float16 quantum at |value|
+    if qe < np.int64(-24):
+        qe = np.int64(-24)                    # subnormal halves: quantum 2^-24
+    sh = qe - e2                              # bits of q below the quantum: >= 25
+    if sh > bq:                               # |value| < 2^(qe - 1): below half a quantum
+        return np.uint16(sign)
+    mq = q >> sh
+    r = q - (mq << sh)
+    half = _I64_ONE << (sh - _I64_ONE)
+    if r > half or (r == half and (sticky or (mq & _I64_ONE) == _I64_ONE)):
+        mq += _I64_ONE
+    # the quantum's exponent + 24 is the biased float16 exponent - 1 (0 for subnormals), and
+    # mq's implicit bit 2^10 adds the 1; a carry to 2^11 moves up one binade: from e = 15
+    # (65504 + half an ulp and above) to exactly 0x7C00, +-inf
+    bits = ((qe + np.int64(24)) << np.int64(10)) + mq
+    return np.uint16(sign | bits)

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _validate as V
 from ._band import band_edges
-from ._core import CODE_BF16, CODE_F16, CODE_F32
+from ._kernel_args import storage_code
 
 @dataclass
 class Problem:
@@ -82,14 +82,6 @@ class Problem:
     def lse_view(self, lse):
         """softmax_lse seen as (B, N, Sq) / (T, N)."""
         return lse[..., 0]
-
-
-def storage_code(dtype):
-    if dtype == V.F16:
-        return CODE_F16
-    if V.is_bf16(dtype):
-        return CODE_BF16
-    return CODE_F32
 
 
 def _to_bnsd(x, layout, heads):

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ._band import TOKENS_INF, tokens_to_band
+from ._dtypes import F16, F32, I8, dtype_name, is_bf16
 from ._core import MASK_ADD_F16, MASK_DISCARD, MASK_NONE
 
 INT64_MIN = -(1 << 63)
@@ -34,25 +35,7 @@ MAX_HEAD_DIM = 512
 MAX_BATCH = 65536
 BAND_MASK_SIDE = 2048
 
-F16 = np.dtype(np.float16)
-F32 = np.dtype(np.float32)
-I8 = np.dtype(np.int8)
 DISCARD_MASK_DTYPES = (np.dtype(np.bool_), I8, np.dtype(np.uint8))
-
-
-def is_bf16(dt):
-    """Whether ``dt`` is ml_dtypes' bfloat16. ml_dtypes is imported only for a dtype of that
-    name (whoever made a bfloat16 array has imported it already): its import costs about 25 ms
-    of a fresh process's first call."""
-    if dt.name != "bfloat16":
-        return False
-    import ml_dtypes
-    return dt == np.dtype(ml_dtypes.bfloat16)
-
-
-def dtype_name(dt):
-    """The name users know a dtype by ('bfloat16', 'float16', ...)."""
-    return np.dtype(dt).name
 
 
 def shape_str(shape):

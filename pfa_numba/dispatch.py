@@ -32,20 +32,33 @@ def _numba_cuda_compile_problem():
     return None
 
 
-class CpuBackend:
-    name = "cpu"
-    devices = ("cpu",)
+class Backend:
+    """What every backend declares: its devices and dtypes, the reasons it cannot run a problem
+    (an empty list when it can), and ``run``."""
+    name = ""
+    devices = ()
+    where = ""                       # the devices in words
     dtypes = ("float16", "bfloat16", "float32", "int8")
     layouts = V.LAYOUTS
     max_head_dim = V.MAX_HEAD_DIM
 
+    def environment_problems(self):
+        """Why this installation cannot run the backend at all (empty: it can)."""
+        return []
+
     def not_supported_reasons(self, problem, device):
-        reasons = []
         if device not in self.devices:
-            reasons.append(f"runs on the CPU, not on {device!r}")
+            return [f"runs on {self.where}, not on {device!r}"]
+        reasons = self.environment_problems()
         if problem is not None and V.dtype_name(problem.dtype) not in self.dtypes:
             reasons.append(f"dtype {V.dtype_name(problem.dtype)} is not supported")
         return reasons
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    devices = ("cpu",)
+    where = "the CPU"
 
     def run(self, problem, staged=None):
         """(out, lse or None) as NumPy arrays; CUDA arguments arrive as host copies."""
@@ -53,32 +66,24 @@ class CpuBackend:
         return cpu.run(problem)
 
 
-class CudaBackend:
+class CudaBackend(Backend):
     name = "cuda"
     devices = ("cuda",)
-    dtypes = ("float16", "bfloat16", "float32", "int8")
-    layouts = V.LAYOUTS
-    max_head_dim = V.MAX_HEAD_DIM
+    where = "CUDA devices"
 
-    def not_supported_reasons(self, problem, device):
-        reasons = []
-        if device not in self.devices:
-            reasons.append(f"runs on CUDA devices, not on {device!r}")
-            return reasons
+    def environment_problems(self):
         if not _numba_cuda_installed():
-            reasons.append("numba-cuda is not installed (pip install 'pfa_numba[cuda]')")
-        else:
-            broken = _numba_cuda_compile_problem()
-            if broken:
-                reasons.append(broken)
-            try:
-                from numba import cuda
-                if not cuda.is_available():
-                    reasons.append("no CUDA device (numba.cuda.is_available() is False)")
-            except Exception as exc:  # a broken driver must not hide the other reasons
-                reasons.append(f"the CUDA driver could not be loaded ({exc})")
-        if problem is not None and V.dtype_name(problem.dtype) not in self.dtypes:
-            reasons.append(f"dtype {V.dtype_name(problem.dtype)} is not supported")
+            return ["numba-cuda is not installed (pip install 'pfa_numba[cuda]')"]
+        reasons = []
+        broken = _numba_cuda_compile_problem()
+        if broken:
+            reasons.append(broken)
+        try:
+            from numba import cuda
+            if not cuda.is_available():
+                reasons.append("no CUDA device (numba.cuda.is_available() is False)")
+        except Exception as exc:  # a broken driver must not hide the other reasons
+            reasons.append(f"the CUDA driver could not be loaded ({exc})")
         return reasons
 
     def run(self, problem, staged=None):

@@ -6,7 +6,7 @@ import pytest
 from pfa_numba import _plan
 from pfa_numba import _validate as V
 from pfa_numba.gpu import arrays as _arrays
-from pfa_numba._geometry import geometry
+from pfa_numba._kernel_args import geometry
 
 
 class HostBackedCudaArray:

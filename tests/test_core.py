@@ -1,4 +1,7 @@
 """The shared numerics of pfa_numba._core, checked exhaustively or against NumPy."""
+import bisect
+from fractions import Fraction
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -129,3 +132,147 @@ def test_exp_nonpos_accuracy_and_specials(short):
                          short)
     assert sp[0] == 0 and np.isnan(sp[1]) and sp[2] == 1 and sp[3] == 1 and sp[4] == 0
     assert sp[5] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# int8_out_f16: deq2 * A / l rounded once to float16, against exact rationals
+# ---------------------------------------------------------------------------------------------
+
+@njit
+def _map_int8_out(a, deq2, l):
+    out = np.empty(a.size, np.uint16)
+    for i in range(a.size):
+        out[i] = C.int8_out_f16(a[i], deq2[i], l[i])
+    return out
+
+
+_HALF_BITS = np.arange(0x7C00, dtype=np.uint16)                  # +0 ... 65504
+_HALF_VALUES = [Fraction(float(x)) for x in _HALF_BITS.view(np.float16)] + [Fraction(65536)]
+
+
+def _f16_exact(a, deq2, l):
+    """float16 bits of deq2 * a / l rounded to nearest even: the two neighbouring halves as
+    Fractions (65536 stands for +inf, an even significand), no floating-point arithmetic."""
+    x = Fraction(float(np.float32(deq2))) * a / Fraction(float(np.float32(l)))
+    sign = 0x8000 if x < 0 else 0
+    ax = abs(x)
+    if x == 0:
+        return 0
+    k = bisect.bisect_right(_HALF_VALUES, ax) - 1          # _HALF_VALUES[k] <= ax
+    if k >= len(_HALF_VALUES) - 1:
+        return sign | 0x7C00
+    lo, hi = _HALF_VALUES[k], _HALF_VALUES[k + 1]
+    if ax - lo < hi - ax or (ax - lo == hi - ax and k % 2 == 0):
+        return sign | k
+    return sign | (k + 1)
+
+
+def _check_int8_out(cases):
+    a = np.array([c[0] for c in cases], np.int64)
+    d = np.array([c[1] for c in cases], np.float32)
+    ll = np.array([c[2] for c in cases], np.float32)
+    got = _map_int8_out(a, d, ll)
+    want = np.array([_f16_exact(int(x), y, z) for x, y, z in zip(a, d, ll)], np.uint16)
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, [(int(a[i]), float(d[i]), float(ll[i]), hex(got[i]), hex(want[i]))
+                           for i in bad[:10]]
+
+
+def _f32(x):
+    return np.float32(x)
+
+
+def test_int8_out_f16_random_against_exact_rationals():
+    rng = np.random.default_rng(10)
+    cases = []
+    for _ in range(30000):
+        a = int(rng.integers(1, 2 ** int(rng.integers(1, 63)), dtype=np.int64, endpoint=True))
+        a = -a if rng.random() < 0.3 else a
+        l = _f32(rng.uniform(1, 2 ** rng.uniform(0, 24)))
+        if rng.random() < 0.1:
+            l = _f32(2.0 ** rng.integers(-149, 40))           # powers of two, subnormals too
+        target = 2.0 ** rng.uniform(-30, 17)                  # around float16's range
+        d = _f32(target * float(l) / abs(a))
+        if not np.isfinite(d) or d == 0:
+            continue
+        cases.append((a, d, l))
+    assert len(cases) > 25000
+    _check_int8_out(cases)
+
+
+def test_int8_out_f16_exact_midpoints_and_their_neighbours():
+    rng = np.random.default_rng(11)
+    halves = _HALF_BITS.view(np.float16).astype(np.float64)
+    cases = []
+    for _ in range(6000):
+        k = int(rng.integers(0, 0x7BFF))
+        mid = (Fraction(halves[k]) + Fraction(halves[k + 1])) / 2    # c * 2^j, c odd
+        # deq2 = md * 2^ed, l = md * 2^p * L: deq2 * A / l = mid for A = mid * 2^(p - ed) * L
+        md = int(rng.integers(1, 2 ** 24)) | 1
+        if rng.random() < 0.3:
+            md = 1
+        L = int(rng.integers(1, 2 ** 24 // md + 1))
+        ed = int(rng.integers(-60, 20))
+        p = int(rng.integers(-30, 30))
+        d, l = Fraction(md) * Fraction(2) ** ed, Fraction(md * L) * Fraction(2) ** p
+        A = mid * l / d
+        if A.denominator != 1 or abs(A) >= 2 ** 62:
+            continue
+        if float(np.float32(float(d))) != d or float(np.float32(float(l))) != l:
+            continue
+        for delta in (0, 1, -1):
+            for sgn in (1, -1):
+                cases.append((sgn * (int(A) + delta), _f32(float(d)), _f32(float(l))))
+    assert len(cases) > 15000
+    _check_int8_out(cases)
+    # the ties themselves go to even: 1 + 2^-11 -> 1, 1 + 3 * 2^-11 -> 1 + 2^-9
+    got = _map_int8_out(np.array([2049, 2051, 2049 * 3], np.int64),
+                        np.array([1, 1, 1], np.float32),
+                        np.array([2048, 2048, 6144], np.float32))
+    assert list(got) == [0x3C00, 0x3C02, 0x3C00]
+
+
+def test_int8_out_f16_overflow_subnormals_zero_and_large_sums():
+    cases = [(65504, 1, 1), (65519, 1, 1), (65520, 1, 1), (-65520, 1, 1), (196559, 1, 3),
+             (196560, 1, 3), (196561, 1, 3), (2 ** 40, 1, 2 ** 24), (2 ** 40, 2 ** -20, 1),
+             (2 ** 53 + 1, _f32(2.0 ** -40), _f32(3.0)), (2 ** 62 - 1, _f32(2.0 ** -47), _f32(1.5)),
+             (-(2 ** 63 - 1), _f32(2.0 ** -48), _f32(1.0)), (-(2 ** 63), _f32(2.0 ** -48), 1),
+             (2 ** 53 + 1, _f32(1 / 127), _f32(2 ** 24 - 1)), (5, 1, 2 ** 24 * 65504.0),
+             (1, 2 ** -25, 1), (1, 2 ** -26, 1), (3, 2 ** -26, 1), (-1, 2 ** -25, 1),
+             (2 ** 40 + 1, 2 ** -65, 1), (1, _f32(1e-45), _f32(1e-45)), (7, _f32(3e-45), 1),
+             (1023, 2 ** -24, 1), (2047, 2 ** -25, 1), (2047, 2 ** -26, 1), (1, 3e38, 1e-30),
+             (1, 1e-30, 3e38), (12345, _f32(1 / 127), _f32(37.25)), (0, 1, 1), (0, -1, 3),
+             (10, 0, 1), (10, -0.0, 1)]
+    for x in range(-64, 65):                             # every subnormal step near zero
+        cases.append((x, 2 ** -26, 1))
+    _check_int8_out(cases)
+    zero = _map_int8_out(np.array([0, 0, 10], np.int64), np.array([1, -1, -0.0], np.float32),
+                         np.ones(3, np.float32))
+    assert list(zero) == [0, 0, 0]                       # an exact zero is +0
+    assert _map_int8_out(np.array([-1], np.int64), np.array([2 ** -40], np.float32),
+                         np.ones(1, np.float32))[0] == 0x8000   # underflow keeps the sign
+
+
+def test_int8_out_f16_special_values():
+    nan, inf = np.float32(np.nan), np.float32(np.inf)
+    a = np.array([5, 5, 5, 0, 5, -5, 5, 0, 5, 5], np.int64)
+    d = np.array([1, nan, inf, inf, -inf, -inf, 1, 1, 1, inf], np.float32)
+    ll = np.array([nan, 1, 1, 1, 1, 1, 0, nan, inf, inf], np.float32)
+    got = _map_int8_out(a, d, ll).view(np.float16)
+    assert np.isnan(got[[0, 1, 3, 6, 7, 9]]).all()
+    assert got[2] == np.inf and got[4] == -np.inf and got[5] == np.inf
+    assert got.view(np.uint16)[8] == 0
+
+
+def test_int8_out_f16_as_a_python_function():
+    """The procedure's Python source (what a caller outside compiled code runs), on NumPy
+    scalars: the same bits as the compiled function."""
+    rng = np.random.default_rng(13)
+    a = rng.integers(-2 ** 45, 2 ** 45, 300)
+    a[:3] = (0, 2 ** 53 + 1, -(2 ** 62))
+    d = (2.0 ** rng.uniform(-30, 0, a.size)).astype(np.float32)
+    ll = rng.uniform(1, 5000, a.size).astype(np.float32)
+    want = _map_int8_out(a, d, ll)
+    got = [C.int8_out_f16.py_func(x, y, z) for x, y, z in zip(a, d, ll)]
+    assert np.array_equal(np.array(got, np.uint16), want)
+    _check_int8_out(list(zip(a.tolist(), d, ll)))

@@ -3,26 +3,31 @@
 import numpy as np
 from numba import njit, prange
 from .._core import CODE_F16, F32_NEG_INF, F32_ZERO
-from .._geometry import P_BLAS, P_CODE, P_COLS, P_D, P_G, T_K, T_Q, T_V
+from .._kernel_args import F_SCALE, P_BLAS, P_CODE, P_COLS, P_D, P_G, T_K, T_Q, T_V
 from ._amx import BLOCK, gemm_bf16, padded, tile_config
 from ._blas import scratch
+from ._jit import FASTMATH
 from ._vector import aligned_empty, take_next
 from .amx_pack import (_F16_EXP, _SUBNORMAL_LIMIT, _TINY_V_LIMIT, _amx_pack_k, _amx_pack_rows,
                        _amx_pack_v, _bf16_scan)
 from .block_f32 import _add_pv_exact, _block, _f32_buffers, _finish
 from .items import _item, _segment, _sizes
 from .rows import _LAZY_V_LIMIT, _rescale_rows, _softmax_rows
-from ._jit import FASTMATH
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scales,
-               b, g, i0, cfg, qh, kt, vv, tmp, sb, pp, acc, tb, m, l, alpha):
-    """One work item of a bf16 or float16 problem on AMX (see :func:`_block`). Float16 values
+def _block_amx(ins, outs, extras, geo, scales, item, bufs, tb, state):
+    """One work item of a bf16 or float16 problem on AMX (the records as in
+    :func:`~.block_f32._block`; bufs = (cfg, qh, kt, vv, tmp, sb, pp, acc)). Float16 values
     enter as bf16 hi + lo parts (exact), kept in the second halves of qh, kt and vv, and each
     product sums three bf16 products (all but lo . lo). Returns False, having written nothing,
     when an input of the item could be flushed by AMX (see _SUBNORMAL_LIMIT) or, for float16,
     is not finite."""
+    q, k, v = ins
+    strides, boff, lens, params = geo
+    b, g, i0 = item
+    cfg, qh, kt, vv, tmp, sb, pp, acc = bufs
+    m, l, alpha = state
     G = params[P_G]
     D = params[P_D]
     tk = params[P_COLS]
@@ -81,9 +86,8 @@ def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
                               nrp, nsp, Dp, False)
                     s2 = sb[:nrp * nsp].reshape(nrp, nsp)
                     p3 = pp[:2 * nrp * nsp].reshape(nrp, 2, nsp)
-                    _softmax_rows(s2, r0, r1, ns, p3, v_finite, lazy, inside, i0, g, b, cl, mask8,
-                                  mask16, pse, params, strides, boff, lens, scales[0], m, l, alpha,
-                                  no_keys)
+                    _softmax_rows(s2, p3, no_keys, (r0, r1, ns, cl, inside, v_finite, lazy), item,
+                                  extras, geo, state, scales[F_SCALE])
                     _rescale_rows(acc[r0 * Dp:], Dp, nrow, D, alpha[r0:])
                     if v_finite:
                         # P as bf16 hi and lo parts, interleaved per row: lda 2 nsp, lo at + nsp
@@ -93,8 +97,7 @@ def _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
                         _add_pv_exact(acc[r0 * Dp:], Dp, nrow, D, sb, nsp, ns, vv[c0 * Dp:],
                                       2 * Dp, 2)
                 r0 = r1
-    _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, i1, acc, Dp, m, l, tb,
-            jstart < jend)
+    _finish(outs, v, geo, item, i1, acc, Dp, state, tb, jstart < jend)
     return True
 
 
@@ -127,13 +130,14 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
         kx = np.empty(0, np.int32)
         blas = scratch(params[P_BLAS])
         w = take_next(taken)
+        ins, outs, extras = (q, k, v), (out, lse, flags), (mask8, mask16, pse)
+        geo, state = (strides, boff, lens, params), (m, l, alpha)
         while w < n_items:
-            if not _block_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens,
-                              params, scales, work[w, 0], work[w, 1], work[w, 2], cfg, qh, kt,
-                              vv, tmp, sb, pp, acc, tb, m, l, alpha):
+            item = (work[w, 0], work[w, 1], work[w, 2])
+            if not _block_amx(ins, outs, extras, geo, scales, item,
+                              (cfg, qh, kt, vv, tmp, sb, pp, acc), tb, state):
                 if qb.size == 0:
                     qb, sb2, acc2, kb, vb, kx = _f32_buffers(params)
-                _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens,
-                       params, scales, work[w, 0], work[w, 1], work[w, 2], qb, sb2, tb, acc2, kb,
-                       vb, kx, m, l, alpha, blas)
+                _block(ins, outs, extras, geo, scales, item, (qb, sb2, tb, acc2, kb, vb, kx),
+                       state, blas)
             w = take_next(taken)

@@ -2,18 +2,18 @@
 the softmax of ``rows``, the deferred division and SPEC 5 in the finish."""
 import numpy as np
 from numba import njit, prange
-from .._band import row_band
+from .._band import ROW_MEAN, ROW_SOFTMAX, row_outcome
 from .._core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, lse_value, order_key,
                      store, widen)
-from .._geometry import (P_BLAS, P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_GEMM, P_IP, P_LSE, P_MASK,
-                         P_OCODE, P_PSE, P_ROWS, T_K, T_L, T_O, T_Q, T_V)
+from .._kernel_args import (F_SCALE, F_SCALE2, P_BLAS, P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_GEMM,
+                            P_IP, P_LSE, P_MASK, P_OCODE, P_PSE, P_ROWS, P_SCALE_EXP, T_K, T_Q, T_V)
 from ._blas import gemm_rm, scratch
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
+from ._jit import FASTMATH, LEAF
 from ._vector import aligned_empty, take_next, wide_vectors
 from .items import _item, _segment, _sizes
 from .rows import (_PF_ROWS, _all_finite, _load_row, _pack_kt, _prefetch_row, _rescale_rows,
-                   _scale_row, _softmax_rows, _store_row)
-from ._jit import FASTMATH, LEAF
+                   _scale_row, _softmax_rows, _store_row, band_of, row_place)
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -31,11 +31,19 @@ def f32_widths(params):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params, scales,
-           b, g, i0, qb, sb, tb, acc, kb, vb, kx, m, l, alpha, blas):
+def _block(ins, outs, extras, geo, scales, item, bufs, state, blas):
     """One work item in float32: rows of positions [i0, i1) of the G query heads of kv head g
-    in batch b (see :func:`_item`). The tile products run on the register-blocked kernels of
-    _gemm (params[P_GEMM]) or on BLAS."""
+    in batch b (item = (b, g, i0), see :func:`_item`). The tile products run on the
+    register-blocked kernels of _gemm (params[P_GEMM]) or on BLAS.
+
+    ins = (q, k, v), outs = (out, lse, flags), extras = (mask8, mask16, pse), geo = (strides,
+    boff, lens, params): the kernel arguments; bufs = (qb, sb, tb, acc, kb, vb, kx) and state =
+    (m, l, alpha): the thread's buffers (see :func:`_f32_buffers`)."""
+    q, k, v = ins
+    strides, boff, lens, params = geo
+    b, g, i0 = item
+    qb, sb, tb, acc, kb, vb, kx = bufs
+    m, l, alpha = state
     G = params[P_G]
     D = params[P_D]
     code = params[P_CODE]
@@ -50,9 +58,9 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
         for rr in range(R):
             off = (boff[T_Q, b] + (g * G + rr % G) * strides[T_Q, 0]
                    + (i0 + rr // G) * strides[T_Q, 1])
-            _load_row(q2, rr, q, off, strides[T_Q, 2], D, code, scales[0])
-            if scales[1] != F32_ONE:      # a scale_value beyond float32's range, in two factors
-                _scale_row(q2, rr, D, scales[1])
+            _load_row(q2, rr, q, off, strides[T_Q, 2], D, code, scales[F_SCALE])
+            if scales[F_SCALE2] != F32_ONE:      # a scale_value below float32's range
+                _scale_row(q2, rr, D, scales[F_SCALE2])
             m[rr] = F32_NEG_INF
             l[rr] = F32_ZERO
         acc[:] = F32_ZERO
@@ -103,9 +111,8 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
                         gemm_rm(blas, nrow, ns, D, qb, r0 * D, D, True, kb,
                                 (cl - j0) * D, D, sb, 0, ns, F32_ZERO)
                     s2 = sb[:nrow * lds].reshape(nrow, lds)
-                    _softmax_rows(s2, r0, r1, ns, no_p3, False, False, inside, i0, g, b, cl,
-                                  mask8, mask16, pse, params, strides, boff, lens, F32_ONE, m, l,
-                                  alpha, keys)
+                    _softmax_rows(s2, no_p3, keys, (r0, r1, ns, cl, inside, False, False), item,
+                                  extras, geo, state, F32_ONE)
                     _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, alpha[r0:])
                     vo = (cl - j0) * ldv
                     if not v_finite:
@@ -119,8 +126,7 @@ def _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, pa
                         gemm_rm(blas, nrow, D, ns, sb, 0, lds, False, vb, vo, ldv,
                                 acc, r0 * ldv, ldv, F32_ONE)
                 r0 = r1
-    _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, i1, acc, ldv, m, l, tb,
-            jstart < jend)
+    _finish(outs, v, geo, item, i1, acc, ldv, state, tb, jstart < jend)
 
 
 @njit(**LEAF)
@@ -140,49 +146,37 @@ def _add_pv_exact(acc, ld, R, D, p, ldp, nc, vb, ldv, pair):
 
 
 @njit(**LEAF)
-def _finish(out, lse, flags, v, params, strides, boff, lens, b, g, i0, i1, acc, ld, m, l, tb,
-            computed):
+def _finish(outs, v, geo, item, i1, acc, ld, state, tb, computed):
     """Deferred division, rounding to the output storage and softmax_lse of one work item
     (acc row rr at acc[rr * ld:]); rows with nothing kept follow SPEC 5."""
-    G = params[P_G]
-    D = params[P_D]
-    code = params[P_CODE]
-    inner_precise = params[P_IP]
-    want_lse = params[P_LSE] != 0
-    want_flags = params[P_FLAGS] != 0
-    ocode = params[P_OCODE]
-    kl = lens[1, b]
-    pre_e = lens[2, b]
-    next_e = lens[3, b]
-    for rr in range(G * (i1 - i0)):
-        i = i0 + rr // G
-        n = g * G + rr % G
-        o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
-        osd = strides[T_O, 2]
-        l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
-        mm = m[rr] if computed else F32_NEG_INF
-        if mm != F32_NEG_INF:
+    out, lse, flags = outs
+    strides, boff, lens, params = geo
+    b, g, i0 = item
+    m, l, _ = state
+    D, code, ocode = params[P_D], params[P_CODE], params[P_OCODE]
+    want_lse, want_flags = params[P_LSE] != 0, params[P_FLAGS] != 0
+    kl, pre_e, next_e = band_of(lens, b)
+    for rr in range(params[P_G] * (i1 - i0)):
+        i, n, o_off, osd, l_off = row_place(geo, item, rr)
+        outcome, lo, hi, divisor = row_outcome(True, m[rr] if computed else F32_NEG_INF, l[rr],
+                                               params[P_IP], i, pre_e, next_e, kl)
+        if outcome == ROW_SOFTMAX:
             _store_row(out, o_off, osd, acc, rr * ld, l[rr], D, ocode)
             if want_lse:
-                lse[l_off] = lse_value(mm, l[rr])
+                lse[l_off] = lse_value(m[rr], l[rr], params[P_SCALE_EXP])
             if want_flags:
                 flags[l_off] = 1
-        elif inner_precise < 2:
-            # SPEC 5: band non-empty but every band column masked -> mean of V over the band
-            lo, hi = row_band(i, pre_e, next_e, kl)
-            if lo <= hi:
-                trow = tb[:D]
-                trow[:] = F32_ZERO
-                for j in range(lo, hi + 1):
-                    off = boff[T_V, b] + g * strides[T_V, 0] + j * strides[T_V, 1]
-                    for d in range(D):
-                        trow[d] += widen(v[off + d * strides[T_V, 2]], code)
-                cnt = np.float32(hi - lo + 1)
+        elif outcome == ROW_MEAN:
+            trow = tb[:D]
+            trow[:] = F32_ZERO
+            for j in range(lo, hi + 1):
+                off = boff[T_V, b] + g * strides[T_V, 0] + j * strides[T_V, 1]
                 for d in range(D):
-                    store(out, o_off + d * osd, trow[d] / cnt, ocode)
-                if want_flags:
-                    flags[l_off] = 1
-
+                    trow[d] += widen(v[off + d * strides[T_V, 2]], code)
+            for d in range(D):
+                store(out, o_off + d * osd, trow[d] / divisor, ocode)
+            if want_flags:
+                flags[l_off] = 1
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -213,8 +207,9 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
         alpha = np.empty(rows, np.float32)
         blas = scratch(params[P_BLAS])
         w = take_next(taken)
+        ins, outs, extras = (q, k, v), (out, lse, flags), (mask8, mask16, pse)
+        geo, bufs, state = (strides, boff, lens, params), (qb, sb, tb, acc, kb, vb, kx), (m, l, alpha)
         while w < n_items:
-            _block(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, params,
-                   scales, work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, kx, m,
-                   l, alpha, blas)
+            _block(ins, outs, extras, geo, scales, (work[w, 0], work[w, 1], work[w, 2]), bufs,
+                   state, blas)
             w = take_next(taken)

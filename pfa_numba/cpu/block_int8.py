@@ -2,82 +2,78 @@
 against it and accumulates P8 . V exactly."""
 import numpy as np
 from numba import njit, prange
-from .._band import block_kv_range, row_band, tile_inside_band
-from .._core import (CODE_F16, CODE_F32, F32_NEG_INF, F32_ONE, F32_POS_INF, F32_ZERO, f16_to_f32,
-                     f32_as_u32, f32_to_f16, lse_value, max_nan, round_f16, round_half_even,
-                     saturate_int8, u32_as_f32)
-from .._geometry import (P_BLAS, P_COLS, P_D, P_FLAGS, P_G, P_IP, P_LSE, P_MASK, P_PSE, P_ROWS, T_K,
-                         T_L, T_M, T_O, T_P, T_Q, T_V)
+from .._band import ROW_MEAN, ROW_SOFTMAX, row_outcome, tile_inside_band
+from .._core import (CODE_F16, CODE_F32, F32_NAN, F32_NEG_INF, F32_ONE, F32_ZERO, exp_nonpos,
+                     int8_out_f16, int8_score, int8_score_pse, int8_weight, lse_value, max_nan)
+from .._kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE16, P_BLAS, P_COLS, P_D, P_FLAGS, P_G,
+                            P_IP, P_LSE, P_MASK, P_PSE, T_K, T_Q, T_V)
 from ._blas import gemm_rm, scratch
-from ._vector import take_next
-from .items import _sizes
-from .rows import _exp_row, _load_row, _mask_row, _row_max
 from ._jit import FASTMATH, LEAF
+from ._vector import take_next
+from .items import _item, _sizes
+from .rows import _load_row, _mask_row, _row_max, band_of, element_offsets, row_place
 
 
 # ---------------------------------------------------------------------------------------------
 # int8 query/key/value (SPEC 8)
 # ---------------------------------------------------------------------------------------------
-# qp (float32): deq_scale1, fp16(scale_value), quant_scale1, deq_scale2
-Q_DEQ1, Q_SCALE, Q_QS1, Q_DEQ2 = range(4)
 #: P.V runs as a float32 GEMM, exact while every partial sum stays below 2^24:
 #: 127 * 128 * 1024 < 2^24, so an int8 tile has at most this many kv columns.
 INT8_MAX_KV_COLS = 1024
 
 
 @njit(**LEAF)
-def _int8_scores(srow, nc, deq1, scale16, pse, poff, psk, has_pse):
-    """s = fp16(fp16(A * deq1) * fp16(scale)) (+ pse, rounded to fp16), A exact integers."""
+def _int8_scores(s2, r, nc, deq1, scale16, pse, where, has_pse):
+    """s2[r, :nc] (exact integer products) -> the scores of SPEC 8, pse added where there is
+    one (where: see rows.element_offsets)."""
+    srow = s2[r]
     for c in range(nc):
-        srow[c] = round_f16(round_f16(srow[c] * deq1) * scale16)
+        srow[c] = int8_score(srow[c], deq1, scale16)
     if has_pse:
+        poff, psk = where[2], where[3]
         for c in range(nc):
-            srow[c] = round_f16(srow[c] + f16_to_f32(pse[poff + c * psk]))
+            srow[c] = int8_score_pse(srow[c], pse[poff + c * psk])
+
+
+@njit(cache=True, _nrt=False)     # no fast-math: the CUDA kernel's weights and sums, in order
+def _int8_weights(s2, r, nc, m, qs1, l):
+    """The row's scores s2[r, :nc] -> their quantized softmax weights against the row max m;
+    returns the running sum l with each exp(s - m) added in column order (as the CUDA kernel
+    adds them, so both targets give the same l)."""
+    srow = s2[r]
+    for c in range(nc):
+        p = exp_nonpos(srow[c] - m)
+        l = l + p
+        srow[c] = int8_weight(p, qs1)
+    return l
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _f64_to_f16(x):
-    """float64 -> float16 bits with one rounding (round to odd into float32, then to even)."""
-    x32 = np.float32(x)
-    if np.float64(x32) != x and x32 == x32 and abs(x32) != F32_POS_INF:
-        u = f32_as_u32(x32)
-        if abs(np.float64(x32)) > abs(x):
-            u = u - np.uint32(1)          # truncate toward zero
-        x32 = u32_as_f32(u | np.uint32(1))  # sticky bit: round to odd
-    return f32_to_f16(x32)
-
-
-@njit(fastmath=FASTMATH, cache=True)
-def _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, params, qp, b, g, i0,
-                qb, sb, tb, acc, kb, vb, m, l, blas):
-    """One work item of the int8 pipeline: pass 1 finds each row's max score, pass 2
-    quantizes E = exp(s - m) against it and accumulates P8 . V exactly."""
+def _block_int8(ins, outs, extras, geo, fparams, item, bufs, state, blas):
+    """One work item of the int8 pipeline (the records as in :func:`~.block_f32._block`;
+    bufs = (qb, sb, tb, acc, kb, vb), state = (m, l)): pass 1 finds each row's max score,
+    pass 2 quantizes E = exp(s - m) against it and accumulates P8 . V exactly."""
+    q, k, v = ins
+    strides, boff, lens, params = geo
+    b, g, i0 = item
+    qb, sb, tb, acc, kb, vb = bufs
+    m, l = state
     G = params[P_G]
     D = params[P_D]
     mask_kind = params[P_MASK]
     has_pse = params[P_PSE] != 0
-    inner_precise = params[P_IP]
-    want_lse = params[P_LSE] != 0
-    want_flags = params[P_FLAGS] != 0
-    rph = params[P_ROWS]
     tk = params[P_COLS]
-    deq1, scale16, qs1, deq2 = qp[Q_DEQ1], qp[Q_SCALE], qp[Q_QS1], qp[Q_DEQ2]
-    ql = lens[0, b]
-    kl = lens[1, b]
-    pre_e = lens[2, b]
-    next_e = lens[3, b]
-    i1 = min(i0 + rph, ql)
-    nr = i1 - i0
-    R = G * nr
-    jstart, jend = block_kv_range(i0, i1, pre_e, next_e, kl)
+    deq1, scale16, qs1 = fparams[F_DEQ1], fparams[F_SCALE16], fparams[F_QS1]
+    band = band_of(lens, b)
+    i1, R, jstart, jend = _item(params, lens, b, i0)
     a2 = acc[:R * D].reshape(R, D)
     k_base = boff[T_K, b] + g * strides[T_K, 0]
     v_base = boff[T_V, b] + g * strides[T_V, 0]
     if jstart < jend:
         q2 = qb[:R * D].reshape(R, D)
         for rr in range(R):
-            h = rr // nr
-            off = boff[T_Q, b] + (g * G + h) * strides[T_Q, 0] + (i0 + rr - h * nr) * strides[T_Q, 1]
+            off = (boff[T_Q, b] + (g * G + rr % G) * strides[T_Q, 0]
+                   + (i0 + rr // G) * strides[T_Q, 1])
             _load_row(q2, rr, q, off, strides[T_Q, 2], D, CODE_F32, F32_ONE)
             m[rr] = F32_NEG_INF
             l[rr] = F32_ZERO
@@ -86,103 +82,111 @@ def _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, param
             for j0 in range(jstart, jend, tk):
                 j1 = min(j0 + tk, jend)
                 nc = j1 - j0
-                k2 = kb[:nc * D].reshape(nc, D)
-                for c in range(nc):
-                    _load_row(k2, c, k, k_base + (j0 + c) * strides[T_K, 1], strides[T_K, 2],
-                              D, CODE_F32, F32_ONE)
+                _load_rows(kb, k, k_base + j0 * strides[T_K, 1], strides[T_K, 1],
+                           strides[T_K, 2], nc, D)
                 s2 = sb[:R * nc].reshape(R, nc)
-                gemm_rm(blas, R, nc, D, qb, 0, D, True, kb, 0, D, sb, 0, nc,
-                        F32_ZERO)
-                inside = tile_inside_band(i0, i1, j0, j1, pre_e, next_e)
+                gemm_rm(blas, R, nc, D, qb, 0, D, True, kb, 0, D, sb, 0, nc, F32_ZERO)
+                inside = tile_inside_band(i0, i1, j0, j1, band[1], band[2])
                 for rr in range(R):
-                    h = rr // nr
-                    i = i0 + rr - h * nr
-                    n = g * G + h
-                    srow = s2[rr]
-                    _int8_scores(srow, nc, deq1, scale16, pse,
-                                 boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1] + j0 * strides[T_P, 2],
-                                 strides[T_P, 2], has_pse)
+                    i = i0 + rr // G
+                    where = element_offsets(geo, b, g * G + rr % G, i, j0)
+                    _int8_scores(s2, rr, nc, deq1, scale16, extras[2], where, has_pse)
                     if mask_kind != 0 or not inside:
-                        _mask_row(s2, rr, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask8,
-                                  boff[T_M, b] + i * strides[T_M, 1] + j0 * strides[T_M, 2],
-                                  strides[T_M, 2], mask_kind, pse, 0, 0, False, CODE_F16)
+                        _mask_row(s2, rr, nc, j0, i, band, inside, extras, where,
+                                  (mask_kind, False, CODE_F16))
                     if step == 0:
                         m[rr] = max_nan(m[rr], _row_max(s2, rr, nc, F32_ONE))
-                        continue
-                    mr = m[rr]
-                    if mr == F32_NEG_INF:
-                        srow[:] = F32_ZERO
-                        continue
-                    l[rr] += _exp_row(s2, rr, nc, mr, F32_ONE)
-                    for c in range(nc):
-                        srow[c] = saturate_int8(round_half_even(srow[c] * qs1))
+                    elif m[rr] == F32_NEG_INF:
+                        s2[rr, :] = F32_ZERO
+                    else:
+                        l[rr] = _int8_weights(s2, rr, nc, m[rr], qs1, l[rr])
                 if step == 1:
-                    v2 = vb[:nc * D].reshape(nc, D)
-                    for c in range(nc):
-                        _load_row(v2, c, v, v_base + (j0 + c) * strides[T_V, 1],
-                                  strides[T_V, 2], D, CODE_F32, F32_ONE)
+                    _load_rows(vb, v, v_base + j0 * strides[T_V, 1], strides[T_V, 1],
+                               strides[T_V, 2], nc, D)
                     t2 = tb[:R * D].reshape(R, D)
-                    gemm_rm(blas, R, D, nc, sb, 0, nc, False, vb, 0, D, tb, 0, D,
-                            F32_ZERO)
+                    gemm_rm(blas, R, D, nc, sb, 0, nc, False, vb, 0, D, tb, 0, D, F32_ZERO)
                     for rr in range(R):
                         arow = a2[rr]
                         trow = t2[rr]
                         for d in range(D):
                             arow[d] += trow[d]
+    _finish_int8(outs, v, geo, fparams, item, i1, a2, state, jstart < jend)
 
-    for rr in range(R):
-        h = rr // nr
-        i = i0 + rr - h * nr
-        n = g * G + h
-        o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
-        osd = strides[T_O, 2]
-        l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
-        mm = m[rr] if jstart < jend else F32_NEG_INF
-        if mm != F32_NEG_INF:
-            lr = np.float64(l[rr])
-            arow = a2[rr]
+
+@njit(**LEAF)
+def _load_rows(dst, src, base, row_stride, sd, n_rows, D):
+    """dst[r * D + d] = src[base + r * row_stride + d * sd] as float32, r < n_rows (K or V
+    rows of int8 values)."""
+    d2 = dst[:n_rows * D].reshape(n_rows, D)
+    for r in range(n_rows):
+        _load_row(d2, r, src, base + r * row_stride, sd, D, CODE_F32, F32_ONE)
+
+
+@njit(**LEAF)
+def _finish_int8(outs, v, geo, fparams, item, i1, a2, state, computed):
+    """The int8 item's output rows: deq2 * A / l rounded once to float16 (A the exact sums
+    P8 . V in a2, float64), softmax_lse, and SPEC 5's rows."""
+    out, lse, flags = outs
+    strides, boff, lens, params = geo
+    b, g, i0 = item
+    m, l = state
+    D = params[P_D]
+    want_lse, want_flags = params[P_LSE] != 0, params[P_FLAGS] != 0
+    qs1, deq2 = fparams[F_QS1], fparams[F_DEQ2]
+    kl, pre_e, next_e = band_of(lens, b)
+    v_base = boff[T_V, b] + g * strides[T_V, 0]
+    for rr in range(params[P_G] * (i1 - i0)):
+        i, n, o_off, osd, l_off = row_place(geo, item, rr)
+        outcome, lo, hi, divisor = row_outcome(True, m[rr] if computed else F32_NEG_INF, l[rr],
+                                               params[P_IP], i, pre_e, next_e, kl)
+        arow = a2[rr]
+        if outcome == ROW_SOFTMAX:
+            lr = l[rr]
             for d in range(D):
-                out[o_off + d * osd] = _f64_to_f16(np.float64(deq2) * arow[d] / lr)
+                # arow holds exact integers, or NaN where a NaN weight reached the row
+                ad = arow[d]
+                if ad != ad:
+                    out[o_off + d * osd] = int8_out_f16(0, deq2, F32_NAN)
+                else:
+                    out[o_off + d * osd] = int8_out_f16(np.int64(ad), deq2, lr)
             if want_lse:
-                lse[l_off] = lse_value(mm, l[rr])
+                lse[l_off] = lse_value(m[rr], lr, 0)
             if want_flags:
                 flags[l_off] = 1
-        elif inner_precise < 2:
-            # SPEC 5 for int8: every band score equal, E = 1 on the band
-            lo, hi = row_band(i, pre_e, next_e, kl)
-            if lo <= hi:
-                p8 = np.float64(saturate_int8(round_half_even(qs1)))
-                arow = a2[rr]
-                arow[:] = 0.0
-                for j in range(lo, hi + 1):
-                    off = v_base + j * strides[T_V, 1]
-                    for d in range(D):
-                        arow[d] += np.float64(v[off + d * strides[T_V, 2]])
-                cnt = np.float64(np.float32(hi - lo + 1))
+        elif outcome == ROW_MEAN:
+            # every band score equal: E = 1, P8 = int8_weight(1) on the band; A = P8 * sum of
+            # V (exact), l = the count (exact in float32 up to 2^24); a NaN P8 (quant_scale1
+            # NaN) makes the row NaN
+            p8 = int8_weight(F32_ONE, qs1)
+            arow[:] = 0.0
+            for j in range(lo, hi + 1):
+                off = v_base + j * strides[T_V, 1]
                 for d in range(D):
-                    out[o_off + d * osd] = _f64_to_f16(np.float64(deq2) * (p8 * arow[d]) / cnt)
-                if want_flags:
-                    flags[l_off] = 1
+                    arow[d] += np.float64(v[off + d * strides[T_V, 2]])
+            cnt = divisor if p8 == p8 else F32_NAN
+            w8 = np.int64(p8) if p8 == p8 else np.int64(0)
+            for d in range(D):
+                out[o_off + d * osd] = int8_out_f16(w8 * np.int64(arow[d]), deq2, cnt)
+            if want_flags:
+                flags[l_off] = 1
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def _attention_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, work, params, qp):
-    """The int8 kernel: same work items and scheduling as :func:`_attention`."""
+def _attention_int8(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work,
+                    params, fparams):
+    """The int8 kernel: same arguments, work items and scheduling as :func:`_attention`."""
     D, rows, tk, nthr, n_items = _sizes(params, work)
     taken = np.zeros(1, np.int64)
     for t in prange(nthr):
-        qb = np.empty(rows * D, np.float32)
-        sb = np.empty(rows * tk, np.float32)
-        tb = np.empty(max(rows, 1) * D, np.float32)
-        acc = np.empty(rows * D, np.float64)
-        kb = np.empty(tk * D, np.float32)
-        vb = np.empty(tk * D, np.float32)
-        m = np.empty(rows, np.float32)
-        l = np.empty(rows, np.float32)
+        bufs = (np.empty(rows * D, np.float32), np.empty(rows * tk, np.float32),
+                np.empty(max(rows, 1) * D, np.float32), np.empty(rows * D, np.float64),
+                np.empty(tk * D, np.float32), np.empty(tk * D, np.float32))
+        state = (np.empty(rows, np.float32), np.empty(rows, np.float32))
         blas = scratch(params[P_BLAS])
+        ins, outs, extras = (q, k, v), (out, lse, flags), (mask8, mask16, pse)
+        geo = (strides, boff, lens, params)
         w = take_next(taken)
         while w < n_items:
-            _block_int8(q, k, v, out, lse, flags, mask8, pse, strides, boff, lens, params, qp,
-                        work[w, 0], work[w, 1], work[w, 2], qb, sb, tb, acc, kb, vb, m, l,
-                        blas)
+            _block_int8(ins, outs, extras, geo, fparams, (work[w, 0], work[w, 1], work[w, 2]),
+                        bufs, state, blas)
             w = take_next(taken)

@@ -4,11 +4,10 @@ import numba
 import numpy as np
 import threading
 from numba import njit, prange
-from . import _amx, _gemm
 from .. import config
 from .._core import CODE_BF16, CODE_F16, CODE_F32, quantize_output, widen
-from .._geometry import geometry, scale_factors
-from .._plan import storage_code
+from .._kernel_args import kernel_args
+from . import _amx, _gemm
 from ._blas import sgemm_address
 from .amx_pack import AMX_MAX_SCALE
 from .block_amx import _attention_amx
@@ -75,27 +74,18 @@ def run(p):
     if work.shape[0]:
         nthreads = config.CPU_THREADS or numba.get_num_threads()
         nthreads = max(1, min(int(nthreads), work.shape[0]))
-        ocode = CODE_F16 if direct_dtype == np.float16 else storage_code(np.dtype(direct_dtype))
         amx = p.dtype != np.int8 and use_amx(p)
         own = use_register_blocks()
         blas = p.dtype == np.int8 or not own          # the int8 kernel's products are BLAS
-        params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None,
-                           p.inner_precise, p.want_lse or int8_out, rows_per_head, kv_cols,
-                           nthreads, ocode, int8_out, sub_rows(), seg_rows(amx), own,
-                           sgemm_address() if blas else 0], dtype=np.int64)
-        lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e]).astype(np.int64)
-        qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out, lse)
-        l_flat, f_flat = lse.reshape(-1), flags.reshape(-1)
+        a = kernel_args(p, out, lse, want_lse=p.want_lse or int8_out, flags=int8_out,
+                        rows=rows_per_head, cols=kv_cols, threads=nthreads, sub=sub_rows(),
+                        seg=seg_rows(amx), gemm=own, blas=sgemm_address() if blas else 0)
+        flat_flags = flags.reshape(-1)
         with _one_call_at_a_time(blas):
-            if p.dtype == np.int8:
-                qp = np.array([quant.deq1, np.float16(p.scale), quant.quant1, quant.deq2],
-                              dtype=np.float32)
-                _attention_int8(qf, kf, vf, o_flat, l_flat, f_flat, mask8, pse, strides, boff,
-                                lens, work, params, qp)
-            else:
-                kernel = _attention_amx if amx else _attention
-                kernel(qf, kf, vf, o_flat, l_flat, f_flat, mask8, mask16, pse, strides, boff,
-                       lens, work, params, scale_factors(p.scale))
+            kernel = _attention_int8 if p.dtype == np.int8 else \
+                _attention_amx if amx else _attention
+            kernel(a.q, a.k, a.v, a.out, a.lse, flat_flags, a.mask8, a.mask16, a.pse, a.strides,
+                   a.boff, a.lens, work, a.params, a.fparams)
     if int8_out:
         out = quantize_int8_output(p, out, flags)
     return out, (lse if p.want_lse else None)

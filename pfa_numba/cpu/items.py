@@ -4,7 +4,8 @@ import numpy as np
 from numba import njit
 from .. import config
 from .._band import BAND_INF, block_kv_range, tile_inside_band
-from .._geometry import P_COLS, P_D, P_G, P_ROWS, P_SEG, P_SUB, P_THREADS
+from .._kernel_args import (L_KLEN, L_NEXT, L_PRE, L_QLEN, P_COLS, P_D, P_G, P_ROWS, P_SEG, P_SUB,
+                            P_THREADS)
 from ._amx import BLOCK
 from ._jit import LEAF
 
@@ -22,8 +23,8 @@ def _item(params, lens, b, i0):
     stacked position-major: row rr is query position i0 + rr // G of query head g * G + rr % G;
     only kv columns [jstart, jend) can be kept by any of them."""
     G = params[P_G]
-    i1 = min(i0 + params[P_ROWS], lens[0, b])
-    jstart, jend = block_kv_range(i0, i1, lens[2, b], lens[3, b], lens[1, b])
+    i1 = min(i0 + params[P_ROWS], lens[L_QLEN, b])
+    jstart, jend = block_kv_range(i0, i1, lens[L_PRE, b], lens[L_NEXT, b], lens[L_KLEN, b])
     return i1, G * (i1 - i0), jstart, jend
 
 
@@ -37,14 +38,14 @@ def _segment(params, lens, b, i0, i1, j0, j1, r0, R, align):
     skips most of the cut-off triangle. Returns (r1, cl, ch, inside); cl >= ch: nothing kept.
     """
     G = params[P_G]
-    pre_e = lens[2, b]
-    next_e = lens[3, b]
+    pre_e = lens[L_PRE, b]
+    next_e = lens[L_NEXT, b]
     if tile_inside_band(i0, i1, j0, j1, pre_e, next_e):
         return min(R, r0 + params[P_SEG]), j0, j1, True
     r1 = min(R, r0 + params[P_SUB])
     p0 = i0 + r0 // G
     p1 = i0 + (r1 - 1) // G + 1
-    lo, hi = block_kv_range(p0, p1, pre_e, next_e, lens[1, b])
+    lo, hi = block_kv_range(p0, p1, pre_e, next_e, lens[L_KLEN, b])
     cl = j0 + (max(lo - j0, 0) // align) * align
     ch = min(j1, hi)
     return r1, cl, ch, tile_inside_band(p0, p1, cl, ch, pre_e, next_e)

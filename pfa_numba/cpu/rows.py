@@ -7,12 +7,14 @@ from .._band import row_band
 from .._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_POS_INF,
                      F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32, exp_nonpos, exp_nonpos5,
                      f16_to_f32, f32_as_i32, f32_as_u32, f32_to_bf16, f32_to_f16, from_order_key,
-                     max_nan, order_key, rescale_factor, store, u32_as_f32, widen)
-from .._geometry import P_CODE, P_G, P_MASK, P_PSE, T_M, T_P
+                     online_update, order_key, running_sum, softmax_weight, store, u32_as_f32,
+                     widen)
+from .._kernel_args import (L_KLEN, L_NEXT, L_PRE, P_CODE, P_G, P_MASK, P_PSE, P_SCALE_EXP, T_L,
+                            T_M, T_O, T_P)
 from ._gemm import PANEL
+from ._jit import LEAF
 from ._vector import (bf16_bits_hw, f16_bits_to_f32_hw, f32_to_f16_bits_hw, host_has, prefetch,
                       wide_vectors)
-from ._jit import LEAF
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,10 +112,16 @@ def _row_max(s2, r, n, f):
 
 
 @njit(**LEAF)
-def _exp_row(s2, r, n, m, f):
-    """s2[r, :n] = exp(s2[r, :n] * f - m) in place; returns the sum."""
+def _exp_row(s2, r, n, m, f, post_e):
+    """s2[r, :n] = exp((s2[r, :n] * f - m) * 2^post_e) in place; returns the sum."""
     wide_vectors()
     s = F32_ZERO
+    if post_e != 0:
+        for c in range(n):
+            p = softmax_weight(s2[r, c] * f, m, post_e)
+            s2[r, c] = p
+            s += p
+        return s
     for c in range(n):
         p = exp_nonpos(s2[r, c] * f - m)
         s2[r, c] = p
@@ -122,11 +130,16 @@ def _exp_row(s2, r, n, m, f):
 
 
 @njit(**LEAF)
-def _mask_row(s2, r, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask16, moff, msk, mask_kind,
-              pse, poff, psk, has_pse, code):
-    """Scores s2[r] of one row of one tile -> pse added, fp16 mask added, dropped columns at
-    -inf."""
+def _mask_row(s2, r, nc, j0, i, band, inside, extras, where, kinds):
+    """Scores s2[r] of query row i over the tile's columns j0 .. j0 + nc - 1 -> pse added,
+    fp16 mask added, dropped columns at -inf. band = (kL, preE, nextE); extras = (mask8,
+    mask16, pse); where = (mask offset, mask column stride, pse offset, pse column stride) at
+    column j0; kinds = (mask kind, whether to add pse, storage code of pse)."""
     wide_vectors()
+    kl, pre_e, next_e = band
+    mask8, mask16, pse = extras
+    moff, msk, poff, psk = where
+    mask_kind, has_pse, code = kinds
     srow = s2[r]
     if has_pse:
         for c in range(nc):
@@ -151,30 +164,60 @@ def _mask_row(s2, r, nc, j0, i, kl, pre_e, next_e, inside, mask8, mask16, moff, 
 
 
 @njit(**LEAF)
-def _prepare_row(s2, r, nc, i, n, b, j0, inside, kl, pre_e, next_e, mask8, mask16, pse,
-                 strides, boff, mask_kind, has_pse, code):
-    """Scores s2[r] of position i (query head n) of one tile, in place: pse and fp16 mask
-    added, columns outside the band or masked set to -inf."""
-    _mask_row(s2, r, nc, j0, i, kl, pre_e, next_e, inside,
-              mask8, mask16, boff[T_M, b] + i * strides[T_M, 1] + j0 * strides[T_M, 2],
-              strides[T_M, 2], mask_kind, pse,
-              boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1] + j0 * strides[T_P, 2],
-              strides[T_P, 2], has_pse, code)
+def element_offsets(geo, b, n, i, j0):
+    """(mask offset, mask column stride, pse offset, pse column stride) of query row i of head
+    n in batch b at kv column j0 (geo = (strides, boff, lens, params))."""
+    strides, boff = geo[0], geo[1]
+    return (boff[T_M, b] + i * strides[T_M, 1] + j0 * strides[T_M, 2], strides[T_M, 2],
+            boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1] + j0 * strides[T_P, 2],
+            strides[T_P, 2])
 
 
 @njit(**LEAF)
-def _online_row(s2, r, nc, rr, m, l, alpha, p3, split, lazy, keys, f):
-    """Online-softmax step of the scores s2[r, :nc] * f (query row rr): update m and l, set
-    alpha (the acc rescale factor) and turn the scores into p = exp(s * f - m): in place, or
-    (``split``) into bf16 hi / lo parts p3[r, 0] and p3[r, 1]. The row's max is
-    from_order_key(keys[r]) where the product computed it (``keys`` not empty; f is 1 then),
-    else taken here.
+def row_place(geo, item, rr):
+    """Where row rr of work item (b, g, i0) goes (rows stacked position-major, see
+    items._item): (query position i, query head n, output offset, output element stride,
+    softmax_lse offset)."""
+    strides, boff, _, params = geo
+    b, g, i0 = item
+    G = params[P_G]
+    i = i0 + rr // G
+    n = g * G + rr % G
+    return (i, n, boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1], strides[T_O, 2],
+            boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1])
+
+
+@njit(**LEAF)
+def band_of(lens, b):
+    """(kL, preE, nextE) of batch b."""
+    return lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b]
+
+
+@njit(**LEAF)
+def _prepare_row(s2, r, nc, i, n, b, j0, inside, extras, geo):
+    """Scores s2[r] of position i (query head n, batch b) of the tile from column j0, in
+    place: pse and fp16 mask added, columns outside the band or masked set to -inf.
+    extras = (mask8, mask16, pse), geo = (strides, boff, lens, params)."""
+    params = geo[3]
+    _mask_row(s2, r, nc, j0, i, band_of(geo[2], b), inside, extras,
+              element_offsets(geo, b, n, i, j0),
+              (params[P_MASK], params[P_PSE] != 0, params[P_CODE]))
+
+
+@njit(**LEAF)
+def _online_row(s2, r, nc, rr, state, p3, split, lazy, keys, f, post_e):
+    """Online-softmax step of the scores s2[r, :nc] * f (query row rr; state = (m, l, alpha)):
+    update m and l, set alpha (the acc rescale factor) and turn the scores into
+    p = exp((s * f - m) * 2^post_e): in place, or (``split``) into bf16 hi / lo parts p3[r, 0]
+    and p3[r, 1]. The row's max is from_order_key(keys[r]) where the product computed it
+    (``keys`` not empty; f is 1 then), else taken here.
 
     ``lazy`` (split rows only): a row with a finite running max first tries one pass that
     takes p = exp(s * f - m_old) against the old max and keeps it when no score exceeds that
     by more than LAZY_MARGIN (p <= e^LAZY_MARGIN: m, acc and l stay as they are, softmax and
     lse unchanged); otherwise the max pass and a second exp pass run as usual. After a row's
     first tile its max seldom grows by that much, so most tiles take one pass instead of two."""
+    m, l, alpha = state
     m_old = m[rr]
     if lazy and keys.size == 0 and F32_NEG_INF < m_old < F32_POS_INF:
         s, over = _exp_row_split(s2, r, nc, m_old, p3, f)
@@ -183,7 +226,7 @@ def _online_row(s2, r, nc, rr, m, l, alpha, p3, split, lazy, keys, f):
             alpha[rr] = F32_ONE
             return
     mx = from_order_key(keys[r]) if keys.size else _row_max(s2, r, nc, f)
-    m_new = max_nan(m_old, mx)
+    m_new, a = online_update(m_old, mx, post_e)
     if m_new == F32_NEG_INF:
         if split:
             p3[r, :, :] = 0
@@ -191,12 +234,11 @@ def _online_row(s2, r, nc, rr, m, l, alpha, p3, split, lazy, keys, f):
             s2[r, :nc] = F32_ZERO
         alpha[rr] = F32_ONE
         return
-    a = rescale_factor(m_old, m_new)
     if split:
         s, _ = _exp_row_split(s2, r, nc, m_new, p3, f)
     else:
-        s = _exp_row(s2, r, nc, m_new, f)
-    l[rr] = l[rr] * a + s
+        s = _exp_row(s2, r, nc, m_new, f, post_e)
+    l[rr] = running_sum(l[rr], a, s)
     m[rr] = m_new
     alpha[rr] = a
 
@@ -214,17 +256,19 @@ def _rescale_rows(acc, ld, R, D, alpha):
 
 
 @njit(**LEAF)
-def _softmax_rows(s2, r0, r1, nc, p3, split, lazy, inside, i0, g, b, cl, mask8, mask16, pse,
-                  params, strides, boff, lens, scale, m, l, alpha, keys):
+def _softmax_rows(s2, p3, keys, seg, item, extras, geo, state, scale):
     """Rows [r0, r1) of a segment's scores s2[rr - r0, :nc] (columns from cl), times ``scale``:
     masked where needed, then the online-softmax step; p goes in place or (``split``) into
     p3[rr - r0] as bf16 hi / lo parts. Rows that need no mask are scaled inside the max and exp
     passes; the others are scaled first. ``keys`` (empty: none): the order keys of the row
-    maxima of unmasked scores (scale 1), from the product."""
+    maxima of unmasked scores (scale 1), from the product.
+    seg = (r0, r1, nc, cl, inside, split, lazy); item = (b, g, i0) (see items._item)."""
+    r0, r1, nc, cl, inside, split, lazy = seg
+    b, g, i0 = item
+    params = geo[3]
     G = params[P_G]
-    mask_kind = params[P_MASK]
-    has_pse = params[P_PSE] != 0
-    any_user = mask_kind != 0 or has_pse
+    any_user = params[P_MASK] != 0 or params[P_PSE] != 0
+    post_e = params[P_SCALE_EXP]
     for rr in range(r0, r1):
         r = rr - r0
         f = scale
@@ -232,10 +276,8 @@ def _softmax_rows(s2, r0, r1, nc, p3, split, lazy, inside, i0, g, b, cl, mask8, 
             if scale != F32_ONE:
                 _scale_row(s2, r, nc, scale)
             f = F32_ONE
-            _prepare_row(s2, r, nc, i0 + rr // G, g * G + rr % G, b, cl, inside, lens[1, b],
-                         lens[2, b], lens[3, b], mask8, mask16, pse, strides, boff, mask_kind,
-                         has_pse, params[P_CODE])
-        _online_row(s2, r, nc, rr, m, l, alpha, p3, split, lazy, keys, f)
+            _prepare_row(s2, r, nc, i0 + rr // G, g * G + rr % G, b, cl, inside, extras, geo)
+        _online_row(s2, r, nc, rr, state, p3, split, lazy, keys, f, post_e)
 
 
 _PF_ROWS = 8          # K / V rows are prefetched this many rows ahead of their load

@@ -6,7 +6,7 @@ torch). :class:`Meta` lets the planner work on CUDA arrays through metadata-only
 """
 import numpy as np
 
-from .._validate import is_bf16
+from .._dtypes import is_bf16
 
 
 def checked(name, fn, x):

@@ -16,17 +16,18 @@ library (zero-copy). Kernels launch on the default stream and the call synchroni
 returns; callers using other streams should synchronise their producers first.
 """
 
-from numba import cuda, float32, int64
+from numba import cuda, float32, int64, njit, uint16
 
 from .. import config
-from .._band import block_kv_range, row_band
-from .._core import (CODE_BF16, CODE_F16, CODE_I8, F16_MASK_SCALE, F32_NEG_INF, F32_ONE,
-                     F32_POS_INF, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, exp_nonpos, f16_to_f32,
-                     f32_to_bf16, f32_to_f16, lse_value, max_nan, quantize_output, rescale_factor,
-                     round_f16, round_half_even, saturate_int8, widen)
+from .._band import ROW_MEAN, ROW_ZERO, block_kv_range, row_band, row_outcome
+from .._core import (CODE_BF16, CODE_F16, CODE_I8, F16_MASK_SCALE, F32_NAN, F32_NEG_INF, F32_ONE,
+                     F32_ZERO, MASK_ADD_F16, MASK_DISCARD, exp_nonpos, f16_to_f32, f32_to_bf16,
+                     f32_to_f16, int8_out_f16, int8_score, int8_score_pse, int8_weight, lse_value,
+                     max_nan, online_update, quantize_output, running_sum, softmax_weight, widen)
+from .._kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE, F_SCALE16, F_SCALE2, L_KLEN, L_NEXT,
+                            L_PRE, L_QLEN, L_ROWS, P_CODE, P_D, P_G, P_IP, P_LSE, P_MASK, P_OCODE,
+                            P_PSE, P_SCALE_EXP, T_K, T_L, T_M, T_O, T_P, T_Q, T_V)
 
-from .._geometry import (P_CODE, P_D, P_G, P_IP, P_LSE, P_MASK, P_OCODE, P_PSE, T_K, T_L, T_M,
-                         T_O, T_P, T_Q, T_V)
 
 
 def _pad_dim(d):
@@ -66,12 +67,52 @@ def kernel_signature(storage, out_storage=None, int8=False):
             flat(types.float32))
 
 
+@njit(inline="always", cache=True)
+def _block_rows(ql, kl, pre_e, next_e, rows_b, i0, i, bq, bkv):
+    """The set-up both kernels share for row i of the block of rows [i0, i0 + bq) of a batch
+    with lengths (qL, kL), band edges (preE, nextE) and rows_b output rows: (kL, preE, nextE,
+    rows_b, whether row i is computed, the kv columns [jstart, jend) any row of the block
+    keeps, their number of tiles, row i's band [lo, hi]). Every thread of the block gets the
+    same tiles, so all reach every syncthreads. (Scalars only: under the CUDA simulator, device
+    arrays cannot enter a compiled function.)"""
+    jstart, jend = block_kv_range(i0, min(i0 + bq, ql), pre_e, next_e, kl)
+    ntiles = (jend - jstart + bkv - 1) // bkv if jend > jstart else 0
+    lo, hi = row_band(i, pre_e, next_e, kl)
+    return kl, pre_e, next_e, rows_b, i < ql, jstart, jend, ntiles, lo, hi
+
+
+@njit(inline="always", cache=True)
+def _block_place(bx, by, tid, qtiles, bq, G):
+    """(batch, first query row of the block, query head, this thread's row, the query head's kv
+    head) of thread tid of block (bx, by): the grid is (B x query-row blocks, N)."""
+    b = bx // qtiles
+    i0 = (bx - b * qtiles) * bq
+    return b, i0, by, i0 + tid, by // G
+
+
+@njit(inline="always", cache=True)
+def _tile(t, jstart, jend, bkv):
+    """(first column, columns) of kv tile t of the columns [jstart, jend)."""
+    j0 = jstart + t * bkv
+    return j0, min(bkv, jend - j0)
+
+
+@njit(inline="always", cache=True)
+def _tile_element(e, D, base, row_stride, sd):
+    """Element e of a tile of rows of D values, as (row, column, index in the source): the
+    block's threads take consecutive elements, so consecutive threads read consecutive
+    elements of a row."""
+    c = e // D
+    d = e - c * D
+    return c, d, base + c * row_stride + d * sd
+
+
 def kernel_source(dpad, bq, bkv):
     """The float kernel's Python source for the given compile-time sizes (before cuda.jit).
 
     Arguments: q, k, v (flat storage), out, lse, mask8, mask16, pse, strides, boff, lens,
-    params, qtiles, fparams (float32: scale_value as two factors), scale2, offset2 (float16-rounded output
-    quantization scales, 1 or H values; read only when the output code is CODE_I8)."""
+    params, qtiles, fparams, scale2, offset2 (see _kernel_args.KernelArgs; scale2 and offset2 are
+    read only when the output code is CODE_I8)."""
     DP, BQ, BKV = dpad, bq, bkv
 
     def attention(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, qtiles,
@@ -82,52 +123,30 @@ def kernel_source(dpad, bq, bkv):
         acc = cuda.local.array(DP, float32)
         sc = cuda.local.array(BKV, float32)
         tid = cuda.threadIdx.x
-        b = cuda.blockIdx.x // qtiles
-        i0 = (cuda.blockIdx.x - b * qtiles) * BQ
-        n = cuda.blockIdx.y
-        i = i0 + tid
-        G = params[P_G]
-        D = params[P_D]
-        code = params[P_CODE]
-        ocode = params[P_OCODE]
-        mask_kind = params[P_MASK]
-        has_pse = params[P_PSE] != 0
-        inner_precise = params[P_IP]
-        want_lse = params[P_LSE] != 0
-        scale = fparams[0]
-        scale_hi = fparams[1]      # 1, or the second factor of a scale beyond float32's range
-        g = n // G
-        ql = lens[0, b]
-        kl = lens[1, b]
-        pre_e = lens[2, b]
-        next_e = lens[3, b]
-        rows_b = lens[4, b]
-        i1 = min(i0 + BQ, ql)
-        active = i < ql
-        # the kv columns any row of this block keeps: the same for every thread of the block,
-        # so all threads run the same number of tiles (and reach every syncthreads)
-        jstart, jend = block_kv_range(i0, i1, pre_e, next_e, kl)
-        ntiles = (jend - jstart + BKV - 1) // BKV if jend > jstart else 0
-        lo, hi = row_band(i, pre_e, next_e, kl)
-        k_base = boff[T_K, b] + g * strides[T_K, 0]
-        v_base = boff[T_V, b] + g * strides[T_V, 0]
-        m = F32_NEG_INF
-        l = F32_ZERO
+        G, D, code, ocode = params[P_G], params[P_D], params[P_CODE], params[P_OCODE]
+        b, i0, n, i, g = _block_place(cuda.blockIdx.x, cuda.blockIdx.y, tid, qtiles, BQ, G)
+        mask_kind, has_pse = params[P_MASK], params[P_PSE] != 0
+        inner_precise, want_lse = params[P_IP], params[P_LSE] != 0
+        scale = fparams[F_SCALE]
+        scale2_q = fparams[F_SCALE2]     # 1, or the second factor of a scale below float32's
+        post_e = params[P_SCALE_EXP]     # 0, or the exponent of a scale beyond float32's range
+        kl, pre_e, next_e, rows_b, active, jstart, jend, ntiles, lo, hi = _block_rows(
+            lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b], lens[L_ROWS, b],
+            i0, i, BQ, BKV)
+        k_base, v_base = boff[T_K, b] + g * strides[T_K, 0], boff[T_V, b] + g * strides[T_V, 0]
+        m, l = F32_NEG_INF, F32_ZERO                 # the row's running max and sum
         if active:
             q_off = boff[T_Q, b] + n * strides[T_Q, 0] + i * strides[T_Q, 1]
             for d in range(D):
-                qv[d] = widen(q[q_off + d * strides[T_Q, 2]], code) * scale * scale_hi
+                qv[d] = widen(q[q_off + d * strides[T_Q, 2]], code) * scale * scale2_q
                 acc[d] = F32_ZERO
         for t in range(ntiles):
-            j0 = jstart + t * BKV
-            nc = min(BKV, jend - j0)
-            e = tid
-            while e < nc * D:                       # coalesced: consecutive threads, consecutive d
-                c = e // D
-                d = e - c * D
-                ks[c, d] = widen(k[k_base + (j0 + c) * strides[T_K, 1] + d * strides[T_K, 2]], code)
+            j0, nc = _tile(t, jstart, jend, BKV)
+            for e in range(tid, nc * D, BQ):
+                c, d, xk = _tile_element(e, D, k_base + j0 * strides[T_K, 1], strides[T_K, 1],
+                                         strides[T_K, 2])
+                ks[c, d] = widen(k[xk], code)
                 vs[c, d] = widen(v[v_base + (j0 + c) * strides[T_V, 1] + d * strides[T_V, 2]], code)
-                e += BQ
             cuda.syncthreads()   # the whole K/V tile is in shared memory before anyone reads it
             if active:
                 # step 1: scores of this row against the tile (dropped columns at -inf)
@@ -151,43 +170,35 @@ def kernel_source(dpad, bq, bkv):
                     sc[c] = s
                     tmax = max_nan(tmax, s)
                 # step 2: update m and l; step 3: rescale acc, add P V
-                m_new = max_nan(m, tmax)
+                m_new, a = online_update(m, tmax, post_e)
                 if m_new != F32_NEG_INF:
-                    a = rescale_factor(m, m_new)
                     if a != F32_ONE:
-                        l = l * a
                         for d in range(D):
                             acc[d] = acc[d] * a
+                    tile_sum = F32_ZERO
                     for c in range(nc):
-                        p = exp_nonpos(sc[c] - m_new)
+                        p = softmax_weight(sc[c], m_new, post_e)
                         if p != F32_ZERO:            # a dropped column adds nothing, not 0 * inf
-                            l += p
+                            tile_sum += p
                             for d in range(D):
                                 acc[d] += p * vs[c, d]
+                    l = running_sum(l, a, tile_sum)
                     m = m_new
             cuda.syncthreads()   # every row is done with this tile before it is overwritten
 
         # finalize: every output row of the block is written (the output is not pre-zeroed)
         if i < rows_b:
-            o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
-            osd = strides[T_O, 2]
-            written = 0
-            denom = F32_ONE
-            if active and m != F32_NEG_INF:
-                written = 1
-                denom = l
-            elif active and inner_precise < 2 and lo <= hi:
-                # SPEC 5: band non-empty but every band column masked -> mean of V over the band
+            outcome, mlo, mhi, denom = row_outcome(active, m, l, inner_precise, i, pre_e, next_e, kl)
+            o_off, osd = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1], strides[T_O, 2]
+            if outcome == ROW_MEAN:
                 for d in range(D):
                     acc[d] = F32_ZERO
-                for j in range(lo, hi + 1):
+                for j in range(mlo, mhi + 1):
                     off = v_base + j * strides[T_V, 1]
                     for d in range(D):
                         acc[d] += widen(v[off + d * strides[T_V, 2]], code)
-                written = 1
-                denom = float32(hi - lo + 1)
             for d in range(D):
-                x = acc[d] / denom if written else F32_ZERO
+                x = acc[d] / denom if outcome != ROW_ZERO else F32_ZERO
                 # _core.store, spelled out: device arrays cannot enter an njit function
                 # under the CUDA simulator
                 if ocode == CODE_F16:
@@ -196,13 +207,13 @@ def kernel_source(dpad, bq, bkv):
                     out[o_off + d * osd] = f32_to_bf16(x)
                 elif ocode == CODE_I8:
                     ch = n * D + d if scale2.shape[0] > 1 else 0
-                    y = quantize_output(x, scale2[ch], offset2[ch]) if written else F32_ZERO
+                    y = quantize_output(x, scale2[ch], offset2[ch]) if outcome != ROW_ZERO else F32_ZERO
                     out[o_off + d * osd] = y
                 else:
                     out[o_off + d * osd] = x
             if want_lse:
                 l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
-                lse[l_off] = lse_value(m, l) if active else F32_NEG_INF
+                lse[l_off] = lse_value(m, l, post_e) if active else F32_NEG_INF
 
     return attention
 
@@ -210,7 +221,7 @@ def kernel_source(dpad, bq, bkv):
 def kernel_source_int8(dpad, bq, bkv):
     """The int8 kernel (SPEC 8) for the given compile-time sizes: pass 1 over the K tiles finds
     each row's max fp16 score, pass 2 quantizes E = exp(s - m) to P8 and accumulates P8 . V in
-    int64 (exact). fparams (float32): deq_scale1, fp16(scale_value), quant_scale1, deq_scale2.
+    int64 (exact); fparams holds the int8 scales (F_DEQ1 ... F_DEQ2).
     Output: float16 bits (CODE_F16) or int8 (CODE_I8, quantized in the finalize)."""
     DP, BQ, BKV = dpad, bq, bkv
 
@@ -221,36 +232,16 @@ def kernel_source_int8(dpad, bq, bkv):
         qv = cuda.local.array(DP, float32)
         acc = cuda.local.array(DP, int64)
         tid = cuda.threadIdx.x
-        b = cuda.blockIdx.x // qtiles
-        i0 = (cuda.blockIdx.x - b * qtiles) * BQ
-        n = cuda.blockIdx.y
-        i = i0 + tid
-        G = params[P_G]
-        D = params[P_D]
-        ocode = params[P_OCODE]
-        mask_kind = params[P_MASK]
-        has_pse = params[P_PSE] != 0
-        inner_precise = params[P_IP]
-        want_lse = params[P_LSE] != 0
-        deq1 = fparams[0]
-        scale16 = fparams[1]
-        qs1 = fparams[2]
-        deq2 = fparams[3]
-        g = n // G
-        ql = lens[0, b]
-        kl = lens[1, b]
-        pre_e = lens[2, b]
-        next_e = lens[3, b]
-        rows_b = lens[4, b]
-        i1 = min(i0 + BQ, ql)
-        active = i < ql
-        jstart, jend = block_kv_range(i0, i1, pre_e, next_e, kl)
-        ntiles = (jend - jstart + BKV - 1) // BKV if jend > jstart else 0
-        lo, hi = row_band(i, pre_e, next_e, kl)
-        k_base = boff[T_K, b] + g * strides[T_K, 0]
-        v_base = boff[T_V, b] + g * strides[T_V, 0]
-        m = F32_NEG_INF
-        l = F32_ZERO
+        G, D, ocode, inner_precise = params[P_G], params[P_D], params[P_OCODE], params[P_IP]
+        b, i0, n, i, g = _block_place(cuda.blockIdx.x, cuda.blockIdx.y, tid, qtiles, BQ, G)
+        mask_kind, has_pse, want_lse = params[P_MASK], params[P_PSE] != 0, params[P_LSE] != 0
+        deq1, scale16 = fparams[F_DEQ1], fparams[F_SCALE16]
+        qs1, deq2 = fparams[F_QS1], fparams[F_DEQ2]
+        kl, pre_e, next_e, rows_b, active, jstart, jend, ntiles, lo, hi = _block_rows(
+            lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b], lens[L_ROWS, b],
+            i0, i, BQ, BKV)
+        k_base, v_base = boff[T_K, b] + g * strides[T_K, 0], boff[T_V, b] + g * strides[T_V, 0]
+        m, l = F32_NEG_INF, F32_ZERO                 # the row's running max and sum
         nan_row = False
         if active:
             q_off = boff[T_Q, b] + n * strides[T_Q, 0] + i * strides[T_Q, 1]
@@ -259,16 +250,13 @@ def kernel_source_int8(dpad, bq, bkv):
                 acc[d] = 0
         for step in range(2):
             for t in range(ntiles):
-                j0 = jstart + t * BKV
-                nc = min(BKV, jend - j0)
-                e = tid
-                while e < nc * D:
-                    c = e // D
-                    d = e - c * D
+                j0, nc = _tile(t, jstart, jend, BKV)
+                for e in range(tid, nc * D, BQ):
+                    c, d, xv = _tile_element(e, D, v_base + j0 * strides[T_V, 1], strides[T_V, 1],
+                                             strides[T_V, 2])
                     ks[c, d] = float32(k[k_base + (j0 + c) * strides[T_K, 1] + d * strides[T_K, 2]])
                     if step == 1:
-                        vs[c, d] = float32(v[v_base + (j0 + c) * strides[T_V, 1] + d * strides[T_V, 2]])
-                    e += BQ
+                        vs[c, d] = float32(v[xv])
                 cuda.syncthreads()   # the tile is in shared memory before anyone reads it
                 if active:
                     m_off = boff[T_M, b] + i * strides[T_M, 1]
@@ -283,15 +271,15 @@ def kernel_source_int8(dpad, bq, bkv):
                         a = F32_ZERO                 # exact: |sum| < 2^24 for D <= 512
                         for d in range(D):
                             a += qv[d] * ks[c, d]
-                        s = round_f16(round_f16(a * deq1) * scale16)
+                        s = int8_score(a, deq1, scale16)
                         if has_pse:
-                            s = round_f16(s + f16_to_f32(pse[p_off + j * strides[T_P, 2]]))
+                            s = int8_score_pse(s, pse[p_off + j * strides[T_P, 2]])
                         if step == 0:
                             m = max_nan(m, s)
                         elif m != F32_NEG_INF and s != F32_NEG_INF:
                             p = exp_nonpos(s - m)
                             l += p
-                            p8 = saturate_int8(round_half_even(p * qs1))
+                            p8 = int8_weight(p, qs1)
                             if p8 != p8:
                                 nan_row = True
                             elif p8 != F32_ZERO:
@@ -301,37 +289,37 @@ def kernel_source_int8(dpad, bq, bkv):
                 cuda.syncthreads()   # every row is done with this tile before it is overwritten
 
         if i < rows_b:
-            o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
-            osd = strides[T_O, 2]
-            written = 0
-            denom = F32_ONE
-            if active and m != F32_NEG_INF:
-                written = 1
-                denom = l
-            elif active and inner_precise < 2 and lo <= hi:
+            outcome, mlo, mhi, denom = row_outcome(active, m, l, inner_precise, i, pre_e, next_e, kl)
+            o_off, osd = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1], strides[T_O, 2]
+            if outcome == ROW_MEAN:
                 # SPEC 5 for int8: every band score equal (E = 1 on the band)
-                p8 = int64(saturate_int8(round_half_even(qs1)))
+                p8f = int8_weight(F32_ONE, qs1)
+                nan_row = p8f != p8f                      # quant_scale1 NaN: a NaN row
+                p8 = int64(0) if nan_row else int64(p8f)
                 for d in range(D):
                     acc[d] = 0
-                for j in range(lo, hi + 1):
+                for j in range(mlo, mhi + 1):
                     off = v_base + j * strides[T_V, 1]
                     for d in range(D):
                         acc[d] += p8 * int64(v[off + d * strides[T_V, 2]])
-                written = 1
-                denom = float32(hi - lo + 1)
+            if nan_row:
+                denom = F32_NAN                           # int8_out_f16's NaN-row flag
             for d in range(D):
-                x = deq2 * float32(acc[d]) / denom if written else F32_ZERO
-                if nan_row:
-                    x = x + (F32_POS_INF - F32_POS_INF)   # NaN
+                # deq2 * acc / denom rounded once to float16 (exact), the CPU's procedure;
+                # rows with nothing written are +0 (SPEC 5)
+                h = int8_out_f16(acc[d], deq2, denom) if outcome != ROW_ZERO else uint16(0)
                 if ocode == CODE_I8:
+                    # quantized from the stored float16 value, as on the CPU
                     ch = n * D + d if scale2.shape[0] > 1 else 0
-                    y = quantize_output(x, scale2[ch], offset2[ch]) if written else F32_ZERO
+                    y = F32_ZERO
+                    if outcome != ROW_ZERO:
+                        y = quantize_output(f16_to_f32(h), scale2[ch], offset2[ch])
                     out[o_off + d * osd] = y
                 else:
-                    out[o_off + d * osd] = f32_to_f16(x)
+                    out[o_off + d * osd] = h
             if want_lse:
                 l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
-                lse[l_off] = lse_value(m, l) if active else F32_NEG_INF
+                lse[l_off] = lse_value(m, l, 0) if active else F32_NEG_INF
 
     return attention_int8
 

@@ -3,10 +3,9 @@ results of the query's kind."""
 import numpy as np
 from numba import cuda
 
+from .._kernel_args import L_ROWS, kernel_args
 from .arrays import array_kind, to_kind
 from .kernels import kernel_for, launch_config
-from .._geometry import geometry, scale_factors
-from .._core import CODE_F16, CODE_I8
 
 
 class _DeviceSpan:
@@ -42,10 +41,7 @@ def run(p, meta=None, query=None):
     ``meta`` is None for NumPy inputs (copied in; NumPy results), or the :class:`_arrays.Meta`
     the plan's arrays were made with (CUDA inputs read in place; results of ``query``'s kind).
     """
-    from .._geometry import storage
     on_device = meta is not None
-    int8_in = p.dtype == np.int8
-    int8_out = p.quant is not None and p.quant.out_dtype == np.int8
     out_host = np.empty(p.out_shape, dtype=p.out_dtype)
     lse_host = np.empty(p.lse_shape, dtype=np.float32)
     if out_host.size == 0 or p.B == 0:
@@ -53,7 +49,7 @@ def run(p, meta=None, query=None):
         lse_host[...] = -np.inf
         return _finish(out_host, lse_host if p.want_lse else None, on_device, query, p)
 
-    qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out_host, lse_host)
+    a = kernel_args(p, out_host, lse_host)
 
     def dev(flat, original):
         if original is None or not on_device:
@@ -61,12 +57,12 @@ def run(p, meta=None, query=None):
         ptr, owner = meta.device_pointer(flat)
         return cuda.as_cuda_array(_DeviceSpan(ptr, flat.size, flat.dtype, owner))
 
-    d_q, d_k, d_v = dev(qf, p.q), dev(kf, p.k), dev(vf, p.v)
-    d_m8 = dev(mask8, p.mask if p.mask is not None and p.mask.dtype != np.float16 else None)
-    d_m16 = dev(mask16, p.mask if p.mask is not None and p.mask.dtype == np.float16 else None)
-    d_pse = dev(pse, p.pse)
+    d_q, d_k, d_v = dev(a.q, p.q), dev(a.k, p.k), dev(a.v, p.v)
+    d_m8 = dev(a.mask8, p.mask if p.mask is not None and p.mask.dtype != np.float16 else None)
+    d_m16 = dev(a.mask16, p.mask if p.mask is not None and p.mask.dtype == np.float16 else None)
+    d_pse = dev(a.pse, p.pse)
 
-    out_storage = np.int8 if int8_out else storage(p.out_dtype)
+    out_storage = a.out.dtype
     if on_device:
         out_dev = _output_like(query, p.out_shape, p.out_dtype)
         lse_dev = _output_like(query, p.lse_shape, np.float32) if p.want_lse else \
@@ -74,31 +70,16 @@ def run(p, meta=None, query=None):
         d_out = _flat_device(out_dev, out_storage)
         d_lse = _flat_device(lse_dev, np.float32)
     else:
-        d_out = cuda.device_array(o_flat.size, dtype=out_storage)
-        d_lse = cuda.device_array(lse_host.size if p.want_lse else 1, dtype=np.float32)
+        d_out = cuda.device_array(a.out.size, dtype=out_storage)
+        d_lse = cuda.device_array(a.lse.size if p.want_lse else 1, dtype=np.float32)
 
     dpad, bq, bkv = launch_config(p)
-    rows = np.full(p.B, p.Sq, np.int64) if not p.packed else p.qlen.astype(np.int64)
-    lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e, rows]).astype(np.int64)
-    qtiles = max(1, -(-int(rows.max()) // bq))
-    ocode = CODE_I8 if int8_out else (CODE_F16 if int8_in else p.code)
-    params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None, p.inner_precise,
-                       p.want_lse, 0, 0, 0, ocode, 0, 0, 0], dtype=np.int64)
-    if int8_in:
-        q_ = p.quant
-        fparams = np.array([q_.deq1, np.float16(p.scale), q_.quant1, q_.deq2], np.float32)
-    else:
-        fparams = scale_factors(p.scale)
-    if int8_out:   # float16-rounded output quantization scales, 1 or H values
-        s2 = p.quant.scale2.astype(np.float16).astype(np.float32)
-        o2 = p.quant.offset2.astype(np.float16).astype(np.float32)
-    else:
-        s2 = o2 = np.zeros(1, np.float32)
-    kern = kernel_for(dpad, bq, bkv, int8=int8_in)
+    qtiles = max(1, -(-int(a.lens[L_ROWS].max()) // bq))
+    kern = kernel_for(dpad, bq, bkv, int8=p.dtype == np.int8)
     grid = (p.B * qtiles, p.N)
-    kern[grid, bq](d_q, d_k, d_v, d_out, d_lse, d_m8, d_m16, d_pse, cuda.to_device(strides),
-                   cuda.to_device(boff), cuda.to_device(lens), cuda.to_device(params), qtiles,
-                   cuda.to_device(fparams), cuda.to_device(s2), cuda.to_device(o2))
+    kern[grid, bq](d_q, d_k, d_v, d_out, d_lse, d_m8, d_m16, d_pse, *map(cuda.to_device, (
+        a.strides, a.boff, a.lens, a.params)), qtiles, *map(cuda.to_device, (
+            a.fparams, a.scale2, a.offset2)))
     cuda.synchronize()
     if on_device:
         return out_dev, (lse_dev if p.want_lse else None)

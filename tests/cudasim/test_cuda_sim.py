@@ -173,3 +173,101 @@ def test_float_inputs_int8_output(dt):
     assert got.dtype == np.int8
     assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
     assert np.all(got[1, :, 2:] == 0)            # rows >= qL stay 0, not round(offset)
+
+
+INT8_CASES = {
+    # name: (B, N, Nkv, Sq, Skv, D, sparse_mode, inner_precise, lengths, NaN in pse)
+    "mask-mean-rows-ip0": (1, 2, 2, 5, 7, 32, 1, 0, None, False),
+    "gqa-lengths-ip1": (2, 4, 2, 6, 9, 32, 0, 1, ([6, 3], [9, 4]), False),
+    "d64-causal-ip0": (1, 2, 1, 7, 8, 64, 2, 0, None, False),
+    "nan-row-ip2": (1, 2, 2, 5, 6, 32, 1, 2, None, True),
+}
+
+
+@pytest.mark.parametrize("out", ["fp16", "int8"])
+@pytest.mark.parametrize("case", list(INT8_CASES))
+def test_int8_pipeline_cpu_and_cuda_bit_identical(case, out):
+    """Both backends turn deq2 * (P8 . V) / l into float16 with _core.int8_out_f16, one exact
+    rounding, so their float16 (and int8) outputs agree bit for bit, fully masked rows
+    (SPEC 5 means) and NaN rows included."""
+    from pfa_numba import reference
+    from test_quant import assert_fp16_close, assert_int8_close
+    b, n, nkv, sq, skv, d, mode, ip, lengths, nan = INT8_CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case + out)))
+    q = rng.integers(-128, 128, (b, n, sq, d), dtype=np.int8)
+    k = rng.integers(-128, 128, (b, nkv, skv, d), dtype=np.int8)
+    v = rng.integers(-128, 128, (b, nkv, skv, d), dtype=np.int8)
+    mask = rng.random((b, 1, sq, skv)) < 0.3
+    mask[0, 0, 1] = True                                  # a fully masked row
+    if mode == 2:
+        mask = np.triu(np.ones((2048, 2048), bool), 1)
+    pse = (rng.standard_normal((1, n, sq, skv)) * 2).astype(np.float16)
+    if nan:
+        pse[0, 1, 3, 2] = np.nan                          # row 3 of head 1 is NaN
+    kw = dict(deq_scale1=np.array([3.0 / (np.sqrt(d) * 5000)], np.float32),
+              quant_scale1=np.array([127.0], np.float32),
+              deq_scale2=np.array([rng.uniform(0.002, 0.02)], np.float32),
+              num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", sparse_mode=mode,
+              inner_precise=ip)
+    if out == "int8":
+        kw["quant_scale2"] = rng.uniform(0.5, 2, (n, d)).astype(np.float32)
+        kw["quant_offset2"] = rng.uniform(-3, 3, (n, d)).astype(np.float32)
+    args = (q, k, v, mask) + (lengths or (None, None)) + (pse,)
+    cpu = prompt_flash_attention(*args, **kw, device="cpu")
+    gpu = prompt_flash_attention(*args, **kw, device="cuda")
+    want = reference.prompt_flash_attention(*args, **kw)
+    if out == "fp16":
+        assert cpu.dtype == gpu.dtype == np.float16
+        assert np.array_equal(cpu.view(np.uint16), gpu.view(np.uint16))
+        assert_fp16_close(gpu, want, kw["deq_scale2"][0], v)
+        if ip < 2:
+            assert np.any(gpu[0, :, 1] != 0)              # the SPEC 5 mean row
+        if nan:
+            assert np.isnan(gpu[0, 1, 3]).all() and not np.isnan(gpu[0, 0]).any()
+    else:
+        assert cpu.dtype == gpu.dtype == np.int8
+        assert np.array_equal(cpu, gpu)
+        assert_int8_close(gpu, want)
+        if nan:
+            assert np.all(gpu[0, 1, 3] == 0)              # NaN quantizes to 0
+
+
+def test_int8_mean_row_near_float16_midpoints(monkeypatch):
+    """A SPEC 5 mean row whose exact values lie 1/cnt away from float16 midpoints, where a
+    float32 evaluation of deq2 * A / cnt (float32(A) alone rounds A > 2^24) lands on the
+    midpoint and ties the wrong way: both backends give the exact rounding."""
+    from fractions import Fraction
+    monkeypatch.setattr(config, "CUDA_KV_COLS", 256)
+    cnt, d = 3000, 32
+    rng = np.random.default_rng(12)
+    v = rng.integers(-128, 128, (1, 1, cnt, d), dtype=np.int8)
+    mids = []
+    for ch in range(8):                       # A = P8 * S = M * cnt +- 1, M a float16 midpoint
+        pm = 1 if ch % 2 else -1
+        for j in range(ch * 50, 1000):
+            mid = 8196 + 8 * j                    # odd multiples of 4 in [8192, 16384)
+            if (mid * cnt + pm) % 127 == 0:
+                break
+        s = (mid * cnt + pm) // 127
+        col = np.full(cnt, s // cnt, np.int64)
+        col[:s - col.sum()] += 1
+        v[0, 0, :, ch] = col
+        mids.append(s * 127)
+    q = rng.integers(-128, 128, (1, 1, 2, d), dtype=np.int8)
+    k = rng.integers(-128, 128, (1, 1, cnt, d), dtype=np.int8)
+    mask = np.zeros((2, cnt), bool)
+    mask[0] = True                            # row 0: the mean over all cnt columns
+    kw = dict(deq_scale1=np.array([1e-6], np.float32), quant_scale1=np.array([127.0], np.float32),
+              deq_scale2=np.array([2.0 ** -10], np.float32), num_heads=1, input_layout="BNSD",
+              sparse_mode=0, pre_tokens=cnt, next_tokens=cnt, inner_precise=0)
+    cpu = prompt_flash_attention(q, k, v, mask, **kw, device="cpu")
+    gpu = prompt_flash_attention(q, k, v, mask, **kw, device="cuda")
+    assert np.array_equal(cpu.view(np.uint16), gpu.view(np.uint16))
+    exact = [np.float16(0)] * 8
+    for ch, a in enumerate(mids):
+        x = Fraction(a, cnt) / 1024
+        lo = Fraction(float(np.float16(float(x))))    # within an ulp; pick the nearest exactly
+        cands = [np.float16(float(lo)), np.nextafter(np.float16(float(lo)), np.float16(np.inf)),
+                 np.nextafter(np.float16(float(lo)), np.float16(-np.inf))]
+        exact[ch] = min(cands, key=lambda h: abs(Fraction(float(h)) - x))
+    assert np.array_equal(gpu[0, 0, 0, :8], np.array(exact, np.float16))

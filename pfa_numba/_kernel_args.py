@@ -1,0 +1,191 @@
+"""The kernels' arguments, built once for both targets.
+
+:func:`kernel_args` turns a planned problem and its output arrays into a :class:`KernelArgs`:
+every tensor as a flat read-only array over its memory (no copy), element offsets per batch and
+element strides in the (7, 3) ``strides`` and (7, B) ``boff`` arrays (rows ``T_*``), the
+per-batch lengths and band edges in ``lens`` (rows ``L_*``), the integer ``params`` (slots
+``P_*``; the CPU's tiling slots are 0 on CUDA), the float32 ``fparams`` (slots ``F_*``) and the
+float16-rounded output quantization scales. The CPU and CUDA kernels index them by these names.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from ._core import CODE_BF16, CODE_F16, CODE_F32, CODE_I8
+from ._dtypes import F16, is_bf16
+
+# rows of the geometry arrays (strides: (7, 3) int64 in elements; boff: (7, B) int64)
+T_Q, T_K, T_V, T_O, T_L, T_M, T_P = range(7)
+# rows of lens ((5, B) int64): qL, kL, preE, nextE, output rows to write (Sq, or qL for TND)
+L_QLEN, L_KLEN, L_PRE, L_NEXT, L_ROWS = range(5)
+# the params vector (int64)
+(P_N, P_G, P_D, P_CODE, P_MASK, P_PSE, P_IP, P_LSE, P_ROWS, P_COLS, P_THREADS, P_OCODE,
+ P_FLAGS, P_SUB, P_SEG, P_GEMM, P_BLAS, P_SCALE_EXP) = range(18)
+# the fparams vector (float32): scale_value as factors (see scale_factors), the int8 scales
+F_SCALE, F_SCALE2, F_DEQ1, F_SCALE16, F_QS1, F_DEQ2 = range(6)
+
+
+def readonly_dummy(dtype):
+    a = np.zeros(1, dtype=dtype)
+    a.flags.writeable = False
+    return a
+
+
+def flat_view(x, storage):
+    """A read-only 1-D array over the memory of strided ``x`` (no copy), with the element offset
+    of ``x[0, ..., 0]`` in it and ``x``'s strides in elements.
+
+    ``storage`` reinterprets the elements (uint16 for fp16/bf16, uint8 for bool masks)."""
+    x = x.view(storage)
+    if x.size == 0:
+        return readonly_dummy(storage), 0, (0,) * x.ndim
+    it = x.itemsize
+    if any(s % it for s in x.strides) or not x.flags.aligned:
+        x = np.ascontiguousarray(x)  # exotic byte strides only; ordinary views never copy
+    lo = sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s > 0)
+    corner = x[tuple(slice(n - 1, n) if s < 0 else slice(0, 1) for n, s in zip(x.shape, x.strides))]
+    flat = as_strided(corner, shape=((hi - lo) // it + 1,), strides=(it,), writeable=False)
+    return flat, -lo // it, tuple(s // it for s in x.strides)
+
+
+def storage(dtype):
+    """How the kernels see elements of ``dtype``: uint16 bits for float16/bfloat16."""
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 2 and dtype.kind != "u":
+        return np.uint16
+    return dtype.type
+
+
+def storage_code(dtype):
+    """The CODE_* of query/key/value elements of ``dtype`` (int8 is read as float32 values)."""
+    if np.dtype(dtype) == F16:
+        return CODE_F16
+    if is_bf16(dtype):
+        return CODE_BF16
+    return CODE_F32
+
+
+def output_code(dtype):
+    """The CODE_* a kernel writes an output array of ``dtype`` with."""
+    return CODE_I8 if np.dtype(dtype) == np.int8 else storage_code(dtype)
+
+
+def geometry(p, out, lse):
+    """Flat arrays, (7, 3) strides and (7, B) batch offsets for the kernels."""
+    st = storage(p.dtype)
+    strides = np.zeros((7, 3), np.int64)
+    boff = np.zeros((7, max(p.B, 1)), np.int64)
+    bidx = np.arange(p.B, dtype=np.int64)
+
+    def put(row, x, storage, start=None):
+        flat, origin, s = flat_view(x, storage)
+        if start is None:   # padded: x is (B|1, ...)
+            boff[row, :p.B] = origin + bidx * (s[0] if x.shape[0] > 1 else 0)
+            strides[row, :x.ndim - 1] = s[1:]
+        else:               # packed TND: x is (T, N, D); batch b starts at row start[b]
+            boff[row, :p.B] = origin + start * s[0]
+            strides[row, :3] = [s[1], s[0], s[2]]
+        return flat
+
+    qf = put(T_Q, p.q, st, p.q_start)
+    kf = put(T_K, p.k, st, p.kv_start)
+    vf = put(T_V, p.v, st, p.kv_start)
+
+    ov = p.out_view(out)
+    o_flat = out.reshape(-1).view(storage(out.dtype))
+    o_s = [s // out.itemsize for s in ov.strides]
+    if p.packed:
+        boff[T_O, :p.B] = p.q_start * o_s[0]
+        strides[T_O] = [o_s[1], o_s[0], o_s[2]]
+    else:
+        boff[T_O, :p.B] = bidx * o_s[0]
+        strides[T_O] = o_s[1:]
+    lv = p.lse_view(lse)
+    l_s = [s // 4 for s in lv.strides]
+    if p.packed:
+        boff[T_L, :p.B] = p.q_start * l_s[0]
+        strides[T_L, :2] = [l_s[1], l_s[0]]
+    else:
+        boff[T_L, :p.B] = bidx * l_s[0]
+        strides[T_L, :2] = l_s[1:]
+
+    mask8, mask16 = readonly_dummy(np.uint8), readonly_dummy(np.uint16)
+    if p.mask is not None:
+        if p.mask.dtype == np.float16:
+            mask16 = put(T_M, p.mask[:, None], np.uint16)
+        else:
+            mask8 = put(T_M, p.mask[:, None], np.uint8)
+    pse = readonly_dummy(np.uint16 if p.dtype == np.int8 else st)
+    if p.pse is not None:
+        pse = put(T_P, p.pse, storage(p.pse.dtype))
+    return qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff
+
+
+
+
+def scale_factors(scale):
+    """scale_value as (s1, s2, e): the kernels scale Q by float32 s1 and s2 and the differences
+    of the scores from their running max by 2^e, so that s = scale * dot = s1 * s2 * 2^e * dot.
+
+    Ordinary scales give (float32(scale), 1, 0). A finite scale below float32's range is split
+    into two factors of Q (s2 a power of two), so that q * s1 * s2 does not underflow where
+    q * scale is representable; one beyond 2^100 keeps its power of two e for the differences
+    (scores beyond float32's range still have a finite softmax and lse = m * 2^e + log(l))."""
+    if scale == 0.0 or 2.0 ** -100 <= abs(scale) <= 2.0 ** 100:
+        return np.float32(scale), np.float32(1.0), 0
+    log2 = float(np.log2(abs(scale)))
+    e = int(np.round(log2 / 2))
+    if e < 0:
+        return np.float32(scale / 2.0 ** e), np.float32(2.0 ** e), 0
+    e = max(e, int(np.ceil(log2)) - 100)      # s1 <= 2^100 even for scales up to 2^1024
+    return np.float32(scale / 2.0 ** e), np.float32(1.0), e
+
+
+@dataclass
+class KernelArgs:
+    """What a kernel reads and writes besides its own buffers (host arrays; the CUDA backend
+    copies or maps them to the device)."""
+    q: np.ndarray            # flat storage of query / key / value
+    k: np.ndarray
+    v: np.ndarray
+    out: np.ndarray          # flat storage of the output array given
+    lse: np.ndarray          # flat float32
+    mask8: np.ndarray        # flat user mask (bool / int8 / uint8), or a dummy
+    mask16: np.ndarray       # flat float16 additive mask bits, or a dummy
+    pse: np.ndarray          # flat pse_shift storage, or a dummy
+    strides: np.ndarray
+    boff: np.ndarray
+    lens: np.ndarray
+    params: np.ndarray
+    fparams: np.ndarray
+    scale2: np.ndarray       # float16-rounded quant_scale2 (1 or H values; 0 when unused)
+    offset2: np.ndarray
+
+
+def kernel_args(p, out, lse, want_lse=None, flags=False, rows=0, cols=0, threads=0, sub=0,
+                seg=0, gemm=0, blas=0):
+    """The :class:`KernelArgs` of planned problem ``p`` writing ``out`` (in the output layout;
+    its dtype gives the output code) and ``lse``. ``want_lse`` (default: the caller's) and
+    ``flags`` (mark the rows computed) are the backend's; the rest are the CPU's tiling: query
+    rows per work item and head, kv columns per tile, threads, rows per row segment of cut and
+    inside tiles, register-block products (1) and the BLAS sgemm address."""
+    q, k, v, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out, lse)
+    rows_b = np.full(p.B, p.Sq, np.int64) if not p.packed else p.qlen
+    lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e, rows_b]).astype(np.int64)
+    s1, s2, post = scale_factors(p.scale)
+    params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None, p.inner_precise,
+                       p.want_lse if want_lse is None else want_lse, rows, cols, threads,
+                       output_code(out.dtype), flags, sub, seg, gemm, blas, post], np.int64)
+    fparams = np.zeros(6, np.float32)
+    fparams[F_SCALE], fparams[F_SCALE2] = s1, s2
+    if p.quant is not None and p.dtype == np.int8:
+        fparams[[F_DEQ1, F_SCALE16, F_QS1, F_DEQ2]] = (p.quant.deq1, np.float16(p.scale),
+                                                       p.quant.quant1, p.quant.deq2)
+    scale2 = offset2 = np.zeros(1, np.float32)
+    if p.quant is not None and p.quant.out_dtype == np.int8:
+        scale2 = p.quant.scale2.astype(np.float16).astype(np.float32)
+        offset2 = p.quant.offset2.astype(np.float16).astype(np.float32)
+    return KernelArgs(q, k, v, o_flat, lse.reshape(-1), mask8, mask16, pse, strides, boff, lens,
+                      params, fparams, scale2, offset2)
