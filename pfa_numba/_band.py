@@ -24,10 +24,10 @@ user mask discards.
 
 Host side: :func:`band_edges` builds the per-batch edges for the kernels; :func:`shifted_edges`
 and :func:`tokens_for_edges` give the tokens that keep the same band over a kv range of a split
-problem.
-Kernel side (inlined into the CPU and CUDA kernels alike): :func:`row_band` (from
-:func:`band_lo` and :func:`band_hi`) and the tile tests
-:func:`block_kv_range`, :func:`tile_inside_band`.
+problem. Kernel side (inlined into the CPU and CUDA kernels alike): :func:`row_band` (from
+:func:`band_lo` and :func:`band_hi`), the tile tests :func:`block_kv_range` and
+:func:`tile_inside_band`, and SPEC 5's rule for a row that kept nothing,
+:func:`fully_masked_band` and :func:`row_outcome`.
 """
 import numpy as np
 
@@ -45,9 +45,9 @@ def tokens_to_band(value):
     return None if value >= TOKENS_INF else value
 
 
-def uses_tokens(sparse_mode, has_mask):
-    """Whether pre_tokens / next_tokens shape the band of this mode (0 with a mask, and 4)."""
-    return sparse_mode == 4 or (sparse_mode == 0 and has_mask)
+def reads_user_mask(sparse_mode, has_mask):
+    """Whether the mode drops what a user attn_mask discards: 1, and 0 with a mask."""
+    return sparse_mode == 1 or (sparse_mode == 0 and has_mask)
 
 
 def band_edges(sparse_mode, has_mask, pre_tokens, next_tokens, qlen, klen):
@@ -125,14 +125,14 @@ ROW_ZERO, ROW_SOFTMAX, ROW_MEAN = 0, 1, 2
 
 
 @jit
-def row_outcome(computed, m, l, inner_precise, i, pre_e, next_e, kl):
+def row_outcome(active, m, l, inner_precise, i, pre_e, next_e, kl):
     """What query row i holds when it is finished, with running max m and sum l: ROW_ZERO for
-    a row that is not computed (i >= qL); ROW_SOFTMAX when it kept a score; else ROW_MEAN of V
+    a row that is not active (i >= qL); ROW_SOFTMAX when it kept a score; else ROW_MEAN of V
     over its band or ROW_ZERO, by SPEC 5's rule in :func:`fully_masked_band`. Returns
     (outcome, lo, hi, divisor): [lo, hi] the band of a ROW_MEAN row, and what the row's sums
     are divided by (l, or the band's column count)."""
     lo, hi = fully_masked_band(inner_precise, i, pre_e, next_e, kl)
-    if not computed:
+    if not active:
         return ROW_ZERO, lo, hi, np.float32(1.0)
     if m != F32_NEG_INF:
         return ROW_SOFTMAX, lo, hi, np.float32(l)

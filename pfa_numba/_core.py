@@ -3,7 +3,7 @@
 Each function here is a small scalar helper compiled with ``@njit(inline='always')``:
 Numba inlines it at the IR level into whichever kernel calls it, so the same source compiles
 into the CPU kernel (``@njit(parallel=True)``) and into the CUDA kernel (``@cuda.jit``). That is
-also why they use only float32/int32/uint32 arithmetic with ``np.float32`` constants (a bare
+also why they use only float32 and integer arithmetic with ``np.float32`` constants (a bare
 ``0.0`` or ``math.inf`` would make GPU code fp64) and no allocation or NumPy array functions.
 Float arguments are cast with ``np.float32`` on entry: a no-op in compiled code, and what keeps
 the CUDA simulator (which calls these from Python, where results come back as Python floats)
@@ -398,13 +398,18 @@ def max_nan(a, b):
 
 @jit
 def times_pow2(x, e):
-    """x * 2^e for an integer e >= 0, exact until it overflows to +-inf (0 stays 0, NaN NaN):
-    the exponent of a scale_value beyond float32's range, applied to score differences."""
+    """x * 2^e for an integer e, exact until it overflows to +-inf or leaves the normal range
+    (0 stays 0, NaN NaN): the exponent of a scale_value beyond float32's range, applied to
+    score differences (e > 0) and to what is added to the scaled-down scores (e < 0)."""
     x = np.float32(x)
     while e > 0:
         step = min(e, 126)
         x = x * pow2_f32(np.float32(step))
         e -= step
+    while e < 0:
+        step = min(-e, 126)
+        x = x * pow2_f32(np.float32(-step))
+        e += step
     return x
 
 

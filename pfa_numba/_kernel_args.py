@@ -79,8 +79,8 @@ def geometry(p, out, lse):
     boff = np.zeros((7, max(p.B, 1)), np.int64)
     bidx = np.arange(p.B, dtype=np.int64)
 
-    def put(row, x, storage, start=None):
-        flat, origin, s = flat_view(x, storage)
+    def put(row, x, as_type, start=None):
+        flat, origin, s = flat_view(x, as_type)
         if start is None:   # padded: x is (B|1, ...)
             boff[row, :p.B] = origin + bidx * (s[0] if x.shape[0] > 1 else 0)
             strides[row, :x.ndim - 1] = s[1:]
@@ -123,8 +123,6 @@ def geometry(p, out, lse):
     return qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff
 
 
-
-
 def scale_factors(scale):
     """scale_value as (s1, s2, e): the kernels scale Q by float32 s1 and s2 and the differences
     of the scores from their running max by 2^e, so that s = scale * dot = s1 * s2 * 2^e * dot.
@@ -132,15 +130,27 @@ def scale_factors(scale):
     Ordinary scales give (float32(scale), 1, 0). A finite scale below float32's range is split
     into two factors of Q (s2 a power of two), so that q * s1 * s2 does not underflow where
     q * scale is representable; one beyond 2^100 keeps its power of two e for the differences
-    (scores beyond float32's range still have a finite softmax and lse = m * 2^e + log(l))."""
+    (scores beyond float32's range still have a finite softmax and lse = m * 2^e + log(l)),
+    and what is added to the scores (pse, the float16 mask) is scaled by 2^-e to match:
+    exactly while |scale| < 2^190, with less precision up to 2^213, not at all beyond (where it
+    could only tell apart scores that are equal in float32)."""
     if scale == 0.0 or 2.0 ** -100 <= abs(scale) <= 2.0 ** 100:
         return np.float32(scale), np.float32(1.0), 0
     log2 = float(np.log2(abs(scale)))
-    e = int(np.round(log2 / 2))
-    if e < 0:
+    if log2 < 0:
+        e = int(np.round(log2 / 2))
         return np.float32(scale / 2.0 ** e), np.float32(2.0 ** e), 0
-    e = max(e, int(np.ceil(log2)) - 100)      # s1 <= 2^100 even for scales up to 2^1024
+    e = int(np.ceil(log2)) - 64               # s1 in (2^63, 2^64]
     return np.float32(scale / 2.0 ** e), np.float32(1.0), e
+
+
+def output_scales(quant):
+    """quant_scale2 and quant_offset2 rounded to float16 (SPEC 8), as float32: 1 or H values
+    each (one 0 each without an int8 output)."""
+    if quant is None or quant.out_dtype != np.int8:
+        return np.zeros(1, np.float32), np.zeros(1, np.float32)
+    return (quant.scale2.astype(np.float16).astype(np.float32),
+            quant.offset2.astype(np.float16).astype(np.float32))
 
 
 @dataclass
@@ -164,11 +174,11 @@ class KernelArgs:
     offset2: np.ndarray
 
 
-def kernel_args(p, out, lse, want_lse=None, flags=False, rows=0, cols=0, threads=0, sub=0,
-                seg=0, gemm=0, blas=0):
+def kernel_args(p, out, lse, flags=False, rows=0, cols=0, threads=0, sub=0, seg=0, gemm=0,
+                blas=0):
     """The :class:`KernelArgs` of planned problem ``p`` writing ``out`` (in the output layout;
-    its dtype gives the output code) and ``lse``. ``want_lse`` (default: the caller's) and
-    ``flags`` (mark the rows computed) are the backend's; the rest are the CPU's tiling: query
+    its dtype gives the output code) and ``lse``. ``flags`` (mark the rows computed, for a
+    second pass) is the backend's choice; the rest are the CPU's tiling: query
     rows per work item and head, kv columns per tile, threads, rows per row segment of cut and
     inside tiles, register-block products (1) and the BLAS sgemm address."""
     q, k, v, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out, lse)
@@ -176,16 +186,13 @@ def kernel_args(p, out, lse, want_lse=None, flags=False, rows=0, cols=0, threads
     lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e, rows_b]).astype(np.int64)
     s1, s2, post = scale_factors(p.scale)
     params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None, p.inner_precise,
-                       p.want_lse if want_lse is None else want_lse, rows, cols, threads,
+                       p.want_lse, rows, cols, threads,
                        output_code(out.dtype), flags, sub, seg, gemm, blas, post], np.int64)
     fparams = np.zeros(6, np.float32)
     fparams[F_SCALE], fparams[F_SCALE2] = s1, s2
     if p.quant is not None and p.dtype == np.int8:
         fparams[[F_DEQ1, F_SCALE16, F_QS1, F_DEQ2]] = (p.quant.deq1, np.float16(p.scale),
                                                        p.quant.quant1, p.quant.deq2)
-    scale2 = offset2 = np.zeros(1, np.float32)
-    if p.quant is not None and p.quant.out_dtype == np.int8:
-        scale2 = p.quant.scale2.astype(np.float16).astype(np.float32)
-        offset2 = p.quant.offset2.astype(np.float16).astype(np.float32)
+    scale2, offset2 = output_scales(p.quant)
     return KernelArgs(q, k, v, o_flat, lse.reshape(-1), mask8, mask16, pse, strides, boff, lens,
                       params, fparams, scale2, offset2)

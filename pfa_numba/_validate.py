@@ -16,9 +16,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ._band import TOKENS_INF, tokens_to_band
-from ._dtypes import F16, F32, I8, dtype_name, is_bf16
+from ._band import TOKENS_INF, reads_user_mask, tokens_to_band
 from ._core import MASK_ADD_F16, MASK_DISCARD, MASK_NONE
+from ._dtypes import F16, F32, I8, dtype_name, is_bf16
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -389,8 +389,7 @@ def validate(call, stage=None):
 
     if layout == "TND":
         batch, sq, skv, qlen, klen, q_start, kv_start = _packed_lengths(call, query, key, value)
-        user_mask_given = sparse_mode == 1 or (sparse_mode == 0 and attn_mask is not None)
-        if user_mask_given:
+        if reads_user_mask(sparse_mode, attn_mask is not None):
             raise RuntimeError(f"input_layout 'TND' supports no user attn_mask (sparse_mode 0 "
                                f"with a mask, or 1); got sparse_mode {sparse_mode} with attn_mask "
                                f"of shape {shape_str(attn_mask.shape) if attn_mask is not None else None}")
@@ -593,11 +592,6 @@ class QuantParams:
     offset2: Optional[np.ndarray]
 
 
-def _scale_array(name, x):
-    check_array(name, x)
-    return x
-
-
 def decode_deq_scale(x):
     """deq_scale as float32: uint64 is Ascend's packed form float32_from_bits(u64 & 0xFFFFE000)."""
     if x.dtype == np.uint64:
@@ -608,9 +602,7 @@ def decode_deq_scale(x):
 
 def _quant(dtype, quant, n, d):
     """Check the quantization arguments against SPEC 8's table; decode them."""
-    given = {k: x for k, x in quant.items() if x is not None}
-    for name, x in given.items():
-        _scale_array(name, x)
+    given = {name: check_array(name, x) for name, x in quant.items() if x is not None}
     if dtype == I8:
         out_int8 = "quant_scale2" in given
         required = ["deq_scale1", "quant_scale1", "deq_scale2"] + (["quant_scale2"] if out_int8 else [])

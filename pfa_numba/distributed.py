@@ -22,7 +22,7 @@ layouts (not TND), no quantization.
 import numpy as np
 
 from . import _validate as V
-from ._band import TOKENS_INF as INF, shifted_edges, tokens_for_edges
+from ._band import TOKENS_INF as INF, reads_user_mask, shifted_edges, tokens_for_edges
 from .api import prompt_flash_attention as _pfa
 from .merge import merge_attention
 
@@ -73,7 +73,7 @@ def prompt_flash_attention(client, query, key, value, attn_mask=None, actual_seq
     qlen, klen = p.qlen, p.klen
     axis_q = _kv_axis(layout)
     band_mask = np.triu(np.ones((2048, 2048), bool), 1)
-    user_mask = sparse_mode == 1 or (sparse_mode == 0 and attn_mask is not None)
+    user_mask = reads_user_mask(sparse_mode, attn_mask is not None)
 
     # batch chunks; modes 2-4 re-anchor the band per part, which needs one (qL, kL) per chunk:
     # chunks whose batches differ in length are split into single batches

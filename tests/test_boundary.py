@@ -67,6 +67,33 @@ def test_scale_beyond_float32_range_gives_the_finite_softmax(dtype, scale):
         np.testing.assert_allclose(lse, want.astype(np.float32), rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("scale", [1e39, -3e45, 1e55])
+def test_scale_beyond_float32_range_keeps_pse_and_the_float16_mask(dtype, scale):
+    """Scores that tie (q = 0: every dot product is 0) leave the softmax to pse and the
+    float16 additive mask, which are added at the scale of the scores whatever scale_value is."""
+    rng = np.random.default_rng(5)
+    _, k, v = qkv(rng, "BNSD", dtype, 1, 2, 2, 12, 20, 16)
+    q = np.zeros((1, 2, 12, 16), dtype)
+    pse = rng.standard_normal((1, 2, 12, 20)).astype(dtype)
+    kw = dict(KW, scale_value=scale, pse_shift=pse)
+    args = (q, k, v)
+    if dtype == np.float16:
+        mask = (rng.random((12, 20)) < 0.2).astype(np.float16) * np.float16(1e-4)
+        kw.update(sparse_mode=1)
+        args = (q, k, v, mask)
+    with pytest.warns(DeprecationWarning) if dtype == np.float16 else _no_warning():
+        out, lse = prompt_flash_attention(*args, **kw, return_softmax_lse=True)
+    assert_matches_reference(out, args, kw, dtype)
+    _, want = reference.prompt_flash_attention(*args, **kw, return_softmax_lse=True)
+    np.testing.assert_allclose(lse, want.astype(np.float32), rtol=1e-5, atol=1e-5)
+
+
+def _no_warning():
+    import contextlib
+    return contextlib.nullcontext()
+
+
 def test_int8_scale_beyond_float16_range_follows_spec_8():
     """The int8 pipeline rounds scale_value to float16 (SPEC 8): 1e300 becomes inf, and the
     kernel agrees with the reference on what that makes of every row."""

@@ -9,7 +9,7 @@ from ._jit import LEAF
 
 
 # ---------------------------------------------------------------------------------------------
-# bf16 and float16 on AMX: tile products in bf16 tile registers, the softmax as above
+# bf16 and float16 on AMX: the operands of the tile products
 # ---------------------------------------------------------------------------------------------
 
 @njit(inline="always")
@@ -212,7 +212,6 @@ def _amx_pack_v(vv, lo, src, base, row_stride, sd, nc, ncp, D, Dp, code):
     for part in range(parts):
         vv[part * lo + ((nc + 1) // 2) * 2 * Dp:part * lo + (ncp // 2) * 2 * Dp] = 0
     return ex
-
 
 
 #: AMX reads bf16 subnormals as zero and flushes products below float32's normal range (2^-126)

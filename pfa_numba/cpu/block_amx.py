@@ -101,12 +101,12 @@ def _block_amx(ins, outs, extras, geo, scales, item, bufs, tb, state):
     return True
 
 
-
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work,
                    params, scales):
-    """:func:`_attention` for bf16 and float16 storage on AMX; a work item AMX could get wrong
-    (see :func:`_block_amx`) is computed by :func:`_block` instead."""
+    """:func:`~.block_f32._attention` for bf16 and float16 storage on AMX; a work item AMX
+    could get wrong (see :func:`_block_amx`) is computed by :func:`~.block_f32._block`
+    instead."""
     D, rows, tk, nthr, n_items = _sizes(params, work)
     Rp = padded(rows)
     Cp = padded(tk)

@@ -3,8 +3,8 @@ against it and accumulates P8 . V exactly."""
 import numpy as np
 from numba import njit, prange
 from .._band import ROW_MEAN, ROW_SOFTMAX, row_outcome, tile_inside_band
-from .._core import (CODE_F16, CODE_F32, F32_NAN, F32_NEG_INF, F32_ONE, F32_ZERO, exp_nonpos,
-                     int8_out_f16, int8_score, int8_score_pse, int8_weight, lse_value, max_nan)
+from .._core import (CODE_F16, CODE_F32, F32_NAN, F32_NEG_INF, F32_ONE, F32_ZERO, int8_out_f16,
+                     int8_score, int8_score_pse, int8_weight, lse_value, max_nan, softmax_weight)
 from .._kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE16, P_BLAS, P_COLS, P_D, P_FLAGS, P_G,
                             P_IP, P_LSE, P_MASK, P_PSE, T_K, T_Q, T_V)
 from ._blas import gemm_rm, scratch
@@ -38,13 +38,15 @@ def _int8_scores(s2, r, nc, deq1, scale16, pse, where, has_pse):
 @njit(cache=True, _nrt=False)     # no fast-math: the CUDA kernel's weights and sums, in order
 def _int8_weights(s2, r, nc, m, qs1, l):
     """The row's scores s2[r, :nc] -> their quantized softmax weights against the row max m;
-    returns the running sum l with each exp(s - m) added in column order (as the CUDA kernel
-    adds them, so both targets give the same l)."""
+    returns the running sum l with each exp(s - m) added in column order, as the CUDA kernel
+    adds them (the exp and the quantization loops vectorise; the sum stays in order)."""
     srow = s2[r]
     for c in range(nc):
-        p = exp_nonpos(srow[c] - m)
-        l = l + p
-        srow[c] = int8_weight(p, qs1)
+        srow[c] = softmax_weight(srow[c], m, 0)
+    for c in range(nc):
+        l = l + srow[c]
+    for c in range(nc):
+        srow[c] = int8_weight(srow[c], qs1)
     return l
 
 
@@ -93,7 +95,7 @@ def _block_int8(ins, outs, extras, geo, fparams, item, bufs, state, blas):
                     _int8_scores(s2, rr, nc, deq1, scale16, extras[2], where, has_pse)
                     if mask_kind != 0 or not inside:
                         _mask_row(s2, rr, nc, j0, i, band, inside, extras, where,
-                                  (mask_kind, False, CODE_F16))
+                                  (mask_kind, False, CODE_F16, F32_ONE))
                     if step == 0:
                         m[rr] = max_nan(m[rr], _row_max(s2, rr, nc, F32_ONE))
                     elif m[rr] == F32_NEG_INF:
@@ -174,7 +176,8 @@ def _finish_int8(outs, v, geo, fparams, item, i1, a2, state, computed):
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def _attention_int8(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work,
                     params, fparams):
-    """The int8 kernel: same arguments, work items and scheduling as :func:`_attention`."""
+    """The int8 kernel: same arguments, work items and scheduling as
+    :func:`~.block_f32._attention`."""
     D, rows, tk, nthr, n_items = _sizes(params, work)
     taken = np.zeros(1, np.int64)
     for t in prange(nthr):

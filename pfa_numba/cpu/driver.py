@@ -6,7 +6,7 @@ import threading
 from numba import njit, prange
 from .. import config
 from .._core import CODE_BF16, CODE_F16, CODE_F32, quantize_output, widen
-from .._kernel_args import kernel_args
+from .._kernel_args import kernel_args, output_scales, scale_factors
 from . import _amx, _gemm
 from ._blas import sgemm_address
 from .amx_pack import AMX_MAX_SCALE
@@ -52,8 +52,9 @@ def use_register_blocks():
 def use_amx(p):
     """bf16 and float16 problems run their tile products on AMX where this process can
     (config.CPU_AMX)."""
-    return (p.code in (CODE_BF16, CODE_F16) and bool(config.CPU_AMX)
-            and abs(p.scale) <= AMX_MAX_SCALE and _amx.available())
+    _, scale2, post_e = scale_factors(p.scale)     # the AMX softmax takes a single factor
+    return (p.code in (CODE_BF16, CODE_F16) and bool(config.CPU_AMX) and scale2 == 1
+            and post_e == 0 and abs(p.scale) <= AMX_MAX_SCALE and _amx.available())
 
 
 def run(p):
@@ -77,7 +78,7 @@ def run(p):
         amx = p.dtype != np.int8 and use_amx(p)
         own = use_register_blocks()
         blas = p.dtype == np.int8 or not own          # the int8 kernel's products are BLAS
-        a = kernel_args(p, out, lse, want_lse=p.want_lse or int8_out, flags=int8_out,
+        a = kernel_args(p, out, lse, flags=int8_out,
                         rows=rows_per_head, cols=kv_cols, threads=nthreads, sub=sub_rows(),
                         seg=seg_rows(amx), gemm=own, blas=sgemm_address() if blas else 0)
         flat_flags = flags.reshape(-1)
@@ -111,9 +112,7 @@ def _quantize_rows(o, code, flags, scale2, offset2, y):
 def quantize_int8_output(p, o, flags):
     """SPEC 8 output quantization of the float result ``o`` (float16 or float32, in the output
     layout) into a new int8 array; rows that are structural zeros (flags 0) stay 0."""
-    q = p.quant
-    s2 = q.scale2.astype(np.float16).astype(np.float32)
-    o2 = q.offset2.astype(np.float16).astype(np.float32)
+    s2, o2 = output_scales(p.quant)
     code = CODE_F16 if o.dtype == np.float16 else CODE_F32
     y = np.zeros(p.out_shape, dtype=np.int8)
     _quantize_rows(p.out_view(o).view(np.uint16 if code == CODE_F16 else np.float32), code,

@@ -72,8 +72,6 @@ def _work_items(p, rows_per_head):
     return work
 
 
-
-
 def tile_shape(p):
     """(query rows per work item, kv columns per tile) for problem ``p``.
 

@@ -7,8 +7,8 @@ from .._band import row_band
 from .._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_POS_INF,
                      F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32, exp_nonpos, exp_nonpos5,
                      f16_to_f32, f32_as_i32, f32_as_u32, f32_to_bf16, f32_to_f16, from_order_key,
-                     online_update, order_key, running_sum, softmax_weight, store, u32_as_f32,
-                     widen)
+                     online_update, order_key, running_sum, softmax_weight, store, times_pow2,
+                     u32_as_f32, widen)
 from .._kernel_args import (L_KLEN, L_NEXT, L_PRE, P_CODE, P_G, P_MASK, P_PSE, P_SCALE_EXP, T_L,
                             T_M, T_O, T_P)
 from ._gemm import PANEL
@@ -134,19 +134,21 @@ def _mask_row(s2, r, nc, j0, i, band, inside, extras, where, kinds):
     """Scores s2[r] of query row i over the tile's columns j0 .. j0 + nc - 1 -> pse added,
     fp16 mask added, dropped columns at -inf. band = (kL, preE, nextE); extras = (mask8,
     mask16, pse); where = (mask offset, mask column stride, pse offset, pse column stride) at
-    column j0; kinds = (mask kind, whether to add pse, storage code of pse)."""
+    column j0; kinds = (mask kind, whether to add pse, storage code of pse, the factor of what
+    is added: 1, or 2^-e for scores kept 2^e times too small, see _kernel_args.scale_factors)."""
     wide_vectors()
     kl, pre_e, next_e = band
     mask8, mask16, pse = extras
     moff, msk, poff, psk = where
-    mask_kind, has_pse, code = kinds
+    mask_kind, has_pse, code, factor = kinds
     srow = s2[r]
     if has_pse:
         for c in range(nc):
-            srow[c] += widen(pse[poff + c * psk], code)
+            srow[c] += widen(pse[poff + c * psk], code) * factor
     if mask_kind == MASK_ADD_F16:
+        mask_scale = F16_MASK_SCALE * factor
         for c in range(nc):
-            srow[c] += F16_MASK_SCALE * f16_to_f32(mask16[moff + c * msk])
+            srow[c] += mask_scale * f16_to_f32(mask16[moff + c * msk])
     lo = 0
     hi = nc - 1
     if not inside:
@@ -201,7 +203,8 @@ def _prepare_row(s2, r, nc, i, n, b, j0, inside, extras, geo):
     params = geo[3]
     _mask_row(s2, r, nc, j0, i, band_of(geo[2], b), inside, extras,
               element_offsets(geo, b, n, i, j0),
-              (params[P_MASK], params[P_PSE] != 0, params[P_CODE]))
+              (params[P_MASK], params[P_PSE] != 0, params[P_CODE],
+               times_pow2(F32_ONE, -params[P_SCALE_EXP])))
 
 
 @njit(**LEAF)
@@ -216,7 +219,8 @@ def _online_row(s2, r, nc, rr, state, p3, split, lazy, keys, f, post_e):
     takes p = exp(s * f - m_old) against the old max and keeps it when no score exceeds that
     by more than LAZY_MARGIN (p <= e^LAZY_MARGIN: m, acc and l stay as they are, softmax and
     lse unchanged); otherwise the max pass and a second exp pass run as usual. After a row's
-    first tile its max seldom grows by that much, so most tiles take one pass instead of two."""
+    first tile its max seldom grows by that much, so most tiles take one pass instead of two.
+    Split rows are the AMX kernel's, which never has a post_e (driver.use_amx)."""
     m, l, alpha = state
     m_old = m[rr]
     if lazy and keys.size == 0 and F32_NEG_INF < m_old < F32_POS_INF:
@@ -315,7 +319,6 @@ def _pack_kt(kt, src, base, row_stride, sd, nc, D, code, tb):
     for c in range(nc % PANEL, PANEL if nc % PANEL else 0):
         for d in range(D):
             kt[last + d * PANEL + c] = F32_ZERO
-
 
 
 #: The lazy softmax step (see _online_row) keeps p = exp(s - m_old) up to e^LAZY_MARGIN, so acc

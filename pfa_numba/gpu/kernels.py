@@ -6,14 +6,9 @@ tiles of its band only (tiles outside the band or past kL are skipped), staging 
 tile in shared memory with coalesced loads (consecutive threads read consecutive elements of a
 row) widened to float32 by ``_core.widen``; then each thread runs the three online-softmax
 steps of the CPU kernel on its row: scores (band, user mask, pse, fp16 mask), update m and l,
-rescale acc and add P V. The band predicate, the online update, exp, finalize and every dtype
-conversion are the ``_core`` functions the CPU kernel uses.
-
-Arrays: NumPy inputs with ``device='cuda'`` are copied in (only the memory their views span) and
-the result is copied out. CUDA arrays (Numba device arrays, CuPy, PyTorch; anything with
-``__cuda_array_interface__``) are read in place, and the result is allocated by the query's
-library (zero-copy). Kernels launch on the default stream and the call synchronises before it
-returns; callers using other streams should synchronise their producers first.
+rescale acc and add P V. The band predicate and SPEC 5's row rule (``_band``), the online
+update, exp, the int8 steps and every dtype conversion (``_core``) are the functions the CPU
+kernels use; the kernels read the arguments ``_kernel_args`` builds for both targets.
 """
 
 from numba import cuda, float32, int64, njit, uint16
@@ -21,13 +16,12 @@ from numba import cuda, float32, int64, njit, uint16
 from .. import config
 from .._band import ROW_MEAN, ROW_ZERO, block_kv_range, row_band, row_outcome
 from .._core import (CODE_BF16, CODE_F16, CODE_I8, F16_MASK_SCALE, F32_NAN, F32_NEG_INF, F32_ONE,
-                     F32_ZERO, MASK_ADD_F16, MASK_DISCARD, exp_nonpos, f16_to_f32, f32_to_bf16,
-                     f32_to_f16, int8_out_f16, int8_score, int8_score_pse, int8_weight, lse_value,
-                     max_nan, online_update, quantize_output, running_sum, softmax_weight, widen)
+                     F32_ZERO, MASK_ADD_F16, MASK_DISCARD, f16_to_f32, f32_to_bf16, f32_to_f16,
+                     int8_out_f16, int8_score, int8_score_pse, int8_weight, lse_value, max_nan,
+                     online_update, quantize_output, running_sum, softmax_weight, times_pow2, widen)
 from .._kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE, F_SCALE16, F_SCALE2, L_KLEN, L_NEXT,
                             L_PRE, L_QLEN, L_ROWS, P_CODE, P_D, P_G, P_IP, P_LSE, P_MASK, P_OCODE,
                             P_PSE, P_SCALE_EXP, T_K, T_L, T_M, T_O, T_P, T_Q, T_V)
-
 
 
 def _pad_dim(d):
@@ -130,6 +124,8 @@ def kernel_source(dpad, bq, bkv):
         scale = fparams[F_SCALE]
         scale2_q = fparams[F_SCALE2]     # 1, or the second factor of a scale below float32's
         post_e = params[P_SCALE_EXP]     # 0, or the exponent of a scale beyond float32's range
+        added_f = times_pow2(F32_ONE, -post_e)          # pse and the fp16 mask at that scale
+        mask_scale = F16_MASK_SCALE * added_f
         kl, pre_e, next_e, rows_b, active, jstart, jend, ntiles, lo, hi = _block_rows(
             lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b], lens[L_ROWS, b],
             i0, i, BQ, BKV)
@@ -161,9 +157,9 @@ def kernel_source(dpad, bq, bkv):
                         for d in range(D):
                             s += qv[d] * ks[c, d]
                         if has_pse:
-                            s += widen(pse[p_off + j * strides[T_P, 2]], code)
+                            s += widen(pse[p_off + j * strides[T_P, 2]], code) * added_f
                         if mask_kind == MASK_ADD_F16:
-                            s += F16_MASK_SCALE * f16_to_f32(mask16[m_off + j * strides[T_M, 2]])
+                            s += mask_scale * f16_to_f32(mask16[m_off + j * strides[T_M, 2]])
                         elif mask_kind == MASK_DISCARD:
                             if mask8[m_off + j * strides[T_M, 2]] != 0:
                                 s = F32_NEG_INF
@@ -277,7 +273,7 @@ def kernel_source_int8(dpad, bq, bkv):
                         if step == 0:
                             m = max_nan(m, s)
                         elif m != F32_NEG_INF and s != F32_NEG_INF:
-                            p = exp_nonpos(s - m)
+                            p = softmax_weight(s, m, 0)
                             l += p
                             p8 = int8_weight(p, qs1)
                             if p8 != p8:

@@ -1,5 +1,12 @@
 """Running a planned problem on the GPU: device arrays in place or copied in, one kernel launch,
-results of the query's kind."""
+results of the query's kind.
+
+Arrays: NumPy inputs with ``device='cuda'`` are copied in (only the memory their views span) and
+the result is copied out. CUDA arrays (Numba device arrays, CuPy, PyTorch; anything with
+``__cuda_array_interface__``) are read in place, and the result is allocated by the query's
+library (zero-copy). Kernels launch on the default stream and the call synchronises before it
+returns; callers using other streams should synchronise their producers first.
+"""
 import numpy as np
 from numba import cuda
 
@@ -38,7 +45,7 @@ def _output_like(query, shape, dtype):
 def run(p, meta=None, query=None):
     """Compute planned problem ``p`` on the GPU.
 
-    ``meta`` is None for NumPy inputs (copied in; NumPy results), or the :class:`_arrays.Meta`
+    ``meta`` is None for NumPy inputs (copied in; NumPy results), or the :class:`.arrays.Meta`
     the plan's arrays were made with (CUDA inputs read in place; results of ``query``'s kind).
     """
     on_device = meta is not None
