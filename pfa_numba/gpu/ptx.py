@@ -1,0 +1,296 @@
+"""Inline-PTX intrinsics for the tensor-core kernel (numba-cuda has no mma / ldmatrix API).
+
+Each function below is a ``numba.cuda.extending.intrinsic`` that emits one PTX instruction (or
+a short scoped block) through ``llvmlite.ir.InlineAsm``, the mechanism numba-cuda itself uses
+for ``activemask`` or ``tanh.approx.f32``. Fragments are plain SSA values (uint32 / float32 and
+tuples of them), so they live in registers; nothing is linked. They can be called from
+``@cuda.jit`` code only; they compile without a GPU (``cuda.compile_ptx``), and the CUDA
+simulator cannot run them. Importing this module needs numba-cuda but no GPU; ``import
+pfa_numba`` does not import it.
+
+Which lane holds which element of each fragment is written once, as plain functions, in
+:mod:`.fragments` (used by the kernel and by the NumPy model :mod:`.warp_model`); the layouts
+are the PTX ISA's ("Matrix fragments for mma.m16n8k16", "ldmatrix").
+
+Packing convention: a uint32 register holding two 16-bit values holds the element with the
+lower column (A, C) or lower k (B) in its low half.
+
+Shared-memory operands are given as (a shared ``uint16`` array, an element offset): the asm
+turns the array's generic data pointer into a shared address with ``cvta.to.shared.u64``.
+Shared arrays read by ``ldmatrix`` or written by ``cp.async`` need 16-byte alignment
+(``cuda.shared.array(n, uint16, alignment=16)``) and offsets that are multiples of 8 elements.
+
+Requires sm_80 or newer (``cvt.rn.bf16x2.f32``, bf16 ``mma``, ``cp.async``).
+"""
+from llvmlite import ir
+from numba.cuda import types
+from numba.cuda.extending import intrinsic
+
+_F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+
+
+def _call_asm(builder, ret, arg_types, text, constraints, args, side_effect=True):
+    fnty = ir.FunctionType(ret, arg_types)
+    return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
+
+
+def _tuple_of(ctx, builder, tuple_type, struct, n):
+    return ctx.make_tuple(builder, tuple_type, [builder.extract_value(struct, i) for i in range(n)])
+
+
+def _address(ctx, builder, arr_type, arr, off_type, off):
+    """The generic address (i64) of element ``off`` of the array ``arr``."""
+    data = ctx.make_array(arr_type)(ctx, builder, arr).data
+    idx = ctx.cast(builder, off, off_type, types.int64)
+    return builder.ptrtoint(builder.gep(data, [idx]), _I64)
+
+
+def _is_u16_array(t):
+    return isinstance(t, types.Array) and t.dtype == types.uint16
+
+
+# ---------------------------------------------------------------------------------------------
+# mma.sync m16n8k16, float32 accumulation
+# ---------------------------------------------------------------------------------------------
+
+def _mma(kind):
+    text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+            "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
+    constraints = "=f,=f,=f,=f," + ",".join(["r"] * 6 + ["f"] * 4)
+
+    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        regs, accs = (a0, a1, a2, a3, b0, b1), (c0, c1, c2, c3)
+        if not (all(isinstance(r, types.Integer) for r in regs)
+                and all(isinstance(c, (types.Float, types.Integer)) for c in accs)):
+            return None
+        sig = types.UniTuple(types.float32, 4)(*regs, *accs)
+
+        def codegen(ctx, builder, sig, args):
+            vals = [ctx.cast(builder, a, t, types.uint32) for a, t in zip(args[:6], sig.args[:6])]
+            vals += [ctx.cast(builder, a, t, types.float32) for a, t in zip(args[6:], sig.args[6:])]
+            st = _call_asm(builder, ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4,
+                           text, constraints, vals)
+            return _tuple_of(ctx, builder, sig.return_type, st, 4)
+
+        return sig, codegen
+
+    mma.__name__ = f"mma_m16n8k16_{kind}"
+    mma.__doc__ = f"""D = A B + C on one warp's tensor cores, {kind} inputs, float32 accumulation.
+
+    ``d0, d1, d2, d3 = mma_m16n8k16_{kind}(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)``; every lane
+    of the warp calls it (``.sync.aligned``: the same instruction, no divergence). PTX::
+
+        {text}
+
+    Fragments (g = lane >> 2, t = lane & 3; :func:`.fragments.mma_a`, ``mma_b``, ``mma_c``):
+    A 16x16 row-major, a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..);
+    B 16x8 ("col": K x N stored N-major), b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g);
+    C / D 16x8 float32, c0, c1 = (g, 2t), (g, 2t+1); c2, c3 = (g+8, 2t), (g+8, 2t+1).
+    a* and b* are uint32 holding two {kind} values (low half: lower column / k); c* float32.
+    """
+    return intrinsic(mma)
+
+
+mma_m16n8k16_f16 = _mma("f16")
+mma_m16n8k16_bf16 = _mma("bf16")
+
+
+# ---------------------------------------------------------------------------------------------
+# ldmatrix x4 (plain and transposed) from shared memory
+# ---------------------------------------------------------------------------------------------
+
+def _ldmatrix(trans):
+    op = "ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "") + ".shared.b16"
+    text = "{ .reg .u64 sa; cvta.to.shared.u64 sa, $4; " + op + " {$0,$1,$2,$3}, [sa]; }"
+
+    def ldmatrix(typingctx, arr, off):
+        if not (_is_u16_array(arr) and isinstance(off, types.Integer)):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(arr, off)
+
+        def codegen(ctx, builder, sig, args):
+            addr = _address(ctx, builder, sig.args[0], args[0], sig.args[1], args[1])
+            st = _call_asm(builder, ir.LiteralStructType([_I32] * 4), [_I64], text,
+                           "=r,=r,=r,=r,l,~{memory}", [addr])
+            return _tuple_of(ctx, builder, sig.return_type, st, 4)
+
+        return sig, codegen
+
+    ldmatrix.__name__ = "ldmatrix_x4_trans" if trans else "ldmatrix_x4"
+    element = ("(2t, g) and (2t+1, g): the matrix transposed" if trans
+               else "(g, 2t) and (g, 2t+1)")
+    ldmatrix.__doc__ = f"""Four 8x8 matrices of 16-bit values from shared memory into one warp.
+
+    ``r0, r1, r2, r3 = {ldmatrix.__name__}(smem, off)``: ``smem`` a shared uint16 array, ``off``
+    the element offset of this lane's row. PTX::
+
+        {text}
+
+    Lane l supplies the address of row l & 7 of matrix l >> 3 (8 contiguous 16-bit values,
+    16-byte aligned; :func:`.fragments.ldsm_source`). Register ri of lane l (g = l >> 2,
+    t = l & 3) holds matrix i's elements {element} (low half first;
+    :func:`.fragments.ldsm_element`). Which 16x16 block each matrix covers is the caller's
+    choice of addresses: :func:`.fragments.ldsm_a_addr` / ``ldsm_b_addr``.
+    """
+    return intrinsic(ldmatrix)
+
+
+ldmatrix_x4 = _ldmatrix(False)
+ldmatrix_x4_trans = _ldmatrix(True)
+
+
+# ---------------------------------------------------------------------------------------------
+# float32 pairs -> packed 16-bit registers
+# ---------------------------------------------------------------------------------------------
+
+def _pack(kind):
+    text = f"cvt.rn.{kind}x2.f32 $0, $2, $1;"
+
+    def pack(typingctx, lo, hi):
+        if not (isinstance(lo, (types.Float, types.Integer))
+                and isinstance(hi, (types.Float, types.Integer))):
+            return None
+        sig = types.uint32(lo, hi)
+
+        def codegen(ctx, builder, sig, args):
+            vals = [ctx.cast(builder, a, t, types.float32) for a, t in zip(args, sig.args)]
+            return _call_asm(builder, _I32, [_F32, _F32], text, "=r,f,f", vals, side_effect=False)
+
+        return sig, codegen
+
+    pack.__name__ = f"pack_{kind}x2"
+    pack.__doc__ = f"""Two float32 rounded to {kind} (to nearest, ties to even; inf and NaN kept)
+    in one uint32: ``lo`` in the low half, ``hi`` in the high half. PTX (its first source goes
+    to the upper half)::
+
+        {text}
+
+    The A fragment of P for the second product is ``pack(c0, c1)``, ``pack(c2, c3)`` of two S
+    accumulator tiles (:func:`.fragments.p_from_s`).
+    """
+    return intrinsic(pack)
+
+
+pack_f16x2 = _pack("f16")
+pack_bf16x2 = _pack("bf16")
+
+
+# ---------------------------------------------------------------------------------------------
+# cp.async: global -> shared, 16 bytes, asynchronous
+# ---------------------------------------------------------------------------------------------
+
+def _cp_async_codegen(text, zfill):
+    def codegen(ctx, builder, sig, args):
+        vals = [_address(ctx, builder, sig.args[0], args[0], sig.args[1], args[1]),
+                _address(ctx, builder, sig.args[2], args[2], sig.args[3], args[3])]
+        arg_types = [_I64, _I64]
+        if zfill:
+            vals.append(ctx.cast(builder, args[4], sig.args[4], types.uint32))
+            arg_types.append(_I32)
+        _call_asm(builder, ir.VoidType(), arg_types, text,
+                  "l,l," + ("r," if zfill else "") + "~{memory}", vals)
+        return ctx.get_dummy_value()
+
+    return codegen
+
+
+def _cp_async_args_ok(dst, src, *offsets):
+    return (_is_u16_array(dst) and isinstance(src, types.Array)
+            and all(isinstance(x, types.Integer) for x in offsets))
+
+
+def _cp_async(zfill):
+    size = ", $2" if zfill else ""
+    text = ("{ .reg .u64 sa, ga; cvta.to.shared.u64 sa, $0; cvta.to.global.u64 ga, $1; "
+            f"cp.async.cg.shared.global [sa], [ga], 16{size}; }}")
+    codegen = _cp_async_codegen(text, zfill)
+
+    if zfill:
+        def cp_async(typingctx, dst, dst_off, src, src_off, src_bytes):
+            if not _cp_async_args_ok(dst, src, dst_off, src_off, src_bytes):
+                return None
+            return types.void(dst, dst_off, src, src_off, src_bytes), codegen
+    else:
+        def cp_async(typingctx, dst, dst_off, src, src_off):
+            if not _cp_async_args_ok(dst, src, dst_off, src_off):
+                return None
+            return types.void(dst, dst_off, src, src_off), codegen
+
+    cp_async.__name__ = "cp_async_16_zfill" if zfill else "cp_async_16"
+    args = "dst, dst_off, src, src_off" + (", src_bytes" if zfill else "")
+    tail = ("Only the first ``src_bytes`` (0..16) are read; the rest of the 16 are zero-filled "
+            "(0: a zero chunk, for K/V rows past the end; the source address must still be a "
+            "valid global address: clamp it)." if zfill else "All 16 bytes are read.")
+    cp_async.__doc__ = f"""Start copying 16 bytes from global to shared memory: ``{cp_async.__name__}({args})``.
+
+    ``dst`` a shared uint16 array, ``src`` a global array (any dtype), offsets in elements of
+    each; both addresses 16-byte aligned. The copy bypasses L1 (``.cg``). {tail} PTX::
+
+        {text}
+
+    The copy completes asynchronously: :func:`cp_async_commit` closes a group, and
+    :func:`cp_async_wait` (then a barrier) makes a group's data visible.
+    """
+    return intrinsic(cp_async)
+
+
+cp_async_16 = _cp_async(False)
+cp_async_16_zfill = _cp_async(True)
+
+
+@intrinsic
+def cp_async_commit(typingctx):
+    """Close the group of this thread's cp.async copies issued since the last commit.
+    PTX: ``cp.async.commit_group;``"""
+    sig = types.void()
+
+    def codegen(ctx, builder, sig, args):
+        _call_asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}", [])
+        return ctx.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def cp_async_wait(typingctx, n):
+    """Wait until at most ``n`` (an integer constant) of this thread's committed cp.async
+    groups are still pending. PTX: ``cp.async.wait_group n;`` (n = 0: all of them). Other
+    threads' copies become visible after a barrier (``cuda.syncthreads()``)."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    text = f"cp.async.wait_group {int(n.literal_value)};"
+    sig = types.void(n)
+
+    def codegen(ctx, builder, sig, args):
+        _call_asm(builder, ir.VoidType(), [], text, "~{memory}", [])
+        return ctx.get_dummy_value()
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# exp2 for the online softmax
+# ---------------------------------------------------------------------------------------------
+
+@intrinsic
+def exp2_approx(typingctx, x):
+    """2 ** x in float32 on the SFU: PTX ``ex2.approx.f32 $0, $1;`` (one MUFU.EX2 plus the
+    range scaling that keeps subnormals).
+
+    Deliberately without ``.ftz``: config.CUDA_FASTMATH keeps subnormals (no flush anywhere in
+    the CUDA path), and this one keeps them too. Special values are what the online softmax
+    needs: 2^-inf = +0 (a dropped score weighs nothing), 2^+inf = +inf, NaN stays NaN, 2^0 = 1
+    exactly. The ISA gives a maximum relative error of about 2^-22 (a few float32 ulp), far
+    below the 16-bit rounding P then goes through. The softmax uses it with the scale folded
+    in: p = exp2(s * (scale * log2 e) - m) with m the running max of the same products.
+    """
+    if not isinstance(x, (types.Float, types.Integer)):
+        return None
+    sig = types.float32(x)
+
+    def codegen(ctx, builder, sig, args):
+        val = ctx.cast(builder, args[0], sig.args[0], types.float32)
+        return _call_asm(builder, _F32, [_F32], "ex2.approx.f32 $0, $1;", "=f,f", [val],
+                         side_effect=False)
+
+    return sig, codegen
