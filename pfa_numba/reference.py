@@ -478,13 +478,20 @@ def _tnd_bounds(ends, total, name):
     return list(zip([0] + ends[:-1], ends))
 
 
-def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths=None,
-                           actual_seq_lengths_kv=None, pse_shift=None, deq_scale1=None,
-                           quant_scale1=None, deq_scale2=None, quant_scale2=None,
-                           quant_offset2=None, num_heads=1, scale_value=1.0,
-                           pre_tokens=2147483647, next_tokens=0, input_layout='BSH',
-                           num_key_value_heads=0, sparse_mode=0, inner_precise=1, *,
-                           return_softmax_lse=False, compute_dtype=None):
+def prompt_flash_attention(
+        query, key, value,                               # §3: shapes per input_layout
+        attn_mask=None,                                  # §4.2
+        actual_seq_lengths=None, actual_seq_lengths_kv=None,   # §6 (cumulative ends for TND)
+        pse_shift=None,                                  # §7
+        deq_scale1=None, quant_scale1=None, deq_scale2=None,   # §8
+        quant_scale2=None, quant_offset2=None,           # §8: int8 output
+        num_heads=1, scale_value=1.0,
+        pre_tokens=2147483647, next_tokens=0,            # §4.1: the band
+        input_layout='BSH', num_key_value_heads=0,
+        sparse_mode=0,                                   # §4.1
+        inner_precise=1,                                 # §5: rows that keep nothing
+        *, return_softmax_lse=False,                     # §9
+        compute_dtype=None):
     """Reference ``prompt_flash_attention`` (SPEC.md), in float64 NumPy.
 
     Arguments are those of SPEC §1 (NumPy arrays of float16, ml_dtypes.bfloat16, float32 or
