@@ -150,8 +150,10 @@ def is_cuda_array(x):
 def check_array(name, x):
     """A NumPy array, as a plain ndarray (CUDA arrays are recognised before this is called)."""
     if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name} must be a NumPy array or a CUDA array, got "
-                        f"{type(x).__name__}: {x!r}"[:300])
+        shape = getattr(x, "shape", None)
+        raise TypeError(f"{name} must be a NumPy array, a torch tensor or a CUDA array, got "
+                        f"{type(x).__name__}" + (f" of shape {shape_str(shape)}"
+                                                 if isinstance(shape, tuple) else ""))
     return _plain(name, x)
 
 
@@ -250,6 +252,8 @@ def _int_vector(name, value):
 QUANT_ARGS = ("deq_scale1", "quant_scale1", "deq_scale2", "quant_scale2", "quant_offset2")
 #: the tensor arguments, which live on one device (host or CUDA)
 TENSOR_ARGS = ("query", "key", "value", "attn_mask", "pse_shift")
+#: every argument that may be an array
+ARRAY_ARGS = TENSOR_ARGS + QUANT_ARGS + ("actual_seq_lengths", "actual_seq_lengths_kv")
 
 
 @dataclass(frozen=True)
@@ -325,14 +329,12 @@ class ValidCall:
 def validate(call, stage=None):
     """Check every argument of ``call`` (SPEC 10) and return it as a :class:`ValidCall`.
 
-    The device comes first; then, for a call on CUDA arrays, ``stage(call, device)`` (the CUDA
-    backend's :class:`~.gpu.arrays.Staged`) gives the host-readable arrays the other checks
-    read. They run in a fixed order (scalars before tensors), so a call with several faults
+    The device comes first; then ``stage(call, device)`` (from the API) gives the host-readable
+    arrays the other checks read where the call holds CUDA arrays or torch tensors (or None). They run in a fixed order (scalars before tensors), so a call with several faults
     always reports the same one."""
     device = check_placement(call)
-    staged = None
-    if stage is not None and is_cuda_array(call.query):
-        staged = stage(call, device)
+    staged = None if stage is None else stage(call, device)
+    if staged is not None:
         call = staged.call
     num_heads = check_int("num_heads", call.num_heads)
     num_key_value_heads = check_int("num_key_value_heads", call.num_key_value_heads)

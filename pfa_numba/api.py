@@ -4,6 +4,7 @@ import numpy as np
 from . import _validate as V
 from . import dispatch
 from ._plan import plan
+from . import _torch
 from .gpu.arrays import Staged
 
 
@@ -141,12 +142,21 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
                               deq_scale2, quant_scale2, quant_offset2, num_heads, scale_value,
                               pre_tokens, next_tokens, input_layout, num_key_value_heads,
                               sparse_mode, inner_precise, device, return_softmax_lse),
-                       stage=Staged)
+                       stage=_stage)
     problem = plan(valid)
     out, lse = dispatch.choose(problem, valid.device).run(problem, valid.staged)
     if valid.staged is not None:
         out, lse = valid.staged.results(out, lse)
     return (out, lse) if problem.want_lse else out
+
+
+def _stage(call, device):
+    """CUDA arguments (any library) or torch CPU tensors made readable on the host, or None."""
+    if V.is_cuda_array(call.query):
+        return Staged(call, device)
+    if any(_torch.is_cpu_tensor(getattr(call, name)) for name in V.ARRAY_ARGS):
+        return _torch.HostTensors(call, V.ARRAY_ARGS)
+    return None
 
 
 def trans_quant_param(scale):

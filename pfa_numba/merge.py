@@ -12,6 +12,7 @@ call over the whole kv range (up to the output dtype's rounding) for every row w
 """
 import numpy as np
 
+from . import _torch
 from . import _validate as V
 
 
@@ -33,7 +34,8 @@ def merge_attention(parts, input_layout="BSH"):
     ``input_layout`` is the layout the parts were computed with (it fixes the output layout:
     BSH, BNSD, BSND, BNSD_BSND or TND). Outputs are float16, bfloat16 or float32 NumPy arrays
     of one shape and dtype; the lse arrays float32 (B, N, Sq, 1) or, for TND, (T, N, 1).
-    Returns ``(out, lse)`` in the parts' dtype and layout, rounded once.
+    Returns ``(out, lse)`` in the parts' dtype and layout, rounded once; torch CPU tensor parts
+    give torch tensors.
     """
     layout = V.check_layout(input_layout)
     parts = list(parts)
@@ -46,10 +48,12 @@ def merge_attention(parts, input_layout="BSH"):
         except (TypeError, ValueError):
             raise TypeError(f"parts[{idx}] must be an (out, softmax_lse) pair, got "
                             f"{type(part).__name__}") from None
-        V.check_array(f"parts[{idx}] out", out)
-        V.check_array(f"parts[{idx}] softmax_lse", lse)
-        outs.append(out)
-        lses.append(lse)
+        if idx == 0:
+            tensors = _torch.is_cpu_tensor(out)
+        out, lse = (_torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x
+                    for name, x in ((f"parts[{idx}] out", out), (f"parts[{idx}] softmax_lse", lse)))
+        outs.append(V.check_array(f"parts[{idx}] out", out))
+        lses.append(V.check_array(f"parts[{idx}] softmax_lse", lse))
     shape, dtype, lse_shape = outs[0].shape, outs[0].dtype, lses[0].shape
     for idx, (o, l) in enumerate(zip(outs, lses)):
         if o.shape != shape or o.dtype != dtype:
@@ -68,4 +72,5 @@ def merge_attention(parts, input_layout="BSH"):
             w = _weights_to_out_layout(w, layout, shape)
             contrib = o.astype(np.float64) * w
             acc += np.where(w == 0, 0.0, contrib)       # weight 0: ignored, even if NaN
-    return acc.astype(dtype), lse.astype(np.float32)
+    out, lse = acc.astype(dtype), lse.astype(np.float32)
+    return (_torch.as_tensor(out), _torch.as_tensor(lse)) if tensors else (out, lse)

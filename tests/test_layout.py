@@ -9,7 +9,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "pfa_numba"
 
 #: layers, lowest first: a module may import its own layer's modules and lower ones only
 LAYERS = [
-    ("config", "_dtypes", "_core", "reference"),      # numerics and the float64 meaning
+    ("config", "_dtypes", "_core", "reference", "_torch"),   # numerics, the float64 meaning, torch
     ("_band", "_kernel_args"),                        # the band; the kernels' arguments
     ("cpu", "gpu"),                                   # the backends (packages)
     ("_validate", "_plan"),                           # the call: checks, then the problem

@@ -1,0 +1,62 @@
+"""torch CPU tensors in and out without copies: a tensor is read as the NumPy array over its
+memory (bfloat16 by its bits), results come back as tensors over the NumPy results' memory.
+
+torch is never imported here unless a torch tensor arrives (whoever made one has imported it).
+pfa_numba computes forward only, like Ascend's inference interface: a tensor that requires grad
+while grad mode is on is refused (gradients are never dropped silently); under
+``torch.no_grad()`` or ``torch.inference_mode()`` it is read as data.
+"""
+import numpy as np
+
+from ._dtypes import is_bf16
+
+
+def is_tensor(x):
+    """Whether ``x`` is a torch tensor (of any device)."""
+    return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "is_cuda")
+
+
+def is_cpu_tensor(x):
+    return is_tensor(x) and not x.is_cuda
+
+
+def as_numpy(name, t):
+    """The NumPy array over the memory of CPU tensor ``t`` (argument ``name``), no copy."""
+    import torch
+    if t.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{name} requires grad ({t.dtype} tensor of shape {tuple(t.shape)}): "
+                           f"pfa_numba computes the forward pass only; call it under "
+                           f"torch.no_grad() or torch.inference_mode()")
+    t = t.detach().resolve_conj().resolve_neg()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    try:
+        return t.numpy()
+    except TypeError:
+        raise TypeError(f"{name} has a dtype NumPy cannot view ({t.dtype} tensor of shape "
+                        f"{tuple(t.shape)})") from None
+
+
+def as_tensor(x):
+    """A NumPy result as a CPU tensor over its memory (bfloat16 by its bits)."""
+    import torch
+    if is_bf16(x.dtype):
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+class HostTensors:
+    """The torch CPU tensor arguments of a call, read as NumPy arrays; the results as tensors
+    when the query is one. (``meta`` None: nothing lives on a device.)"""
+    meta = None
+
+    def __init__(self, call, names):
+        self.query_is_tensor = is_tensor(call.query)
+        self.call = call.with_arrays({name: as_numpy(name, getattr(call, name))
+                                      for name in names if is_cpu_tensor(getattr(call, name))})
+
+    def results(self, out, lse):
+        if not self.query_is_tensor:
+            return out, lse
+        return as_tensor(out), (None if lse is None else as_tensor(lse))
