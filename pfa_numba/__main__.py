@@ -148,6 +148,11 @@ def info(args):
         why = backend.not_supported_reasons(None, device)
         print(f"  backend {backend.name:6s} " + ("available" if not why else
                                                "unavailable: " + "; ".join(why)))
+    try:                       # which CUDA kernel float16 / bfloat16 problems get, and why
+        from pfa_numba.gpu import tc_kernel
+        print("  CUDA fp16/bf16 " + tc_kernel.selection_note())
+    except Exception as exc:   # numba-cuda missing or unusable here
+        print(f"  CUDA fp16/bf16 scalar kernel (tensor-core kernel not importable: {exc})")
     return 0
 
 

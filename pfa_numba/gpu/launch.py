@@ -10,6 +10,7 @@ returns; callers using other streams should synchronise their producers first.
 import numpy as np
 from numba import cuda
 
+from .. import config
 from .._kernel_args import L_ROWS, kernel_args
 from .arrays import array_kind, to_kind
 from .kernels import kernel_for, launch_config
@@ -81,10 +82,16 @@ def run(p, meta=None, query=None):
         d_lse = cuda.device_array(a.lse.size if p.want_lse else 1, dtype=np.float32)
 
     dpad, bq, bkv = launch_config(p)
+    kern, threads = None, bq
+    if config.CUDA_TENSOR_CORES:     # the tensor-core kernel where it applies (gpu.tc_kernel)
+        from . import tc_kernel as tc
+        cc = cuda.get_current_device().compute_capability
+        if tc.tensor_core_reason(p, cc) is None and tc.device_reason(p, d_q, d_k, d_v) is None:
+            kern, bq, threads = tc.tc_kernel_for(tc.kind_of(p.dtype), p.D), tc.ROWS, tc.THREADS
     qtiles = max(1, -(-int(a.lens[L_ROWS].max()) // bq))
-    kern = kernel_for(dpad, bq, bkv, int8=p.dtype == np.int8)
+    kern = kern or kernel_for(dpad, bq, bkv, int8=p.dtype == np.int8)
     grid = (p.B * qtiles, p.N)
-    kern[grid, bq](d_q, d_k, d_v, d_out, d_lse, d_m8, d_m16, d_pse, *map(cuda.to_device, (
+    kern[grid, threads](d_q, d_k, d_v, d_out, d_lse, d_m8, d_m16, d_pse, *map(cuda.to_device, (
         a.strides, a.boff, a.lens, a.params)), qtiles, *map(cuda.to_device, (
             a.fparams, a.scale2, a.offset2)))
     cuda.synchronize()

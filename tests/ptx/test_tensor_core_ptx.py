@@ -40,6 +40,29 @@ def wheel_ptxas():
     return None
 
 
+def assemble(ptx, cc, tmp_path, name):
+    """ptxas -v of ``ptx`` for compute capability ``cc`` (skips without the wheel's ptxas):
+    asserts it assembles with 0 spill bytes, a 0-byte stack frame and <= 255 registers, and
+    returns (its log, the register line)."""
+    ptxas = wheel_ptxas()
+    if ptxas is None:
+        pytest.skip("the nvidia-cuda-nvcc-cu12 wheel (test extra) with its ptxas is not installed")
+    src = tmp_path / f"{name}.ptx"
+    src.write_text(ptx)
+    res = subprocess.run([ptxas, f"-arch=sm_{cc[0]}{cc[1]}", "-v", "-o",
+                          str(tmp_path / f"{name}.cubin"), str(src)], capture_output=True,
+                         text=True, timeout=300)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills and all(st == "0" and ld == "0" for st, ld in spills), log
+    assert re.search(r"\b0 bytes stack frame", log), log
+    regs = re.search(r"Used (\d+) registers", log)
+    assert regs and int(regs.group(1)) <= 255, log
+    print(f"\nsm_{cc[0]}{cc[1]} {name}: {regs.group(0)}, 0 bytes spill stores and loads")
+    return log, regs.group(0)
+
+
 def probe_source(d, kind):
     """The probe kernel for head dim ``d`` and 16-bit type ``kind`` ("f16" or "bf16")
     (compile-time sizes and type, as the real kernel's)."""
@@ -146,23 +169,7 @@ def test_probe_has_the_tensor_core_instructions_and_no_fp64(d, cc, kind):
 @pytest.mark.parametrize("cc", CCS)
 @pytest.mark.parametrize("d", [64, 128])
 def test_ptxas_accepts_the_probe_without_spills(d, cc, kind, tmp_path):
-    ptxas = wheel_ptxas()
-    if ptxas is None:
-        pytest.skip("the nvidia-cuda-nvcc-cu12 wheel (test extra) with its ptxas is not installed")
-    src = tmp_path / "probe.ptx"
-    src.write_text(probe_ptx(d, cc, kind))
-    arch = f"sm_{cc[0]}{cc[1]}"
-    res = subprocess.run([ptxas, f"-arch={arch}", "-v", "-o", str(tmp_path / "probe.cubin"),
-                          str(src)], capture_output=True, text=True, timeout=120)
-    log = res.stdout + res.stderr
-    assert res.returncode == 0, log
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert spills and all(st == "0" and ld == "0" for st, ld in spills), log
-    assert re.search(r"\b0 bytes stack frame", log), log
-    regs = re.search(r"Used (\d+) registers", log)
-    assert regs and int(regs.group(1)) <= 255, log
-    print(f"\n{arch} {kind} D={d}: {regs.group(0)}; " + "; ".join(
-        f"{st} bytes spill stores, {ld} bytes spill loads" for st, ld in spills))
+    assemble(probe_ptx(d, cc, kind), cc, tmp_path, f"probe {kind} D={d}")
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,0 +1,191 @@
+"""The tensor-core kernel (pfa_numba.gpu.tc_kernel) compiles for every specialisation, float16 /
+bfloat16 x D 64 / 128 x sm_80 / sm_90, without a GPU, with the scalar kernel's signature; its
+PTX has the tensor-core instructions and no fp64, and ptxas (the nvidia-cuda-nvcc-cu12 wheel's,
+see test_tensor_core_ptx.wheel_ptxas) assembles it. tensor_core_reason picks the problems it
+runs. The kernel has not run on hardware: config.CUDA_TENSOR_CORES stays False until it has.
+
+Registers and spill bytes are printed (pytest -s); 0 spill bytes and a 0-byte stack frame are
+asserted for every specialisation (D = 128 sits at 253-255 registers: a change that adds live
+values there shows up here first).
+"""
+import re
+
+import numpy as np
+import pytest
+
+cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is in the test extra")
+from numba import types  # noqa: E402
+
+from pfa_numba import _plan, _validate as V, config  # noqa: E402
+from pfa_numba.gpu import tc_kernel as T  # noqa: E402
+from pfa_numba.gpu.kernels import kernel_signature  # noqa: E402
+from test_tensor_core_ptx import assemble  # noqa: E402
+
+F64 = re.compile(r"\.f64\b")
+SPECS = [pytest.param(kind, d, cc, id=f"tc_{kind}_d{d}_sm{cc[0]}{cc[1]}")
+         for kind in ("f16", "bf16") for d in (64, 128) for cc in ((8, 0), (9, 0))]
+_PTX = {}
+
+
+def tc_ptx(kind, d, cc):
+    if (kind, d, cc) not in _PTX:
+        _PTX[kind, d, cc], _ = cuda.compile_ptx(
+            T.tc_kernel_source(kind, d), kernel_signature(types.uint16), cc=cc, fastmath=False,
+            launch_bounds=(T.THREADS,))
+    return _PTX[kind, d, cc]
+
+
+@pytest.mark.parametrize("kind, d, cc", SPECS)
+def test_tc_kernel_compiles_with_the_tensor_core_instructions(kind, d, cc, tmp_path):
+    ptx = tc_ptx(kind, d, cc)
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
+    # per tile: S = Q K^T is 8 n-tiles x d/16 k-steps, O += P V is d/8 n-tiles x 4 k-steps
+    assert ptx.count(mma) == 2 * 8 * d // 16, ptx.count(mma)
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == d // 16 + 4 * d // 16
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 4 * d // 16
+    for needle in ("cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0;",
+                   "ex2.approx.f32", "shfl.sync.bfly", f"cvt.rn.{kind}x2.f32", "bar.sync"):
+        assert needle in ptx, needle
+    bad = [line.strip() for line in ptx.splitlines() if F64.search(line)]
+    assert not bad, "fp64 instructions in the tensor-core kernel's PTX:\n" + "\n".join(bad[:20])
+    assert "ld.local" not in ptx and "st.local" not in ptx   # fragments stayed in registers
+
+    log, _ = assemble(ptx, cc, tmp_path, f"tc {kind} D={d}")
+    smem = re.search(r"(\d+) bytes smem", log)
+    assert smem and int(smem.group(1)) == 2 * 64 * d * 2       # one K and one V tile
+
+
+# ---------------------------------------------------------------------------------------------
+# which problems the kernel takes
+# ---------------------------------------------------------------------------------------------
+
+def _problem(dtype=np.float16, d=64, layout="BNSD", scale=0.125, **kw):
+    rng = np.random.default_rng(0)
+    shape = {"BNSD": (1, 2, 8, d), "BSH": (1, 8, 2 * d)}[layout]
+    q = rng.standard_normal(shape).astype(np.float32).astype(dtype)
+    return _plan.plan(V.validate(V.Call(q, q, q, num_heads=2, input_layout=layout,
+                                        scale_value=scale, **kw)))
+
+
+def test_tensor_core_reason_accepts_plain_fp16_and_bf16_problems():
+    import ml_dtypes
+    assert T.tensor_core_reason(_problem()) is None
+    assert T.tensor_core_reason(_problem(ml_dtypes.bfloat16, 128, "BSH")) is None
+    assert T.tensor_core_reason(_problem(), cc=(9, 0)) is None
+    causal = np.triu(np.ones((2048, 2048), bool), 1)
+    assert T.tensor_core_reason(_problem(sparse_mode=2, attn_mask=causal), cc=(8, 0)) is None
+
+
+def test_tensor_core_reason_refuses_what_the_kernel_does_not_run():
+    assert "float32" in T.tensor_core_reason(_problem(np.float32))
+    assert "head dim 32" in T.tensor_core_reason(_problem(d=32))
+    assert "7.5" in T.tensor_core_reason(_problem(), cc=(7, 5))
+    assert "scale_value" in T.tensor_core_reason(_problem(scale=2.0 ** -120))
+    assert "scale_value" in T.tensor_core_reason(_problem(scale=2.0 ** 120))
+    p = _problem()
+    p.k = p.k[..., ::2, :]                       # a row stride of 2 x 128 bytes: still aligned
+    assert T.tensor_core_reason(p) is None
+    p = _problem()
+    base = np.zeros(2 * 8 * 64 + 4, np.float16)[4:].reshape(1, 2, 8, 64)   # rows 8-byte aligned
+    p.v = np.lib.stride_tricks.as_strided(base, base.shape, (0, 8 * 66 * 2, 66 * 2, 2))
+    assert "value rows" in T.tensor_core_reason(p)
+
+
+def test_the_tensor_core_kernel_is_off_by_default_and_info_says_so():
+    assert config.CUDA_TENSOR_CORES is False
+    assert "CUDA_TENSOR_CORES is False" in T.selection_note()
+
+
+# ---------------------------------------------------------------------------------------------
+# on a GPU only: the kernel against the reference (CUDA_TENSOR_CORES switched on for the test)
+# ---------------------------------------------------------------------------------------------
+
+def _on_gpu(monkeypatch, args, kw, dtype, tc_expected=True):
+    """Run on the device with the tensor-core kernel enabled; check it ran (or did not) and
+    that the result and lse match the reference within the documented tolerance."""
+    if not cuda.is_available():
+        pytest.skip("no CUDA GPU here: the tensor-core kernel only compiles (see the tests above)")
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from _cases import assert_matches_reference
+
+    from pfa_numba import prompt_flash_attention
+    used = []
+    real = T.tc_kernel_for
+    monkeypatch.setattr(config, "CUDA_TENSOR_CORES", True)
+    monkeypatch.setattr(T, "tc_kernel_for", lambda *a: used.append(a) or real(*a))
+    out, lse = prompt_flash_attention(*args, **kw, device="cuda", return_softmax_lse=True)
+    assert bool(used) == tc_expected, used
+    assert_matches_reference(out, args, kw, dtype, lse=lse)
+    return out
+
+
+def _qkv(dtype, layout, B, N, Nkv, Sq, Skv, D, seed=0):
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from _cases import qkv
+    return qkv(np.random.default_rng(seed), layout, dtype, B, N, Nkv, Sq, Skv, D)
+
+
+def _dtype(kind):
+    import ml_dtypes
+    return np.dtype(np.float16) if kind == "f16" else np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_gpu_dense_gqa_ragged_tiles(kind, d, monkeypatch):
+    dt = _dtype(kind)
+    q, k, v = _qkv(dt, "BNSD", 2, 4, 2, 130, 200, d)
+    _on_gpu(monkeypatch, (q, k, v), dict(num_heads=4, num_key_value_heads=2, input_layout="BNSD",
+                                         scale_value=d ** -0.5), dt)
+
+
+@pytest.mark.parametrize("mode", [2, 3, 4])
+def test_gpu_sparse_modes_lengths_and_layouts(mode, monkeypatch):
+    dt = np.dtype(np.float16)
+    q, k, v = _qkv(dt, "BSH", 2, 2, 2, 150, 170, 64, seed=mode)
+    m = np.triu(np.ones((2048, 2048), bool), 1)
+    _on_gpu(monkeypatch, (q, k, v, m, [150, 77], [170, 0]),
+            dict(num_heads=2, input_layout="BSH", sparse_mode=mode, pre_tokens=40,
+                 next_tokens=9), dt)
+
+
+@pytest.mark.parametrize("ip", [1, 2])
+def test_gpu_user_mask_fully_masked_rows_and_pse(ip, monkeypatch):
+    dt = np.dtype(np.float16)
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(dt, "BNSD", 1, 2, 2, 96, 140, 128, seed=3)
+    mask = rng.random((96, 140)) < 0.3
+    mask[5] = True
+    pse = rng.standard_normal((1, 2, 96, 140)).astype(np.float16)
+    pse[0, 0, 70, :] = -np.inf
+    _on_gpu(monkeypatch, (q, k, v, mask, None, None, pse),
+            dict(num_heads=2, input_layout="BNSD", sparse_mode=0, pre_tokens=60, next_tokens=20,
+                 inner_precise=ip), dt)
+
+
+def test_gpu_float16_additive_mask_and_tnd(monkeypatch):
+    dt = np.dtype(np.float16)
+    rng = np.random.default_rng(4)
+    q, k, v = _qkv(dt, "BNSD", 1, 1, 1, 80, 90, 64, seed=4)
+    mask = (rng.random((80, 90)) < 0.5).astype(np.float16)
+    with pytest.warns(DeprecationWarning):
+        _on_gpu(monkeypatch, (q, k, v, mask), dict(num_heads=1, input_layout="BNSD",
+                                                   sparse_mode=1), dt)
+    qt = rng.standard_normal((150, 2, 64)).astype(np.float16)
+    kt = rng.standard_normal((200, 1, 64)).astype(np.float16)
+    m = np.triu(np.ones((2048, 2048), bool), 1)
+    _on_gpu(monkeypatch, (qt, kt, kt.copy(), m, [70, 150], [90, 200]),
+            dict(num_heads=2, num_key_value_heads=1, input_layout="TND", sparse_mode=3), dt)
+
+
+def test_gpu_nonfinite_v_falls_back_to_the_scalar_kernel(monkeypatch):
+    dt = np.dtype(np.float16)
+    q, k, v = _qkv(dt, "BNSD", 1, 1, 1, 70, 70, 64, seed=5)
+    v[0, 0, 69] = np.inf          # causal: only the last row keeps it
+    m = np.triu(np.ones((2048, 2048), bool), 1)
+    _on_gpu(monkeypatch, (q, k, v, m), dict(num_heads=1, input_layout="BNSD", sparse_mode=2),
+            dt, tc_expected=False)
