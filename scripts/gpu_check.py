@@ -1,7 +1,12 @@
 """On a machine with an NVIDIA GPU: check the CUDA kernel at realistic sizes and time it.
 
-    python scripts/gpu_check.py [--quick] [--tiles]
+    python scripts/gpu_check.py [--quick] [--tiles] [--tensor-cores]
     python -m pytest tests/cudasim     # the kernel tests, run on the GPU (no simulator)
+    python -m pytest tests/ptx         # with a GPU: the tensor-core kernel's device tests too
+
+``--tensor-cores`` turns config.CUDA_TENSOR_CORES on, so fp16 / bf16 run on the tensor-core
+kernel (gpu.tc_kernel) wherever it applies; the first GPU run should check it this way before
+it becomes the default.
 
 1. Correctness: pfa_numba on CUDA (Numba device arrays, and torch tensors when torch has CUDA)
    against pfa_numba.reference (the first kv group's heads) and the CPU path (every head), for
@@ -209,7 +214,11 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tiles", action="store_true",
                     help="also time the kernel's tile sizes (TILE_VARIANTS)")
+    ap.add_argument("--tensor-cores", action="store_true",
+                    help="fp16 / bf16 on the tensor-core kernel (config.CUDA_TENSOR_CORES)")
     args = ap.parse_args()
+    from pfa_numba import config
+    config.CUDA_TENSOR_CORES = args.tensor_cores
     from numba import cuda
     if not cuda.is_available():
         print("no CUDA device: nothing to check here")
