@@ -156,6 +156,14 @@ def info(args):
     return 0
 
 
+def cuda_ptx(args):
+    """Write the tensor-core kernel's PTX files (tc_<dtype>_d<D>_sm<arch>.ptx)."""
+    from pfa_numba.gpu import tc_kernel
+    for path in tc_kernel.write_ptx(args.out, args.filter):
+        print(path)
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m pfa_numba", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -173,6 +181,11 @@ def main(argv=None):
     p.set_defaults(fn=warmup)
     p = sub.add_parser("info", help="versions, backends, threads, cache location")
     p.set_defaults(fn=info)
+    p = sub.add_parser("cuda-ptx", help="write the tensor-core kernel's PTX, one file a "
+                                        "specialisation (needs numba-cuda, not a GPU)")
+    p.add_argument("--out", required=True, help="folder for the .ptx files")
+    p.add_argument("--filter", default="", help="only files whose name contains this")
+    p.set_defaults(fn=cuda_ptx)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -347,6 +347,42 @@ def tc_kernel_for(kind, d):
     return _KERNELS[kind, d]
 
 
+#: the compute capabilities the PTX files are written for (``python -m pfa_numba cuda-ptx``)
+PTX_ARCHS = ((8, 0), (9, 0))
+
+
+def tc_ptx(kind, d, cc):
+    """The PTX of the tensor-core kernel for ``kind``, ``d`` and compute capability ``cc``
+    (compiled without a GPU)."""
+    from numba import types
+    from .kernels import kernel_signature
+    ptx, _ = cuda.compile_ptx(tc_kernel_source(kind, d), kernel_signature(types.uint16), cc=cc,
+                              fastmath=False, launch_bounds=(THREADS,))
+    return ptx
+
+
+def ptx_names():
+    """{file name: (kind, head dim, compute capability)} of every specialisation, e.g.
+    ``tc_bf16_d128_sm90.ptx``: masks, pse, lse and the band are runtime data, not variants."""
+    return {f"tc_{kind}_d{d}_sm{cc[0]}{cc[1]}.ptx": (kind, d, cc)
+            for kind in ("f16", "bf16") for d in HEAD_DIMS for cc in PTX_ARCHS}
+
+
+def write_ptx(out_dir, name_filter=""):
+    """Write the PTX of every specialisation whose file name contains ``name_filter`` into
+    ``out_dir``; returns the paths written."""
+    import os
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for name, spec in ptx_names().items():
+        if name_filter in name:
+            path = os.path.join(out_dir, name)
+            with open(path, "w") as f:
+                f.write(tc_ptx(*spec))
+            paths.append(path)
+    return paths
+
+
 def kind_of(dtype):
     """"f16" / "bf16" for float16 / bfloat16, else None."""
     return "f16" if np.dtype(dtype) == F16 else "bf16" if is_bf16(dtype) else None

@@ -14,25 +14,31 @@ import numpy as np
 import pytest
 
 cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is in the test extra")
-from numba import types  # noqa: E402
 
 from pfa_numba import _plan, _validate as V, config  # noqa: E402
 from pfa_numba.gpu import tc_kernel as T  # noqa: E402
-from pfa_numba.gpu.kernels import kernel_signature  # noqa: E402
 from test_tensor_core_ptx import assemble  # noqa: E402
 
 F64 = re.compile(r"\.f64\b")
-SPECS = [pytest.param(kind, d, cc, id=f"tc_{kind}_d{d}_sm{cc[0]}{cc[1]}")
-         for kind in ("f16", "bf16") for d in (64, 128) for cc in ((8, 0), (9, 0))]
+SPECS = [pytest.param(*spec, id=name[:-4]) for name, spec in T.ptx_names().items()]
 _PTX = {}
 
 
 def tc_ptx(kind, d, cc):
     if (kind, d, cc) not in _PTX:
-        _PTX[kind, d, cc], _ = cuda.compile_ptx(
-            T.tc_kernel_source(kind, d), kernel_signature(types.uint16), cc=cc, fastmath=False,
-            launch_bounds=(T.THREADS,))
+        _PTX[kind, d, cc] = T.tc_ptx(kind, d, cc)
     return _PTX[kind, d, cc]
+
+
+def test_cuda_ptx_command_writes_one_file_a_specialisation(tmp_path):
+    from pfa_numba.__main__ import main
+    assert len(T.ptx_names()) == 8 and "tc_bf16_d128_sm90.ptx" in T.ptx_names()
+    assert main(["cuda-ptx", "--out", str(tmp_path), "--filter", "tc_f16_d64_sm80"]) == 0
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["tc_f16_d64_sm80.ptx"]
+    ptx = (tmp_path / written[0]).read_text()
+    assert ".target sm_80" in ptx and "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert not F64.search(ptx)
 
 
 @pytest.mark.parametrize("kind, d, cc", SPECS)
