@@ -14,7 +14,7 @@ LAYERS = [
     ("cpu", "gpu"),                                   # the backends (packages)
     ("_validate", "_plan"),                           # the call: checks, then the problem
     ("dispatch",),                                    # choosing a backend
-    ("api", "merge"),                                 # the public functions
+    ("api", "merge", "sdpa"),                         # the public functions
     ("distributed", "__init__"),
     ("_bench", "__main__"),                           # the command line and its benchmark
 ]

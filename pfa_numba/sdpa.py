@@ -1,0 +1,101 @@
+"""``scaled_dot_product_attention``: torch's SDPA, argument for argument, on pfa_numba's kernels.
+
+How it maps onto Ascend's arguments: query (..., Hq, L, E), key / value (..., Hkv, S, E) become
+BNSD with B the product of the leading dimensions, N = Hq and num_key_value_heads = Hkv
+(``enable_gqa``: query head h reads kv head h // (Hq / Hkv), as torch's repeat_interleave);
+``scale`` (default 1/sqrt(E)) is scale_value; ``is_causal`` is the top-left band j <= i (sparse
+mode 2's band, without its 2048 x 2048 mask); a bool ``attn_mask`` (True = take part) drops
+what it excludes; a float ``attn_mask`` of the query's dtype is added to the scores in float32
+(pse_shift's path); a row that keeps nothing is zeros (inner_precise 2's rule).
+"""
+import dataclasses
+import math
+
+import numpy as np
+
+from . import _torch
+from . import _validate as V
+from . import dispatch
+from ._plan import plan
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, *, scale=None, enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention on NumPy arrays or torch CPU tensors
+    (forward only), returning the query's kind and dtype (float32, float16, bfloat16).
+
+    Limits the kernels keep raise RuntimeError: head dim E <= 512, value's head dim equal to
+    E, Hq a multiple of Hkv (with ``enable_gqa``; equal head counts without it). ``dropout_p``
+    other than 0 is refused (no dropout in inference), and so is a mask with ``is_causal``
+    (as torch does)."""
+    tensor_out = _torch.is_tensor(query)
+    q, k, v, mask = (_torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x
+                     for name, x in (("query", query), ("key", key), ("value", value),
+                                     ("attn_mask", attn_mask)))
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        V.check_array(name, x)
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., L, E), got shape "
+                             f"{V.shape_str(x.shape)}")
+    if dropout_p != 0.0:
+        raise RuntimeError(f"dropout_p must be 0.0 (pfa_numba computes inference attention), "
+                           f"got {dropout_p!r}")
+    if is_causal and mask is not None:
+        raise RuntimeError("is_causal=True takes no attn_mask (as torch), got an attn_mask of "
+                           f"shape {V.shape_str(np.shape(mask))}")
+    if v.shape[-1] != q.shape[-1]:
+        raise RuntimeError(f"value's head dim ({v.shape[-1]}) must equal query's "
+                           f"({q.shape[-1]}): the kernels compute P V with one head dim")
+    q4, k4, v4 = (_bnsd(x) for x in (q, k, v))
+    hq, hkv = q4.shape[1], k4.shape[1]
+    if hq != hkv and not enable_gqa:
+        raise RuntimeError(f"query has {hq} heads and key {hkv}: pass enable_gqa=True for "
+                           f"grouped-query attention")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    pse = discard = None
+    if mask is not None:
+        pse, discard = _mask(V.check_array("attn_mask", mask), q, k)
+    call = V.Call(q4, k4, v4, discard, pse_shift=pse, num_heads=hq,
+                  num_key_value_heads=hkv, scale_value=scale, input_layout="BNSD",
+                  sparse_mode=0 if discard is None else 1, inner_precise=2)
+    valid = V.validate(call)
+    if is_causal:
+        valid = dataclasses.replace(valid, sparse_mode=2, has_mask=True)   # the band j <= i
+    problem = plan(valid)
+    out, _ = dispatch.choose(problem, "cpu").run(problem)
+    out = out.reshape(q.shape)
+    return _torch.as_tensor(out) if tensor_out else out
+
+
+def _bnsd(x):
+    """(..., H, L, E) as (B, H, L, E), B the product of the leading dims ((L, E): B = H = 1)."""
+    if x.ndim == 2:
+        return x[None, None]
+    return x.reshape((-1,) + x.shape[-3:]) if x.ndim > 3 else x[None]
+
+
+def _mask(mask, q, k):
+    """torch's attn_mask as (pse_shift, discard mask) of the BNSD call: a float mask (of the
+    query's dtype) is added to the scores; a bool mask (True = take part) drops the rest, as a
+    discard mask where it is the same for every head, else as -inf added to the scores."""
+    scores = q.shape[:-1] + (k.shape[-2],)                  # (..., Hq, L, S)
+    try:
+        full = np.broadcast_to(mask, scores)
+    except ValueError:
+        raise RuntimeError(f"attn_mask of shape {V.shape_str(mask.shape)} does not broadcast to "
+                           f"the scores' shape {V.shape_str(scores)}") from None
+    sq, skv = scores[-2:]
+    if mask.dtype != np.bool_:
+        if mask.dtype != q.dtype:
+            raise TypeError(f"a float attn_mask must have the query's dtype "
+                            f"({V.dtype_name(q.dtype)}), got {V.dtype_name(mask.dtype)}")
+        return full.reshape(-1, _heads(q), sq, skv), None
+    if mask.ndim >= 3 and mask.shape[-3] != 1 and q.ndim >= 3:     # differs between heads
+        bias = np.where(full, np.zeros((), q.dtype), np.array(-np.inf, q.dtype))
+        return bias.reshape(-1, _heads(q), sq, skv), None
+    one_head = np.broadcast_to(mask, scores[:-3] + (1, sq, skv) if q.ndim >= 3 else scores)
+    return None, ~one_head.reshape(-1, sq, skv)
+
+
+def _heads(x):
+    return x.shape[-3] if x.ndim >= 3 else 1

@@ -1,0 +1,94 @@
+"""pfa_numba.scaled_dot_product_attention against torch's own, argument for argument."""
+import math
+
+import numpy as np
+import pytest
+
+from pfa_numba import reference, scaled_dot_product_attention
+from _cases import assert_matches_reference
+
+torch = pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
+F = torch.nn.functional
+
+CASES = {
+    # name: (query shape, key shape, sdpa keywords)
+    "mha": ((2, 4, 33, 32), (2, 4, 40, 32), {}),
+    "gqa": ((2, 8, 33, 64), (2, 2, 47, 64), dict(enable_gqa=True)),
+    "causal-L<S": ((2, 4, 33, 32), (2, 4, 40, 32), dict(is_causal=True)),
+    "causal-L>S": ((1, 2, 50, 16), (1, 2, 21, 16), dict(is_causal=True)),
+    "2d": ((33, 32), (40, 32), {}),
+    "5d-scale": ((3, 2, 4, 17, 32), (3, 2, 4, 40, 32), dict(scale=0.3)),
+}
+
+
+def _inputs(case, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qs, ks, kw = CASES[case]
+    q = torch.randn(qs, generator=g).to(dtype)
+    k, v = (torch.randn(ks, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, kw
+
+
+def _tol(dtype):
+    return {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_torch(case, dtype):
+    q, k, v, kw = _inputs(case, dtype)
+    got = scaled_dot_product_attention(q, k, v, **kw)
+    want = F.scaled_dot_product_attention(q, k, v, **kw)
+    assert isinstance(got, torch.Tensor) and got.dtype == dtype and got.shape == want.shape
+    np.testing.assert_allclose(got.float().numpy(), want.float().numpy(), atol=_tol(dtype))
+
+
+@pytest.mark.parametrize("kind", ["bool-LS", "bool-per-head", "bool-per-batch", "float-LS",
+                                  "float-per-head", "bool-fully-masked-row"])
+def test_masks_match_torch(kind):
+    q, k, v, _ = _inputs("mha", torch.float32, seed=1)
+    g = torch.Generator().manual_seed(2)
+    shape = {"bool-LS": (33, 40), "bool-per-head": (2, 4, 33, 40), "bool-per-batch": (2, 1, 33, 40),
+             "float-LS": (33, 40), "float-per-head": (2, 4, 33, 40),
+             "bool-fully-masked-row": (2, 1, 33, 40)}[kind]
+    mask = torch.rand(shape, generator=g) < 0.7 if kind.startswith("bool") else \
+        torch.randn(shape, generator=g)
+    if kind == "bool-fully-masked-row":
+        mask[0, 0, 5] = False                     # a row with nothing to attend to: zeros
+    got = scaled_dot_product_attention(q, k, v, mask)
+    want = F.scaled_dot_product_attention(q, k, v, mask)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=2e-6)
+    if kind == "bool-fully-masked-row":
+        assert torch.all(got[0, :, 5] == 0)
+
+
+def test_numpy_in_numpy_out_matches_the_reference():
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in
+               ((2, 4, 20, 32), (2, 4, 30, 32), (2, 4, 30, 32)))
+    out = scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32
+    kw = dict(num_heads=4, input_layout="BNSD", scale_value=1 / math.sqrt(32),
+              sparse_mode=0, pre_tokens=2147483647, next_tokens=0, inner_precise=2)
+    mask = np.zeros((20, 30), bool)               # the band j <= i comes from the tokens
+    assert_matches_reference(out, (q, k, v, mask), kw, np.float32)
+    np.testing.assert_allclose(out, reference.prompt_flash_attention(q, k, v, mask, **kw),
+                               atol=2e-6)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(dropout_p=0.1), RuntimeError, "dropout_p must be 0.0"),
+    (dict(is_causal=True, attn_mask="mask"), RuntimeError, "is_causal=True takes no attn_mask"),
+    (dict(value_dim=16), RuntimeError, "value's head dim"),
+    (dict(kv_heads=2), RuntimeError, "enable_gqa=True"),
+    (dict(attn_mask="float64"), TypeError, "float attn_mask must have the query's dtype"),
+    (dict(attn_mask="wrong shape"), RuntimeError, "does not broadcast"),
+])
+def test_refusals(bad, error, match):
+    q = torch.randn(1, 4, 8, 32)
+    k = torch.randn(1, bad.pop("kv_heads", 4), 8, 32)
+    v = torch.randn(1, k.shape[1], 8, bad.pop("value_dim", 32))
+    mask = {"mask": torch.ones(8, 8, dtype=torch.bool), "float64": torch.zeros(8, 8).double(),
+            "wrong shape": torch.ones(3, 8, 8, dtype=torch.bool)}.get(bad.pop("attn_mask", None))
+    with pytest.raises(error, match=match):
+        scaled_dot_product_attention(q, k, v, mask, **bad)
