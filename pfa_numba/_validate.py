@@ -1,4 +1,5 @@
-"""Every user-facing error of prompt_flash_attention (SPEC.md section 10), and nothing else.
+"""Every user-facing error of prompt_flash_attention (docs/contract.md, section 10), and
+nothing else.
 
 One entry point, :func:`validate`, takes a :class:`Call` (the arguments by name) and returns a
 :class:`ValidCall` or raises. Each check names the argument and the value received, and raises

@@ -30,7 +30,7 @@ CPU_BAND_TILE_DIV = 2
 CPU_BAND_Q_TILES = 2
 
 #: LLVM fast-math flags of the CPU kernels: only those keeping inf/NaN, which masks and lse need.
-#: Never 'nnan' / 'ninf' (nor fastmath=True); 'reassoc' vectorises row sums, 'contract' gives FMA.
+#: Never 'nnan' / 'ninf' (nor the all-flags form); 'reassoc' vectorises row sums, 'contract' FMA.
 CPU_FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
 
 #: bf16 and float16 tile products on Intel AMX where CPU and OS offer it: faster than float32 path.

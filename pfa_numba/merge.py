@@ -1,4 +1,5 @@
-"""Exact merging of attention results computed over disjoint key/value ranges (SPEC.md 9).
+"""Exact merging of attention results computed over disjoint key/value ranges
+(docs/contract.md, section 9).
 
 Each part is the ``(out, softmax_lse)`` pair that ``prompt_flash_attention(...,
 return_softmax_lse=True)`` returns for the same queries and one slice of the keys/values::

@@ -1,6 +1,6 @@
 """The meaning of ``prompt_flash_attention``, written out in float64 NumPy.
 
-This module is the executable form of SPEC.md: tests, notebooks and users compare the fast
+This module is the executable form of docs/contract.md: tests, notebooks and users compare the fast
 kernels against it.  It is deliberately slow and simple: every layout is converted to
 (B, N, S, D) float64, grouped-query attention is done by repeating K/V heads, and for every
 batch and head the full (Sq x Skv) score matrix, keep-mask and probability matrix are
@@ -492,7 +492,7 @@ def prompt_flash_attention(
         inner_precise=1,                                 # §5: rows that keep nothing
         *, return_softmax_lse=False,                     # §9
         compute_dtype=None):
-    """Reference ``prompt_flash_attention`` (SPEC.md), in float64 NumPy.
+    """Reference ``prompt_flash_attention`` (docs/contract.md), in float64 NumPy.
 
     Arguments are those of SPEC §1 (NumPy arrays of float16, ml_dtypes.bfloat16, float32 or
     int8); the call is assumed valid per SPEC §10.
