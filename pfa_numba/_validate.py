@@ -20,6 +20,7 @@ import numpy as np
 from ._band import TOKENS_INF, reads_user_mask, tokens_to_band
 from ._core import MASK_ADD_F16, MASK_DISCARD, MASK_NONE
 from ._dtypes import F16, F32, I8, dtype_name, is_bf16
+from ._torch import is_tensor
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -138,8 +139,8 @@ def is_cuda_array(x):
     bfloat16 ones, whose interface raises), and the CUDA simulator's device arrays."""
     if isinstance(x, np.ndarray) or x is None:
         return False
-    if type(x).__module__.split(".")[0] == "torch":
-        return bool(getattr(x, "is_cuda", False))
+    if is_tensor(x):
+        return bool(x.is_cuda)
     if "simulator" in type(x).__module__:
         return True
     try:
