@@ -7,6 +7,10 @@ BNSD with B the product of the leading dimensions, N = Hq and num_key_value_head
 mode 2's band, without its 2048 x 2048 mask); a bool ``attn_mask`` (True = take part) drops
 what it excludes; a float ``attn_mask`` of the query's dtype is added to the scores in float32
 (pse_shift's path); a row that keeps nothing is zeros (inner_precise 2's rule).
+
+A bool mask also gives a band: the narrowest diagonal band i - pre <= j <= i + next holding
+every True of the mask becomes sparse_mode 0's pre/next tokens, so the kernels never visit the
+kv tiles outside it (a causal, padded or sliding-window mask costs what its band costs).
 """
 import dataclasses
 import math
@@ -52,15 +56,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise RuntimeError(f"query has {hq} heads and key {hkv}: pass enable_gqa=True for "
                            f"grouped-query attention")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    pse = discard = None
+    pse = discard = band = None
     if mask is not None:
-        pse, discard = _mask(V.check_array("attn_mask", mask), q, k)
+        mask = V.check_array("attn_mask", mask)
+        pse, discard = _mask(mask, q, k)
+        band = _mask_band(mask, q.shape[-2], k.shape[-2]) if mask.dtype == np.bool_ else None
     call = V.Call(q4, k4, v4, discard, pse_shift=pse, num_heads=hq,
                   num_key_value_heads=hkv, scale_value=scale, input_layout="BNSD",
                   sparse_mode=0 if discard is None else 1, inner_precise=2)
     valid = V.validate(call)
     if is_causal:
         valid = dataclasses.replace(valid, sparse_mode=2, has_mask=True)   # the band j <= i
+    elif band is not None:
+        valid = dataclasses.replace(valid, sparse_mode=0, has_mask=True, pre_tokens=band[0],
+                                    next_tokens=band[1])
     problem = plan(valid)
     out, _ = dispatch.choose(problem, "cpu").run(problem)
     out = out.reshape(q.shape)
@@ -95,6 +104,20 @@ def _mask(mask, q, k):
         return bias.reshape(-1, _heads(q), sq, skv), None
     one_head = np.broadcast_to(mask, scores[:-3] + (1, sq, skv) if q.ndim >= 3 else scores)
     return None, ~one_head.reshape(-1, sq, skv)
+
+
+def _mask_band(mask, sq, skv):
+    """(pre, next) of the narrowest band i - pre <= j <= i + next that holds every True of the
+    bool ``mask`` (broadcast to (..., sq, skv)); None when it holds no True (then the mask
+    alone drops everything). pre + next >= 0, as sparse_mode 0 requires."""
+    m = np.broadcast_to(mask, mask.shape[:-2] + (sq, skv))
+    kept = m.any(axis=-1)
+    if not kept.any():
+        return None
+    rows = np.arange(sq)
+    first = np.argmax(m, axis=-1)
+    last = skv - 1 - np.argmax(m[..., ::-1], axis=-1)
+    return int((rows - first)[kept].max()), int((last - rows)[kept].max())
 
 
 def _heads(x):

@@ -15,7 +15,7 @@ LAYERS = [
     ("_validate", "_plan"),                           # the call: checks, then the problem
     ("dispatch",),                                    # choosing a backend
     ("api", "merge", "sdpa"),                         # the public functions
-    ("distributed", "__init__"),
+    ("distributed", "__init__", "integrations"),      # other libraries' calls onto the API
     ("_bench", "__main__"),                           # the command line and its benchmark
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}

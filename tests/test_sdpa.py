@@ -92,3 +92,44 @@ def test_refusals(bad, error, match):
             "wrong shape": torch.ones(3, 8, 8, dtype=torch.bool)}.get(bad.pop("attn_mask", None))
     with pytest.raises(error, match=match):
         scaled_dot_product_attention(q, k, v, mask, **bad)
+
+
+def _structured_mask(kind, sq, skv, batch=2):
+    """Masks whose True entries lie in a band: (batch, 1, sq, skv) bool, True = take part."""
+    i = torch.arange(sq)[:, None] + (skv - sq)           # query positions at the end of the kv
+    j = torch.arange(skv)[None, :]
+    causal = j <= i
+    pad = torch.zeros(batch, skv, dtype=torch.bool)      # left padding of batch 1: 7 tokens
+    pad[1, :7] = True
+    masks = {"causal": causal, "sliding": causal & (j > i - 9),
+             "left-pad-causal": causal[None] & ~pad[:, None, :],
+             "right-pad": (j < skv - 5).expand(sq, skv)}
+    return masks[kind].reshape(-1, 1, sq, skv).expand(batch, 1, sq, skv).contiguous()
+
+
+@pytest.mark.parametrize("sq, skv", [(33, 33), (1, 65), (7, 40), (70, 70)])
+@pytest.mark.parametrize("kind", ["causal", "sliding", "left-pad-causal", "right-pad"])
+def test_banded_bool_masks_match_torch(kind, sq, skv):
+    g = torch.Generator().manual_seed(sq * skv)
+    q = torch.randn(2, 4, sq, 32, generator=g)
+    k, v = (torch.randn(2, 2, skv, 32, generator=g) for _ in range(2))
+    mask = _structured_mask(kind, sq, skv)
+    got = scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+    want = torch.where(mask.any(-1, keepdim=True), want, 0.0)      # fully masked rows: zeros
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=2e-6)
+
+
+def test_mask_band_is_the_narrowest_band_holding_every_true():
+    from pfa_numba.sdpa import _mask_band
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        sq, skv = rng.integers(1, 12, size=2)
+        mask = rng.random((2, sq, skv)) < rng.choice([0.05, 0.3, 0.9])
+        band = _mask_band(mask, sq, skv)
+        i, j = np.nonzero(mask.any(axis=0))
+        if i.size == 0:
+            assert band is None
+            continue
+        assert band == ((i - j).max(), (j - i).max())
+        assert band[0] + band[1] >= 0

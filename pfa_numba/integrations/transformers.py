@@ -1,0 +1,77 @@
+"""Hugging Face transformers models on pfa_numba: one call registers the attention.
+
+    import pfa_numba.integrations.transformers as pfa_hf
+    pfa_hf.register()                                   # name "pfa_numba"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="pfa_numba")
+    # or: model.set_attn_implementation("pfa_numba")
+
+:func:`register` registers two things under one name, because transformers needs both: the
+attention function (:func:`attention_forward`, which runs
+:func:`pfa_numba.scaled_dot_product_attention`) and the mask function that builds the masks
+that function reads. The mask function is transformers' own ``sdpa_mask``: a bool
+(batch, 1, q, kv) mask, True = take part, or None where the causal band alone says it all.
+Without a registered mask function transformers passes ``attention_mask=None`` and padding is
+silently ignored.
+
+What a model then gets is what ``attn_implementation="sdpa"`` gives: causal prefill, left and
+right padding, KV-cache decoding in ``generate()``, grouped-query attention (the kv heads are
+read once per group, never repeated) and sliding windows (the band of the mask; the kernels
+skip the kv tiles outside it), in float32, float16 and bfloat16, forward only (call the model
+under ``torch.no_grad()`` or ``torch.inference_mode()``, as ``generate()`` does).
+"""
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..sdpa import scaled_dot_product_attention
+
+#: the name :func:`register` uses unless told another
+NAME = "pfa_numba"
+
+
+def register(name=NAME):
+    """Register pfa_numba's attention and its mask function with transformers as ``name``;
+    then ``attn_implementation=name`` selects it. Returns ``name``."""
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      is_causal=None, **kwargs):
+    """transformers' attention-function interface on pfa_numba.
+
+    query (batch, heads, q, head_dim), key / value (batch, kv_heads, kv, head_dim);
+    attention_mask the bool mask of ``sdpa_mask`` or a float mask added to the scores, or None.
+    Returns (output (batch, q, heads, head_dim), None): no attention weights are formed.
+    Softcapping, dropout, attention weights (``output_attentions``) and ``position_bias``
+    are refused with a ValueError naming them."""
+    _refuse_unsupported(dropout, kwargs)
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    q_length = query.shape[2]
+    out = scaled_dot_product_attention(
+        query, key, value, attention_mask, scale=scaling,
+        # a single query row attends to the whole cache; a mask already holds the band
+        is_causal=bool(is_causal and q_length > 1 and attention_mask is None),
+        enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _refuse_unsupported(dropout, kwargs):
+    unsupported = {
+        "softcap": kwargs.get("softcap") is not None,
+        "dropout": dropout != 0.0,
+        "output_attentions": bool(kwargs.get("output_attentions")),
+        "position_bias": kwargs.get("position_bias") is not None,
+    }
+    named = [name for name, given in unsupported.items() if given]
+    if named:
+        raise ValueError(f"pfa_numba attention does not support {', '.join(named)} (given "
+                         f"{', '.join(f'{n}={_given(n, dropout, kwargs)}' for n in named)}): "
+                         f"use attn_implementation='eager' for them")
+
+
+def _given(name, dropout, kwargs):
+    value = dropout if name == "dropout" else kwargs.get(name)
+    return f"tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
+        else repr(value)

@@ -1,0 +1,141 @@
+"""Hugging Face models with attn_implementation="pfa_numba" against the same models on "sdpa":
+randomly initialised from configs (nothing is downloaded), logits and greedy generations."""
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
+transformers = pytest.importorskip("transformers",
+                                   reason="transformers comes with the [transformers] extra")
+
+import pfa_numba.integrations.transformers as pfa_hf   # noqa: E402
+
+NAME = pfa_hf.register()
+VOCAB = 256
+
+
+def _config(family):
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                  pad_token_id=0)
+    if family == "llama":                               # grouped-query attention, 4 per kv head
+        return transformers.LlamaConfig(**common)
+    return transformers.MistralConfig(sliding_window=12, **common)   # window < the sequences
+
+
+_MODELS = {}
+
+
+def _model(family, dtype):
+    """The same random weights for every dtype and attention of one family."""
+    if family not in _MODELS:
+        torch.manual_seed(0)
+        _MODELS[family] = transformers.AutoModelForCausalLM.from_config(
+            _config(family), attn_implementation="sdpa").eval()
+    base = _MODELS[family]
+    model = type(base)(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    return model.to(dtype)
+
+
+def _batch(padding, length=29, batch=3):
+    """Token ids and attention mask with ``padding`` ('left', 'right' or 'none'): row 1 loses
+    9 tokens, row 2 loses 3."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    if padding != "none":
+        for row, pad in ((1, 9), (2, 3)):
+            cols = slice(0, pad) if padding == "left" else slice(length - pad, length)
+            mask[row, cols] = 0
+            ids[row, cols] = 0
+    return ids, mask
+
+
+def _logits(model, attn, ids, mask):
+    model.set_attn_implementation(attn)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits.float()
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_float32_logits_match_sdpa(family, padding):
+    model = _model(family, torch.float32)
+    ids, mask = _batch(padding)
+    want = _logits(model, "sdpa", ids, mask)
+    got = _logits(model, NAME, ids, mask)
+    real = mask.bool()                # padded positions' logits are not defined by either
+    assert (got[real] - want[real]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_16bit_logits_within_twice_sdpas_own_error(family, dtype):
+    ids, mask = _batch("left")
+    real = mask.bool()
+    exact = _logits(_model(family, torch.float32), "sdpa", ids, mask)[real]
+    model = _model(family, dtype)
+    sdpa_error = (_logits(model, "sdpa", ids, mask)[real] - exact).abs().max()
+    ours_error = (_logits(model, NAME, ids, mask)[real] - exact).abs().max()
+    assert 0 < ours_error <= 2 * sdpa_error
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_greedy_generation_matches_sdpa(family, padding):
+    """Prefill and then decode steps against the KV cache (query length 1), the sliding window
+    passing the prompt's length on the way."""
+    model = _model(family, torch.float32)
+    ids, mask = _batch(padding, length=9)
+    runs = {}
+    for attn in ("sdpa", NAME):
+        model.set_attn_implementation(attn)
+        with torch.no_grad():
+            runs[attn] = model.generate(ids, attention_mask=mask, max_new_tokens=12,
+                                        do_sample=False, pad_token_id=0)
+    assert runs[NAME].shape == (ids.shape[0], ids.shape[1] + 12)
+    assert torch.equal(runs[NAME], runs["sdpa"])
+
+
+def test_from_config_selects_it_by_name():
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config("llama"),
+                                                          attn_implementation=NAME)
+    assert model.config._attn_implementation == NAME
+
+
+def _attention_inputs():
+    q = torch.randn(1, 4, 5, 16)
+    k = v = torch.randn(1, 2, 5, 16)
+    return torch.nn.Module(), q, k, v
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(softcap=30.0), "softcap"),
+    (dict(dropout=0.1), "dropout"),
+    (dict(output_attentions=True), "output_attentions"),
+    (dict(position_bias=torch.zeros(1, 4, 5, 5)), "position_bias"),
+])
+def test_arguments_it_cannot_honour_are_refused_by_name(kwargs, named):
+    with pytest.raises(ValueError, match=f"does not support {named}"):
+        pfa_hf.attention_forward(*_attention_inputs(), None, **kwargs)
+
+
+def test_matches_sdpa_attention_forward_directly():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    module, q, k, v = _attention_inputs()
+    module.num_key_value_groups = 2
+    mask = torch.rand(1, 1, 5, 5) < 0.8
+    mask[..., 0] = True
+    for attention_mask in (None, mask):
+        got, _ = pfa_hf.attention_forward(module, q, k, v, attention_mask, scaling=0.3)
+        want, _ = sdpa_attention_forward(module, q, k, v, attention_mask, scaling=0.3)
+        assert got.shape == want.shape == (1, 5, 4, 16)
+        assert (got - want).abs().max() <= 2e-6
+
+
+def test_a_model_called_with_grad_on_is_refused():
+    model = _model("llama", torch.float32)
+    model.set_attn_implementation(NAME)
+    ids, mask = _batch("none", length=5)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        model(input_ids=ids, attention_mask=mask)
