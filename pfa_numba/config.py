@@ -41,6 +41,12 @@ CPU_AMX = True
 #: fp32 / fp16 storage and bf16 without AMX; False, or a host without AVX-512: SciPy's BLAS sgemm.
 CPU_AVX512_GEMM = True
 
+#: Split-kv: a call with fewer work items than this many per thread (decode at a small batch)
+#: cuts each item's kv range into pieces computed in parallel, then merged exactly.
+CPU_SPLIT_KV_ITEMS = 2
+#: Fewest kv columns of a split-kv piece: a shorter one costs more in merging than it saves.
+CPU_SPLIT_KV_MIN_COLS = 256
+
 #: Numba threads used by one call (None: numba.get_num_threads() at call time).
 CPU_THREADS = None
 

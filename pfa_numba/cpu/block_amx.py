@@ -10,8 +10,8 @@ from ._jit import FASTMATH
 from ._vector import aligned_empty, take_next
 from .amx_pack import (_F16_EXP, _SUBNORMAL_LIMIT, _TINY_V_LIMIT, _amx_pack_k, _amx_pack_rows,
                        _amx_pack_v, _bf16_scan)
-from .block_f32 import _add_pv_exact, _block, _f32_buffers, _finish
-from .items import _item, _segment, _sizes
+from .block_f32 import _add_pv_exact, _block, _f32_buffers, _finish, f32_widths
+from .items import W_B, W_G, W_I0, W_JHI, W_JLO, _item, _segment, _sizes
 from .rows import _LAZY_V_LIMIT, _rescale_rows, _softmax_rows
 
 
@@ -133,11 +133,13 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
         ins, outs, extras = (q, k, v), (out, lse, flags), (mask8, mask16, pse)
         geo, state = (strides, boff, lens, params), (m, l, alpha)
         while w < n_items:
-            item = (work[w, 0], work[w, 1], work[w, 2])
+            item = (work[w, W_B], work[w, W_G], work[w, W_I0])
             if not _block_amx(ins, outs, extras, geo, scales, item,
                               (cfg, qh, kt, vv, tmp, sb, pp, acc), tb, state):
                 if qb.size == 0:
                     qb, sb2, acc2, kb, vb, kx = _f32_buffers(params)
-                _block(ins, outs, extras, geo, scales, item, (qb, sb2, tb, acc2, kb, vb, kx),
-                       state, blas)
+                i1, computed = _block(ins, extras, geo, scales, item,
+                                      (work[w, W_JLO], work[w, W_JHI]),
+                                      (qb, sb2, tb, acc2, kb, vb, kx), state, blas)
+                _finish(outs, v, geo, item, i1, acc2, f32_widths(params)[0], state, tb, computed)
             w = take_next(taken)

@@ -11,9 +11,10 @@ from ._blas import gemm_rm, scratch
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
 from ._jit import FASTMATH, LEAF
 from ._vector import aligned_empty, take_next, wide_vectors
-from .items import _item, _segment, _sizes
+from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, _item, _segment, _sizes
 from .rows import (_PF_ROWS, _all_finite, _load_row, _pack_kt, _prefetch_row, _rescale_rows,
                    _scale_row, _softmax_rows, _store_row, band_of, row_place)
+from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -31,14 +32,17 @@ def f32_widths(params):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _block(ins, outs, extras, geo, scales, item, bufs, state, blas):
+def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
     """One work item in float32: rows of positions [i0, i1) of the G query heads of kv head g
-    in batch b (item = (b, g, i0), see :func:`_item`). The tile products run on the
-    register-blocked kernels of _gemm (params[P_GEMM]) or on BLAS.
+    in batch b (item = (b, g, i0), see :func:`_item`), over the kv columns of its band inside
+    span = [lo, hi) (a piece of a split item; (0, BAND_INF): all). The tile products run on the
+    register-blocked kernels of _gemm (params[P_GEMM]) or on BLAS. Leaves the rows'
+    unnormalised sums in acc and their (m, l) in state for :func:`_finish` or
+    split_kv.keep_piece; returns (i1, whether any kv column was visited).
 
-    ins = (q, k, v), outs = (out, lse, flags), extras = (mask8, mask16, pse), geo = (strides,
-    boff, lens, params): the kernel arguments; bufs = (qb, sb, tb, acc, kb, vb, kx) and state =
-    (m, l, alpha): the thread's buffers (see :func:`_f32_buffers`)."""
+    ins = (q, k, v), extras = (mask8, mask16, pse), geo = (strides, boff, lens, params): the
+    kernel arguments; bufs = (qb, sb, tb, acc, kb, vb, kx) and state = (m, l, alpha): the
+    thread's buffers (see :func:`_f32_buffers`)."""
     q, k, v = ins
     strides, boff, lens, params = geo
     b, g, i0 = item
@@ -52,6 +56,7 @@ def _block(ins, outs, extras, geo, scales, item, bufs, state, blas):
     any_user = params[P_MASK] != 0 or params[P_PSE] != 0
     ldv = f32_widths(params)[0]          # row length of acc and of the V tile
     i1, R, jstart, jend = _item(params, lens, b, i0)
+    jstart, jend = max(jstart, span[0]), min(jend, span[1])
     no_p3 = np.empty((1, 2, 1), np.uint16)        # the in-place softmax writes no bf16 parts
     if jstart < jend:
         q2 = qb[:R * D].reshape(R, D)
@@ -126,7 +131,7 @@ def _block(ins, outs, extras, geo, scales, item, bufs, state, blas):
                         gemm_rm(blas, nrow, D, ns, sb, 0, lds, False, vb, vo, ldv,
                                 acc, r0 * ldv, ldv, F32_ONE)
                 r0 = r1
-    _finish(outs, v, geo, item, i1, acc, ldv, state, tb, jstart < jend)
+    return i1, jstart < jend
 
 
 @njit(**LEAF)
@@ -193,11 +198,14 @@ def _f32_buffers(params):
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work, params,
-               scales):
+               scales, parts):
     """Run every work item. Each of the nthr threads takes the next item not yet taken whenever
     it is free (items are sorted by cost, most expensive first), so a thread that runs slower,
-    on a core shared with other work, takes fewer items instead of holding the call up."""
+    on a core shared with other work, takes fewer items instead of holding the call up.
+    Pieces of split items (see split_kv) leave their state in ``parts`` for
+    :func:`_merge_split`."""
     D, rows, tk, nthr, n_items = _sizes(params, work)
+    ldv = f32_widths(params)[0]
     taken = np.zeros(1, np.int64)
     for t in prange(nthr):
         qb, sb, acc, kb, vb, kx = _f32_buffers(params)
@@ -210,6 +218,30 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
         ins, outs, extras = (q, k, v), (out, lse, flags), (mask8, mask16, pse)
         geo, bufs, state = (strides, boff, lens, params), (qb, sb, tb, acc, kb, vb, kx), (m, l, alpha)
         while w < n_items:
-            _block(ins, outs, extras, geo, scales, (work[w, 0], work[w, 1], work[w, 2]), bufs,
-                   state, blas)
+            item = (work[w, W_B], work[w, W_G], work[w, W_I0])
+            i1, computed = _block(ins, extras, geo, scales, item, (work[w, W_JLO], work[w, W_JHI]),
+                                  bufs, state, blas)
+            if work[w, W_SLOT] < 0:
+                _finish(outs, v, geo, item, i1, acc, ldv, state, tb, computed)
+            else:
+                keep_piece(parts, work[w, W_SLOT], acc, ldv, state, params[P_G] * (i1 - item[2]),
+                           computed)
             w = take_next(taken)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def _merge_split(v, out, lse, flags, strides, boff, lens, params, groups, parts):
+    """Merge the pieces of every split item (split_kv.merge_rows) and finish its rows as
+    :func:`_finish` finishes a whole item."""
+    D, rows = params[P_D], params[P_G] * params[P_ROWS]
+    ldv = f32_widths(params)[0]
+    geo, outs = (strides, boff, lens, params), (out, lse, flags)
+    for w in prange(groups.shape[0]):
+        b, g, i0 = groups[w, G_B], groups[w, G_G], groups[w, G_I0]
+        i1, R, _, _ = _item(params, lens, b, i0)
+        acc = aligned_empty(rows * ldv, np.float32)
+        state = (np.empty(rows, np.float32), np.empty(rows, np.float32),
+                 np.empty(rows, np.float32))
+        merge_rows(parts, groups[w, G_SLOT], groups[w, G_PIECES], R, D, ldv, acc, state,
+                   params[P_SCALE_EXP])
+        _finish(outs, v, geo, (b, g, i0), i1, acc, ldv, state, aligned_empty(D, np.float32), True)

@@ -10,7 +10,7 @@ from .._kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE16, P_BLAS, P_COLS, P_
 from ._blas import gemm_rm, scratch
 from ._jit import FASTMATH, LEAF
 from ._vector import take_next
-from .items import _item, _sizes
+from .items import W_B, W_G, W_I0, _item, _sizes
 from .rows import _load_row, _mask_row, _row_max, band_of, element_offsets, row_place
 
 
@@ -190,6 +190,6 @@ def _attention_int8(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff,
         geo = (strides, boff, lens, params)
         w = take_next(taken)
         while w < n_items:
-            _block_int8(ins, outs, extras, geo, fparams, (work[w, 0], work[w, 1], work[w, 2]),
+            _block_int8(ins, outs, extras, geo, fparams, (work[w, W_B], work[w, W_G], work[w, W_I0]),
                         bufs, state, blas)
             w = take_next(taken)

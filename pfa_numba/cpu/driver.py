@@ -11,9 +11,10 @@ from . import _amx, _gemm
 from ._blas import sgemm_address
 from .amx_pack import AMX_MAX_SCALE
 from .block_amx import _attention_amx
-from .block_f32 import _attention
+from .block_f32 import _attention, _merge_split, f32_widths
 from .block_int8 import INT8_MAX_KV_COLS, _attention_int8
 from .items import _work_items, seg_rows, sub_rows, tile_shape
+from .split_kv import partial_buffers, split_work
 
 
 class _OneCallAtATime:
@@ -71,22 +72,33 @@ def run(p):
     if p.dtype == np.int8:
         kv_cols = min(kv_cols, INT8_MAX_KV_COLS)
     rows_per_head = max(1, q_rows // p.G)
-    work = _work_items(p, rows_per_head) if out.size and p.B else np.zeros((0, 3), np.int64)
+    work = _work_items(p, rows_per_head) if out.size and p.B else np.zeros((0, 6), np.int64)
     if work.shape[0]:
-        nthreads = config.CPU_THREADS or numba.get_num_threads()
-        nthreads = max(1, min(int(nthreads), work.shape[0]))
-        amx = p.dtype != np.int8 and use_amx(p)
+        nthreads = max(1, int(config.CPU_THREADS or numba.get_num_threads()))
+        groups = np.zeros((0, 5), np.int64)
+        if p.dtype != np.int8:                        # pieces run on the float32 kernel
+            work, groups = split_work(p, work, rows_per_head, nthreads)
+        nthreads = min(nthreads, work.shape[0])
+        amx = p.dtype != np.int8 and not groups.shape[0] and use_amx(p)
         own = use_register_blocks()
         blas = p.dtype == np.int8 or not own          # the int8 kernel's products are BLAS
         a = kernel_args(p, out, lse, flags=int8_out,
                         rows=rows_per_head, cols=kv_cols, threads=nthreads, sub=sub_rows(),
                         seg=seg_rows(amx), gemm=own, blas=sgemm_address() if blas else 0)
         flat_flags = flags.reshape(-1)
+        args = (a.q, a.k, a.v, a.out, a.lse, flat_flags, a.mask8, a.mask16, a.pse, a.strides,
+                a.boff, a.lens, work, a.params, a.fparams)
         with _one_call_at_a_time(blas):
-            kernel = _attention_int8 if p.dtype == np.int8 else \
-                _attention_amx if amx else _attention
-            kernel(a.q, a.k, a.v, a.out, a.lse, flat_flags, a.mask8, a.mask16, a.pse, a.strides,
-                   a.boff, a.lens, work, a.params, a.fparams)
+            if p.dtype == np.int8:
+                _attention_int8(*args)
+            elif amx:
+                _attention_amx(*args)
+            else:
+                parts = partial_buffers(groups, p.G * rows_per_head, f32_widths(a.params)[0])
+                _attention(*args, parts)
+                if groups.shape[0]:
+                    _merge_split(a.v, a.out, a.lse, flat_flags, a.strides, a.boff, a.lens,
+                                 a.params, groups, parts)
     if int8_out:
         out = quantize_int8_output(p, out, flags)
     return out, (lse if p.want_lse else None)

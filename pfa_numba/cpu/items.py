@@ -9,6 +9,11 @@ from .._kernel_args import (L_KLEN, L_NEXT, L_PRE, L_QLEN, P_COLS, P_D, P_G, P_R
 from ._amx import BLOCK
 from ._jit import LEAF
 
+#: Columns of a row of the work array: batch, kv head, first query position; the kv columns
+#: [lo, hi) it computes (all of its band: 0, BAND_INF); the slot of its partial result when
+#: it is one piece of a split item (see :mod:`.split_kv`), else -1.
+W_B, W_G, W_I0, W_JLO, W_JHI, W_SLOT = range(6)
+
 
 @njit(cache=True)
 def _sizes(params, work):
@@ -52,7 +57,8 @@ def _segment(params, lens, b, i0, i1, j0, j1, r0, R, align):
 
 
 def _work_items(p, rows_per_head):
-    """(b, kv head, i0) for every block with rows to compute, most expensive first."""
+    """The work array (columns W_*) of whole items, one for every (b, kv head, i0) block with
+    rows to compute, most expensive first."""
     tiles = -(-p.qlen // rows_per_head)
     b = np.repeat(np.arange(p.B, dtype=np.int64), tiles)
     first = np.repeat(np.cumsum(tiles) - tiles, tiles)
@@ -65,10 +71,13 @@ def _work_items(p, rows_per_head):
     order = np.argsort(-cost, kind="stable")
     b, i0 = b[order], i0[order]
     g = np.arange(p.Nkv, dtype=np.int64)
-    work = np.empty((b.size * p.Nkv, 3), np.int64)
-    work[:, 0] = np.repeat(b, p.Nkv)
-    work[:, 1] = np.tile(g, b.size)
-    work[:, 2] = np.repeat(i0, p.Nkv)
+    work = np.empty((b.size * p.Nkv, 6), np.int64)
+    work[:, W_B] = np.repeat(b, p.Nkv)
+    work[:, W_G] = np.tile(g, b.size)
+    work[:, W_I0] = np.repeat(i0, p.Nkv)
+    work[:, W_JLO] = 0
+    work[:, W_JHI] = BAND_INF
+    work[:, W_SLOT] = -1
     return work
 
 

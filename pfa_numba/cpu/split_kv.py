@@ -1,0 +1,108 @@
+"""Split-kv: a problem with fewer work items than threads to keep busy (decode: one query row
+per head against a long kv cache, at a small batch) has each item's kv range cut into pieces,
+computed in parallel as separate work items, then merged exactly.
+
+A piece leaves the online-softmax state of its rows, (unnormalised sums acc, running max m,
+running sum l) over its kv columns, in a slot of the partial buffers; :func:`merge_pieces`
+combines the slots of an item with the online-softmax step itself (:func:`~.._core.rescale_factor`,
+as between two tiles of one item); block_f32's ``_merge_split`` then finishes the rows as a
+whole item would (SPEC 5, lse, output rounding), so a split changes nothing but the order of
+float32 additions. Only the float32 kernel (:mod:`.block_f32`) takes pieces.
+"""
+import numpy as np
+from numba import njit
+from .. import config
+from .._band import block_kv_range
+from .._core import F32_NEG_INF, F32_ZERO, max_nan, rescale_factor
+from ._jit import LEAF
+from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT
+
+#: Columns of a row of the groups array: batch, kv head, first query position of a split
+#: item, its first slot and its number of pieces.
+G_B, G_G, G_I0, G_SLOT, G_PIECES = range(5)
+#: kv columns of a piece are a multiple of this (whole register-block panels).
+_PIECE_ALIGN = 64
+
+
+def split_work(p, work, rows_per_head, nthreads):
+    """(work, groups): ``work`` with each item cut into pieces where it has fewer than
+    config.CPU_SPLIT_KV_ITEMS items per thread and a long enough kv range (pieces of at least
+    config.CPU_SPLIT_KV_MIN_COLS columns), and the groups of pieces to merge (none: no split)."""
+    want = int(config.CPU_SPLIT_KV_ITEMS) * nthreads
+    n = work.shape[0]
+    no_groups = np.zeros((0, 5), np.int64)
+    if n == 0 or n >= want:
+        return work, no_groups
+    min_cols = max(1, int(config.CPU_SPLIT_KV_MIN_COLS))
+    rows, groups = [], []
+    for item in work:
+        lo, hi = _item_columns(p, item, rows_per_head)
+        pieces = min(-(-want // n), (hi - lo) // min_cols)
+        if pieces < 2:
+            rows.append(item)
+            continue
+        step = -(-(-(-(hi - lo) // pieces)) // _PIECE_ALIGN) * _PIECE_ALIGN
+        bounds = list(range(lo, hi, step)) + [hi]
+        slot0 = sum(g[G_PIECES] for g in groups)
+        groups.append((item[W_B], item[W_G], item[W_I0], slot0, len(bounds) - 1))
+        for k, (a, z) in enumerate(zip(bounds[:-1], bounds[1:])):
+            piece = item.copy()
+            piece[W_JLO], piece[W_JHI], piece[W_SLOT] = a, z, slot0 + k
+            rows.append(piece)
+    if not groups:
+        return work, no_groups
+    return np.array(rows, np.int64), np.array(groups, np.int64)
+
+
+def _item_columns(p, item, rows_per_head):
+    """The kv columns [lo, hi) any row of whole work item ``item`` may keep."""
+    b, i0 = int(item[W_B]), int(item[W_I0])
+    i1 = min(i0 + rows_per_head, int(p.qlen[b]))
+    lo, hi = block_kv_range(i0, i1, int(p.pre_e[b]), int(p.next_e[b]), int(p.klen[b]))
+    return int(lo), int(max(hi, lo))
+
+
+def partial_buffers(groups, rows, ld):
+    """(acc, ml): per slot, ``rows`` rows of ``ld`` sums and (m, l); empty without groups."""
+    slots = int(groups[:, G_SLOT].max() + groups[:, G_PIECES].max()) if groups.shape[0] else 0
+    return (np.zeros((slots, rows * ld), np.float32),
+            np.zeros((slots, rows, 2), np.float32))
+
+
+@njit(**LEAF)
+def keep_piece(parts, slot, acc, ld, state, R, computed):
+    """Store the state of a piece's R rows (acc rows of ``ld``) in ``slot``; a piece that kept
+    nothing (``computed`` False, or m = -inf) is marked by m = -inf and its acc is not read."""
+    pacc, pml = parts
+    m, l, _ = state
+    for rr in range(R):
+        pml[slot, rr, 0] = m[rr] if computed else F32_NEG_INF
+        pml[slot, rr, 1] = l[rr] if computed else F32_ZERO
+    if computed:
+        for x in range(R * ld):
+            pacc[slot, x] = acc[x]
+
+
+@njit(**LEAF)
+def merge_rows(parts, slot0, pieces, R, D, ld, acc, state, post_e):
+    """The state of the whole item from its pieces' slots, into acc and state (m, l)."""
+    pacc, pml = parts
+    m, l, _ = state
+    for rr in range(R):
+        mx = F32_NEG_INF
+        for s in range(slot0, slot0 + pieces):
+            if pml[s, rr, 0] != F32_NEG_INF:
+                mx = max_nan(mx, pml[s, rr, 0])
+        total = F32_ZERO
+        row = acc[rr * ld:rr * ld + D]
+        row[:] = F32_ZERO
+        for s in range(slot0, slot0 + pieces):
+            if pml[s, rr, 0] == F32_NEG_INF:
+                continue
+            f = rescale_factor(pml[s, rr, 0], mx, post_e)
+            total += f * pml[s, rr, 1]
+            piece = pacc[s, rr * ld:rr * ld + D]
+            for d in range(D):
+                row[d] += f * piece[d]
+        m[rr] = mx
+        l[rr] = total
