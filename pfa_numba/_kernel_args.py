@@ -43,11 +43,16 @@ def flat_view(x, storage):
     it = x.itemsize
     if any(s % it for s in x.strides) or not x.flags.aligned:
         x = np.ascontiguousarray(x)  # exotic byte strides only; ordinary views never copy
+    elements = tuple(s // it for s in x.strides)
+    if x.flags.c_contiguous:         # the common case, without as_strided's cost
+        flat = x.reshape(-1).view()
+        flat.flags.writeable = False
+        return flat, 0, elements
     lo = sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s < 0)
     hi = sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s > 0)
     corner = x[tuple(slice(n - 1, n) if s < 0 else slice(0, 1) for n, s in zip(x.shape, x.strides))]
     flat = as_strided(corner, shape=((hi - lo) // it + 1,), strides=(it,), writeable=False)
-    return flat, -lo // it, tuple(s // it for s in x.strides)
+    return flat, -lo // it, elements
 
 
 def storage(dtype):
