@@ -108,13 +108,14 @@ def _medians(pairs):
 
 def decode_call_rows(setup, repeats, lengths):
     """One attention call, query length 1 against kv caches of ``lengths``, B = 1, the model's
-    heads: pfa_numba (split-kv, and with the split switched off) against torch SDPA."""
+    heads and one kv head: pfa_numba (split-kv, and with the split switched off) against torch
+    SDPA."""
     rows = []
     d = setup.hidden // setup.heads
-    for s in lengths:
+    for kv_heads, s in ((h, s) for h in (setup.kv_heads, 1) for s in lengths):
         g = torch.Generator().manual_seed(s)
         q = torch.randn(1, setup.heads, 1, d, generator=g)
-        k, v = (torch.randn(1, setup.kv_heads, s, d, generator=g) for _ in range(2))
+        k, v = (torch.randn(1, kv_heads, s, d, generator=g) for _ in range(2))
         calls = {
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v,
                                                                              enable_gqa=True),
@@ -132,7 +133,7 @@ def decode_call_rows(setup, repeats, lengths):
                     call()
                 if r:
                     times[name].append((time.perf_counter() - t0) / 10)
-        rows.append((s, {name: statistics.median(t) for name, t in times.items()}))
+        rows.append((kv_heads, s, {name: statistics.median(t) for name, t in times.items()}))
     return rows
 
 
@@ -156,12 +157,12 @@ def markdown(setup, model, calls, repeats):
         (ws, as_), (wp, ap) = m["sdpa"], m["pfa_numba"]
         lines.append(f"| {label} | {ws:.3f} | {wp:.3f} | {ws / wp:.2f} | {as_ / ws:.0%} | "
                      f"{ap / wp:.0%} | {as_ / ap:.2f} |")
-    lines += ["", f"One decode attention call (B = 1, {setup.heads} query heads, "
-              f"{setup.kv_heads} kv heads, head dim {setup.hidden // setup.heads}, float32):", "",
-              "| kv length | sdpa us | pfa_numba us | pfa_numba without split-kv us | "
-              "sdpa / pfa_numba |", "|---|---|---|---|---|"]
-    for s, t in calls:
-        lines.append(f"| {s} | {t['sdpa'] * 1e6:.0f} | {t['pfa_numba'] * 1e6:.0f} | "
+    lines += ["", f"One decode attention call (B = 1, {setup.heads} query heads, head dim "
+              f"{setup.hidden // setup.heads}, float32):", "",
+              "| kv heads | kv length | sdpa us | pfa_numba us | pfa_numba without split-kv us | "
+              "sdpa / pfa_numba |", "|---|---|---|---|---|---|"]
+    for h, s, t in calls:
+        lines.append(f"| {h} | {s} | {t['sdpa'] * 1e6:.0f} | {t['pfa_numba'] * 1e6:.0f} | "
                      f"{t['pfa_numba, no split'] * 1e6:.0f} | {t['sdpa'] / t['pfa_numba']:.2f} |")
     return "\n".join(lines)
 

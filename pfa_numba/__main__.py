@@ -100,6 +100,17 @@ def warmup(args):
         finally:
             config.CPU_AMX = amx
 
+    def split_kv():               # decode with fewer work items than threads
+        items = config.CPU_SPLIT_KV_ITEMS
+        config.CPU_SPLIT_KV_ITEMS = 2
+        try:
+            kv_len = 2 * config.CPU_SPLIT_KV_MIN_COLS
+            for dt in (np.float32, np.float16):
+                kv = np.ones((1, 1, kv_len, 16), dt)
+                prompt_flash_attention(kv[:, :, :1], kv, kv, num_heads=1, input_layout="BNSD")
+        finally:
+            config.CPU_SPLIT_KV_ITEMS = items
+
     jobs = [("uint16 storage (float16, bfloat16)", float32_tiles),
             ("float32 storage", lambda: prompt_flash_attention(
                 q32, q32, q32, num_heads=1, input_layout="BNSD")),
@@ -107,7 +118,8 @@ def warmup(args):
                 q8, q8, q8, num_heads=1, input_layout="BNSD", **scales)),
             ("int8 output quantization", lambda: [prompt_flash_attention(
                 x, x, x, num_heads=1, input_layout="BNSD", quant_scale2=scales["deq_scale1"])
-                for x in (q16, q32)])]
+                for x in (q16, q32)]),
+            ("split-kv merge (decode)", split_kv)]
     if _amx.available():
         jobs.append(("float16 and bfloat16 on AMX", lambda: prompt_flash_attention(
             q16, q16, q16, num_heads=1, input_layout="BNSD")))

@@ -42,8 +42,9 @@ CPU_AMX = True
 CPU_AVX512_GEMM = True
 
 #: Split-kv: a call with fewer work items than this many per thread (decode at a small batch)
-#: cuts each item's kv range into pieces computed in parallel, then merged exactly.
-CPU_SPLIT_KV_ITEMS = 2
+#: cuts each item's kv range into pieces computed in parallel, then merged exactly. More than 1
+#: merges work that equal items already balance (docs/tuning.md).
+CPU_SPLIT_KV_ITEMS = 1
 #: Fewest kv columns of a split-kv piece: a shorter one costs more in merging than it saves.
 CPU_SPLIT_KV_MIN_COLS = 256
 
