@@ -1,8 +1,10 @@
 """The benchmark harness on a tiny case: every implementation timed and checked, the table and
 the plot written. (Times are reported, never asserted.)"""
 import dataclasses
+import pathlib
 
 import numpy as np
+import pytest
 
 from pfa_numba import _bench
 
@@ -62,3 +64,17 @@ def test_first_call_runs_both_programs_in_fresh_processes():
     assert len(pfa) == len(floor) == 1 and pfa[0] > 0 and floor[0] > 0
     text = _bench.first_call_markdown(pfa, floor)
     assert "pfa_numba" in text and "one-line cached Numba function" in text
+
+
+def test_transformers_benchmark_runs_and_reports_both(tmp_path):
+    """The model benchmark's smoke run: both implementations timed, every table row filled."""
+    pytest.importorskip("transformers", reason="transformers comes with the [transformers] extra")
+    import subprocess
+    import sys
+    script = pathlib.Path(__file__).parent.parent / "benchmarks" / "transformers_llama.py"
+    out = tmp_path / "llama.md"
+    res = subprocess.run([sys.executable, str(script), "--quick", "--repeats", "1", "--out",
+                          str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    assert len(rows) == 2 + 2 + 4 and not any("nan" in r for r in rows)
