@@ -10,19 +10,24 @@ from _cases import DTYPES, assert_matches_reference, qkv
 from test_kernel import _call_args, _matrix
 
 
-@pytest.fixture
-def pieces(monkeypatch):
-    """Split every call into pieces of at least 5 kv columns, and record the groups."""
-    monkeypatch.setattr(config, "CPU_SPLIT_KV_ITEMS", 10 ** 6)
-    monkeypatch.setattr(config, "CPU_SPLIT_KV_MIN_COLS", 5)
+def _record_splits(monkeypatch):
+    """[(work items, groups)] of every call's split_work from now on."""
     seen = []
 
     def recording(*args):
         work, groups = split_kv.split_work(*args)
-        seen.append(groups.shape[0])
+        seen.append((work.shape[0], groups.shape[0]))
         return work, groups
     monkeypatch.setattr(driver, "split_work", recording)
     return seen
+
+
+@pytest.fixture
+def pieces(monkeypatch):
+    """Split every call into pieces of at least 5 kv columns; the groups of each call."""
+    monkeypatch.setattr(config, "CPU_SPLIT_KV_ITEMS", 10 ** 6)
+    monkeypatch.setattr(config, "CPU_SPLIT_KV_MIN_COLS", 5)
+    return _record_splits(monkeypatch)
 
 
 # the case matrix of test_kernel with kv long enough to cut (every mode, layout, dtype, length
@@ -37,7 +42,7 @@ def test_split_items_match_the_reference(pieces, products, dt, layout, mode, b, 
     args, kw = _call_args(rng, dt, layout, mode, b, n, nkv, sq, skv, d, tok, lens)
     out, lse = prompt_flash_attention(*args, **kw, return_softmax_lse=True)
     assert_matches_reference(out, args, kw, DTYPES[dt], lse=lse)
-    assert pieces and pieces[-1] > 0, "the call was not split"
+    assert pieces and pieces[-1][1] > 0, "the call was not split"
 
 
 @pytest.mark.parametrize("dt", list(DTYPES))
@@ -54,26 +59,20 @@ def test_decode_with_padding_and_a_piece_that_keeps_nothing(pieces, dt, inner_pr
               sparse_mode=1, inner_precise=inner_precise)
     out, lse = prompt_flash_attention(q, k, v, mask, **kw, return_softmax_lse=True)
     assert_matches_reference(out, (q, k, v, mask), kw, DTYPES[dt], lse=lse)
-    assert pieces[-1] == 4
+    assert pieces[-1][1] == 4
     assert np.isneginf(lse[1]).all()
 
 
 def test_decode_splits_by_default_when_items_are_fewer_than_threads(monkeypatch):
-    """B = 1, one kv head, 4 threads: one work item, cut into 8 pieces (2 per thread)."""
-    seen = []
-
-    def recording(*args):
-        work, groups = split_kv.split_work(*args)
-        seen.append(work.shape[0])
-        return work, groups
-    monkeypatch.setattr(driver, "split_work", recording)
+    """B = 1, one kv head, 4 threads: one work item, cut into 4 pieces (1 per thread)."""
+    seen = _record_splits(monkeypatch)
     monkeypatch.setattr(config, "CPU_THREADS", 4)
     rng = np.random.default_rng(8)
     q, k, v = qkv(rng, "BNSD", np.float32, 1, 4, 1, 1, 4096, 64)
     kw = dict(num_heads=4, num_key_value_heads=1, input_layout="BNSD", scale_value=0.125)
     out = prompt_flash_attention(q, k, v, **kw)
     assert_matches_reference(out, (q, k, v), kw, np.float32)
-    assert seen == [8]
+    assert seen == [(4, 1)]
 
 
 class _Problem:
