@@ -39,7 +39,7 @@ print(f"int8 q/k/v -> float16 output : max error {rel(out_fp16):.2%} of max |out
 print(f"int8 q/k/v -> int8 output    : max error {rel(out_int8 / s_out):.2%} (dequantized)")
 print(f"float32    -> int8 output    : max error {rel(out_f32_int8 / s_out):.2%} (dequantized)")
 
-# the kernels follow SPEC section 8 step by step: check against the reference model
+# the kernels follow contract 'Quantization' step by step: check against the reference model
 ref = reference.prompt_flash_attention(q8, k8, v8, mask, **common, **quant,
                                        quant_scale2=np.array([s_out], np.float32))
 lsb = np.abs(out_int8.astype(np.int32) - ref.astype(np.int32))

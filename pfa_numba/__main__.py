@@ -199,7 +199,13 @@ def main(argv=None):
     p.add_argument("--filter", default="", help="only files whose name contains this")
     p.set_defaults(fn=cuda_ptx)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except BrokenPipeError:
+        # the reader went away (``info | head``): stop quietly, and keep Python's exit-time
+        # flush of stdout from failing again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

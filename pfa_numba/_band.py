@@ -1,4 +1,4 @@
-"""The band of SPEC section 4.1: what each sparse_mode keeps, in one place.
+"""The band of contract 'The band': what each sparse_mode keeps, in one place.
 
 Every row i of a batch with actual lengths (qL, kL) keeps the kv columns j with::
 
@@ -26,7 +26,7 @@ Host side: :func:`band_edges` builds the per-batch edges for the kernels; :func:
 and :func:`tokens_for_edges` give the tokens that keep the same band over a kv range of a split
 problem. Kernel side (inlined into the CPU and CUDA kernels alike): :func:`row_band` (from
 :func:`band_lo` and :func:`band_hi`), the tile tests :func:`block_kv_range` and
-:func:`tile_inside_band`, and SPEC 5's rule for a row that kept nothing,
+:func:`tile_inside_band`, and the rule of contract 'Empty rows' for a row that kept nothing,
 :func:`fully_masked_band` and :func:`row_outcome`.
 """
 import numpy as np
@@ -128,8 +128,8 @@ ROW_ZERO, ROW_SOFTMAX, ROW_MEAN = 0, 1, 2
 def row_outcome(active, m, l, inner_precise, i, pre_e, next_e, kl):
     """What query row i holds when it is finished, with running max m and sum l: ROW_ZERO for
     a row that is not active (i >= qL); ROW_SOFTMAX when it kept a score; else ROW_MEAN of V
-    over its band or ROW_ZERO, by SPEC 5's rule in :func:`fully_masked_band`. Returns
-    (outcome, lo, hi, divisor): [lo, hi] the band of a ROW_MEAN row, and what the row's sums
+    over its band or ROW_ZERO, by the rule of contract 'Empty rows' in :func:`fully_masked_band`.
+    Returns (outcome, lo, hi, divisor): [lo, hi] the band of a ROW_MEAN row, and what the row's sums
     are divided by (l, or the band's column count)."""
     lo, hi = fully_masked_band(inner_precise, i, pre_e, next_e, kl)
     if not active:
@@ -141,7 +141,7 @@ def row_outcome(active, m, l, inner_precise, i, pre_e, next_e, kl):
 
 @jit
 def fully_masked_band(inner_precise, i, pre_e, next_e, kl):
-    """SPEC 5, for a row that kept nothing: the band columns [lo, hi] whose V rows it
+    """contract 'Empty rows', for a row that kept nothing: the band columns [lo, hi] whose V rows it
     averages. Empty (zeros) with inner_precise 2 or 3, and when the band itself is empty
     (rows of Ascend's fully masked band take the mean of V over it with 0 or 1)."""
     lo, hi = row_band(i, pre_e, next_e, kl)

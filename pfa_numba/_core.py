@@ -16,7 +16,7 @@ Contents:
 * :func:`exp_f32`, :func:`exp_nonpos`: vectorisable float32 exp (Cephes polynomial) with exact
   -inf/+inf/NaN; :func:`exp_nonpos5`, a shorter one for the AMX kernel;
 * rounding steps: :func:`round_f16`, :func:`round_half_even`, :func:`saturate_int8`, and the
-  SPEC 8 output quantization :func:`quantize_output`;
+  contract 'Quantization' output quantization :func:`quantize_output`;
 * :func:`order_key`: an order-preserving float -> int32 map, so a row max vectorises;
 * the online-softmax step: :func:`online_update` (new max and rescale factor),
   :func:`softmax_weight`, :func:`running_sum`, :func:`lse_value`, with :func:`times_pow2` for a
@@ -25,7 +25,7 @@ Contents:
   :func:`int8_out_f16`, the output deq2 * A / l rounded once to float16 in exact integer
   arithmetic.
 
-The band and SPEC 5's rule for rows that keep nothing are in :mod:`._band`.
+The band and the rule of contract 'Empty rows' for rows that keep nothing are in :mod:`._band`.
 """
 import math
 
@@ -41,14 +41,14 @@ F32_ZERO = np.float32(0.0)
 F32_ONE = np.float32(1.0)
 F32_NEG_INF = np.float32(-np.inf)
 F32_POS_INF = np.float32(np.inf)
-#: The deprecated float16 additive mask adds -10000 * mask (SPEC 4.2).
+#: The deprecated float16 additive mask adds -10000 * mask (contract 'The user mask').
 F16_MASK_SCALE = np.float32(-10000.0)
 
 # storage codes: how a tensor's elements are stored (plan -> kernels)
 CODE_F32 = 0
 CODE_F16 = 1
 CODE_BF16 = 2
-CODE_I8 = 3   # int8 output, quantized from the float16-rounded result (SPEC 8)
+CODE_I8 = 3   # int8 output, quantized from the float16-rounded result (contract 'Quantization')
 
 # mask kinds
 MASK_NONE = 0
@@ -242,7 +242,7 @@ def saturate_int8(x):
 
 @jit
 def quantize_output(o, scale2_16, offset2_16):
-    """SPEC 8 output quantization of one element, as an integral float32:
+    """contract 'Quantization' output quantization of one element, as an integral float32:
     clip(round_half_even(fp16(fp16(fp16(o) * s2) + o2)), -128, 127), NaN -> 0, where s2 and o2
     are already rounded to float16."""
     o = np.float32(o)
@@ -452,7 +452,7 @@ def running_sum(l, alpha, tile_sum):
 @jit
 def lse_value(m, l, post_e):
     """softmax_lse of a finished row: m * 2^post_e + log(l), -inf when nothing was kept
-    (SPEC 9)."""
+    (contract 'softmax_lse and merging')."""
     m = np.float32(m)
     l = np.float32(l)
     if m == F32_NEG_INF:
@@ -461,8 +461,8 @@ def lse_value(m, l, post_e):
 
 
 # ---------------------------------------------------------------------------------------------
-# the int8 pipeline (SPEC 8): scores, softmax weights, and the output deq2 * A / l rounded once
-# to float16
+# the int8 pipeline (contract 'Quantization'): scores, softmax weights, and the output deq2 * A / l
+# rounded once to float16
 # ---------------------------------------------------------------------------------------------
 
 @jit
@@ -520,15 +520,15 @@ def _f32_parts(x):
 
 @jit
 def int8_out_f16(a, deq2, l):
-    """The int8 pipeline's output element (SPEC 8): float16 bits (uint16) of the exact real
-    value deq2 * a / l, rounded once to nearest, ties to even; overflow is +-inf, subnormal
-    halves are correct. The same integer procedure on every target, no floating-point
+    """The int8 pipeline's output element (contract 'Quantization'): float16 bits (uint16) of the
+    exact real value deq2 * a / l, rounded once to nearest, ties to even; overflow is +-inf,
+    subnormal halves are correct. The same integer procedure on every target, no floating-point
     rounding anywhere (and no fp64).
 
     a: the exact integer sum P8 . V (any int64 value); deq2, l: float32, l > 0 (the softmax sum,
-    or the count of band columns for a SPEC 5 mean row). Special values: l NaN is the NaN-row
-    flag and gives NaN (so do deq2 NaN and l <= 0); an exact zero (a = 0 or deq2 = +-0) gives +0;
-    deq2 = +-inf gives +-inf (NaN for a = 0, as inf * 0); l = +inf gives +0 (NaN with an
+    or the count of band columns for a contract 'Empty rows' mean row). Special values: l NaN is the
+    NaN-row flag and gives NaN (so do deq2 NaN and l <= 0); an exact zero (a = 0 or deq2 = +-0)
+    gives +0; deq2 = +-inf gives +-inf (NaN for a = 0, as inf * 0); l = +inf gives +0 (NaN with an
     infinite deq2). A nonzero value below half the smallest subnormal rounds to a signed zero.
 
     Why it is exact: with |deq2| = md * 2^ed and l = ml * 2^el (md, ml integers in

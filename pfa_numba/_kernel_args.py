@@ -150,12 +150,13 @@ def scale_factors(scale):
 
 
 def output_scales(quant):
-    """quant_scale2 and quant_offset2 rounded to float16 (SPEC 8), as float32: 1 or H values
-    each (one 0 each without an int8 output)."""
+    """quant_scale2 and quant_offset2 rounded to float16 (contract 'Quantization'), as float32: 1 or
+    H values each (one 0 each without an int8 output)."""
     if quant is None or quant.out_dtype != np.int8:
         return np.zeros(1, np.float32), np.zeros(1, np.float32)
-    return (quant.scale2.astype(np.float16).astype(np.float32),
-            quant.offset2.astype(np.float16).astype(np.float32))
+    with np.errstate(over="ignore"):                   # a scale beyond float16 is inf, as specified
+        return (quant.scale2.astype(np.float16).astype(np.float32),
+                quant.offset2.astype(np.float16).astype(np.float32))
 
 
 @dataclass
@@ -196,8 +197,10 @@ def kernel_args(p, out, lse, flags=False, rows=0, cols=0, threads=0, sub=0, seg=
     fparams = np.zeros(6, np.float32)
     fparams[F_SCALE], fparams[F_SCALE2] = s1, s2
     if p.quant is not None and p.dtype == np.int8:
-        fparams[[F_DEQ1, F_SCALE16, F_QS1, F_DEQ2]] = (p.quant.deq1, np.float16(p.scale),
-                                                       p.quant.quant1, p.quant.deq2)
+        with np.errstate(over="ignore"):               # fp16(scale_value) may be inf, as specified
+            scale16 = np.float16(p.scale)
+        fparams[[F_DEQ1, F_SCALE16, F_QS1, F_DEQ2]] = (p.quant.deq1, scale16, p.quant.quant1,
+                                                       p.quant.deq2)
     scale2, offset2 = output_scales(p.quant)
     return KernelArgs(q, k, v, o_flat, lse.reshape(-1), mask8, mask16, pse, strides, boff, lens,
                       params, fparams, scale2, offset2)

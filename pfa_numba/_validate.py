@@ -116,7 +116,8 @@ def check_range(name, value, lo, hi):
 
 
 def check_band_signs(pre_tokens, next_tokens, where, int8_out=False):
-    """Sign rules of SPEC 4.1, applied only where pre/next are used (``where`` says which)."""
+    """Sign rules of contract 'The band', applied only where pre/next are used (``where`` says
+    which)."""
     pre, nxt = tokens_to_band(pre_tokens), tokens_to_band(next_tokens)
     if pre is not None and nxt is not None:
         if pre < 0 and nxt < 0:
@@ -192,7 +193,8 @@ def check_rank(name, x, layout):
 
 
 def check_seq_lengths(name, value, batch, max_len):
-    """actual_seq_lengths(_kv) for the padded layouts (SPEC 6): an int64 array of length B."""
+    """actual_seq_lengths(_kv) for the padded layouts (contract 'Lengths'): an int64 array of length
+    B."""
     if value is None:
         return np.full(batch, max_len, dtype=np.int64)
     arr = _int_vector(name, value)
@@ -207,7 +209,7 @@ def check_seq_lengths(name, value, batch, max_len):
 
 
 def check_cumulative_ends(name, value, total):
-    """TND ends (SPEC 3): required, 1-D, non-decreasing, from >= 0, last == total."""
+    """TND ends (contract 'Layouts'): required, 1-D, non-decreasing, from >= 0, last == total."""
     if value is None:
         raise ValueError(f"{name} is required with input_layout 'TND' (cumulative sequence "
                          f"ends), got None")
@@ -329,10 +331,11 @@ class ValidCall:
 
 
 def validate(call, stage=None):
-    """Check every argument of ``call`` (SPEC 10) and return it as a :class:`ValidCall`.
+    """Check every argument of ``call`` (contract 'Errors') and return it as a :class:`ValidCall`.
 
     The device comes first; then ``stage(call, device)`` (from the API) gives the host-readable
-    arrays the other checks read where the call holds CUDA arrays or torch tensors (or None). They run in a fixed order (scalars before tensors), so a call with several faults
+    arrays the other checks read where the call holds CUDA arrays or torch tensors (or None). They
+    run in a fixed order (scalars before tensors), so a call with several faults
     always reports the same one."""
     device = check_placement(call)
     staged = None if stage is None else stage(call, device)
@@ -474,7 +477,7 @@ def _padded_lengths(call, layout, query, key, value):
 
 
 def _heads_and_dims(layout, query, key, value, num_heads, num_kv_heads):
-    """(N, Nkv, D) from the shapes, checking the head rules of SPEC 3 and 10."""
+    """(N, Nkv, D) from the shapes, checking the head rules of contract 'Layouts' and 'Errors'."""
     n = num_heads
     nkv = num_kv_heads if num_kv_heads > 0 else n
     if layout == "BSH":
@@ -486,7 +489,9 @@ def _heads_and_dims(layout, query, key, value, num_heads, num_kv_heads):
         for name, hx in (("key", hk), ("value", hv)):
             if num_kv_heads == 0 and hx != h:
                 raise RuntimeError(f"{name} hidden size ({hx}) must equal the query hidden size "
-                                   f"({h}) when num_key_value_heads is 0 (Nkv = N); {name} shape "
+                                   f"({h}): num_key_value_heads = 0 means as many kv heads as "
+                                   f"num_heads ({n}); for grouped-query attention pass "
+                                   f"num_key_value_heads; {name} shape "
                                    f"{shape_str((key if name == 'key' else value).shape)}")
             if hx % nkv:
                 raise RuntimeError(f"{name} hidden size Hkv ({hx}) must be divisible by "
@@ -506,9 +511,11 @@ def _heads_and_dims(layout, query, key, value, num_heads, num_kv_heads):
                            f"{shape_str(query.shape)} but num_heads is {n}")
     for name, x in (("key", key), ("value", value)):
         if x.shape[head_axis] != nkv:
+            given = (f"num_key_value_heads = 0 means as many kv heads as num_heads ({n}); for "
+                     f"grouped-query attention pass num_key_value_heads={x.shape[head_axis]}"
+                     if num_kv_heads == 0 else f"num_key_value_heads is {nkv}")
             raise RuntimeError(f"{name} has {x.shape[head_axis]} heads in its shape "
-                               f"{shape_str(x.shape)} but num_key_value_heads gives "
-                               f"Nkv = {nkv}")
+                               f"{shape_str(x.shape)} but {given}")
     d = query.shape[-1]
     for name, x in (("key", key), ("value", value)):
         if x.shape[-1] != d:
@@ -605,7 +612,8 @@ def decode_deq_scale(x):
 
 
 def _quant(dtype, quant, n, d):
-    """Check the quantization arguments against SPEC 8's table; decode them."""
+    """Check the quantization arguments against the table of contract 'Quantization'; decode
+    them."""
     given = {name: check_array(name, x) for name, x in quant.items() if x is not None}
     if dtype == I8:
         out_int8 = "quant_scale2" in given

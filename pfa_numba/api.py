@@ -64,7 +64,7 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
     Dtypes: float16 -> float16, bfloat16 (``ml_dtypes.bfloat16``, D % 16 == 0) -> bfloat16,
     float32 -> float32; results are rounded to nearest, ties to even.
 
-    int8 quantization (SPEC section 8): int8 query/key/value with ``deq_scale1``,
+    int8 quantization (contract 'Quantization'): int8 query/key/value with ``deq_scale1``,
     ``quant_scale1``, ``deq_scale2`` give a float16 output, and with ``quant_scale2`` (and
     optionally ``quant_offset2``) an int8 output; float query/key/value with ``quant_scale2``
     give an int8 output. ``deq_scale1/2`` are float32 or Ascend's packed uint64

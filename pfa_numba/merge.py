@@ -73,5 +73,6 @@ def merge_attention(parts, input_layout="BSH"):
             w = _weights_to_out_layout(w, layout, shape)
             contrib = o.astype(np.float64) * w
             acc += np.where(w == 0, 0.0, contrib)       # weight 0: ignored, even if NaN
-    out, lse = acc.astype(dtype), lse.astype(np.float32)
+    with np.errstate(over="ignore", under="ignore"):  # rounding to the output dtype, as a call does
+        out, lse = acc.astype(dtype), lse.astype(np.float32)
     return (_torch.as_tensor(out), _torch.as_tensor(lse)) if tensors else (out, lse)

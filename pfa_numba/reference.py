@@ -10,20 +10,20 @@ from the rest of ``pfa_numba``).
 Public functions
 ----------------
 ``prompt_flash_attention(query, key, value, ...)``
-    Same positional arguments and defaults as SPEC §1 (minus ``device``), plus the keyword-only
-    ``return_softmax_lse`` and ``compute_dtype``.  Returns float64 arrays in the output layout of
-    SPEC §3: the exact attention output before rounding to the output dtype (floating inputs), or
-    the exact model of the quantized pipeline of SPEC §8 including its final rounding (int8 inputs
-    and/or int8 output).
+    Same positional arguments and defaults as contract 'Signature' (minus ``device``), plus the
+    keyword-only ``return_softmax_lse`` and ``compute_dtype``.  Returns float64 arrays in the output
+    layout of contract 'Layouts': the exact attention output before rounding to the output dtype
+    (floating inputs), or the exact model of the quantized pipeline of contract 'Quantization'
+    including its final rounding (int8 inputs and/or int8 output).
 ``keep_mask(Sq, Skv, qL, kL, ...)``
-    The boolean (Sq, Skv) keep-mask of SPEC §4.1 (band), optionally intersected with a user
-    discard mask (§4.2).  Handy for drawing the band in notebooks.
+    The boolean (Sq, Skv) keep-mask of contract 'The band' (band), optionally intersected with a
+    user discard mask (§4.2).  Handy for drawing the band in notebooks.
 ``band_edges(qL, kL, ...)``
     The (preE, nextE) pair of the §4.1 table that ``keep_mask`` uses (ints or ``math.inf``).
 ``trans_quant_param(scale)``
-    Ascend's packed uint64 form of a float32 dequantization scale (SPEC §8).
+    Ascend's packed uint64 form of a float32 dequantization scale (contract 'Quantization').
 
-The input is assumed to be valid per SPEC §10; only a few clearly broken inputs raise
+The input is assumed to be valid per contract 'Errors'; only a few clearly broken inputs raise
 ``ValueError``.
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 
 __all__ = ["prompt_flash_attention", "keep_mask", "band_edges", "trans_quant_param"]
 
-#: pre_tokens / next_tokens at or above this value mean "+infinity" (SPEC §4.1).
+#: pre_tokens / next_tokens at or above this value mean "+infinity" (contract 'The band').
 INF_TOKENS = 2147483647
 
 # Finite band edges are clipped to +-2**40: any value beyond the sequence lengths gives the same
@@ -50,11 +50,12 @@ _LAYOUTS = ("BSH", "BNSD", "BSND", "BNSD_BSND", "TND")
 
 def _round_to(x, dtype):
     """Round float64 values to ``dtype`` (round to nearest, ties to even) and back to float64."""
-    return np.asarray(x, dtype=np.float64).astype(dtype).astype(np.float64)
+    with np.errstate(over="ignore", under="ignore"):   # +-inf and subnormals are the rounding
+        return np.asarray(x, dtype=np.float64).astype(dtype).astype(np.float64)
 
 
 def _fp16(x):
-    """SPEC's ``fp16(x)``: round to float16 and return the value as float64."""
+    """the contract's ``fp16(x)``: round to float16 and return the value as float64."""
     return _round_to(x, np.float16)
 
 
@@ -64,16 +65,17 @@ def _fp32(x):
 
 
 def _saturate_int8(x):
-    """``saturate_int8(round_half_even(x))`` of SPEC §8 (NaN stays NaN; the caller decides)."""
+    """``saturate_int8(round_half_even(x))`` of contract 'Quantization' (NaN stays NaN; the caller
+    decides)."""
     return np.clip(np.rint(x), -128.0, 127.0)
 
 
 # ---------------------------------------------------------------------------------------------
-# Quantization parameters (SPEC §8)
+# Quantization parameters (contract 'Quantization')
 # ---------------------------------------------------------------------------------------------
 
 def trans_quant_param(scale):
-    """Ascend's packed uint64 form of float32 scales, elementwise (SPEC §8).
+    """Ascend's packed uint64 form of float32 scales, elementwise (contract 'Quantization').
 
     ``(bits(float32(scale)) & 0xFFFFE000) | (1 << 46)``: the 13 low mantissa bits are dropped and
     bit 46 is set.  Accepts any array-like of scales; the result has the same shape, dtype uint64.
@@ -114,7 +116,7 @@ def _per_channel(param, N, D, default):
 
 
 def _quantize_output(o, zero_rows, scale2, offset2):
-    """Output quantization of SPEC §8 for one head.
+    """Output quantization of contract 'Quantization' for one head.
 
     ``y = clip(round_half_even(fp16(fp16(fp16(O) * fp16(s2[c])) + fp16(o2[c]))), -128, 127)``,
     NaN becomes 0, and rows that are structural zeros (§5) stay 0 instead of round(offset).
@@ -130,7 +132,7 @@ def _quantize_output(o, zero_rows, scale2, offset2):
 
 
 # ---------------------------------------------------------------------------------------------
-# The band and the keep-mask (SPEC §4.1, §4.2)
+# The band and the keep-mask (contract 'The band' and 'The user mask')
 # ---------------------------------------------------------------------------------------------
 
 def _as_edge(tokens):
@@ -142,7 +144,7 @@ def _as_edge(tokens):
 
 
 def band_edges(qL, kL, sparse_mode=0, pre_tokens=INF_TOKENS, next_tokens=0, has_mask=False):
-    """(preE, nextE) of the SPEC §4.1 table for one batch with actual lengths (qL, kL).
+    """(preE, nextE) of the contract 'The band' table for one batch with actual lengths (qL, kL).
 
     Modes 3 and 4 are anchored at the bottom-right corner of the actual (qL, kL) rectangle.
     Edges are ints or ``math.inf``.
@@ -167,15 +169,15 @@ def keep_mask(Sq, Skv, qL, kL, sparse_mode=0, pre_tokens=INF_TOKENS, next_tokens
               has_mask=False, user_mask=None):
     """The boolean (Sq, Skv) keep-mask of one batch: True where query row i attends to column j.
 
-    The band of SPEC §4.1: ``i < qL`` and ``0 <= j < kL`` and ``i - preE <= j <= i + nextE``, with
-    (preE, nextE) from the sparse_mode table (``has_mask`` says whether an attn_mask was given,
-    which decides whether mode 0 uses pre/next); pre/next >= 2147483647 mean +inf.  Rows
+    The band of contract 'The band': ``i < qL`` and ``0 <= j < kL`` and ``i - preE <= j <= i +
+    nextE``, with (preE, nextE) from the sparse_mode table (``has_mask`` says whether an attn_mask
+    was given, which decides whether mode 0 uses pre/next); pre/next >= 2147483647 mean +inf.  Rows
     ``i >= qL`` are all False.
 
-    ``user_mask`` is a 2-D boolean *discard* mask (True = masked out, SPEC §4.2) of shape at least
-    (Sq, Skv); its window [:Sq, :Skv] is removed from the band.  Only modes 0 and 1 read a user
-    mask: in modes 2, 3 and 4 it is ignored (Ascend never reads their 2048x2048 mask).  Giving a
-    ``user_mask`` implies ``has_mask=True``.
+    ``user_mask`` is a 2-D boolean *discard* mask (True = masked out, contract 'The user mask') of
+    shape at least (Sq, Skv); its window [:Sq, :Skv] is removed from the band.  Only modes 0 and 1
+    read a user mask: in modes 2, 3 and 4 it is ignored (Ascend never reads their 2048x2048 mask).
+    Giving a ``user_mask`` implies ``has_mask=True``.
     """
     if not (0 <= qL <= Sq and 0 <= kL <= Skv):
         raise ValueError(f"need 0 <= qL <= Sq and 0 <= kL <= Skv, got qL={qL}, Sq={Sq}, "
@@ -192,7 +194,8 @@ def keep_mask(Sq, Skv, qL, kL, sparse_mode=0, pre_tokens=INF_TOKENS, next_tokens
 
 
 def _user_mask_2d(attn_mask, b, Sq, Skv):
-    """The (Sq, Skv) window of the user mask that applies to batch b (SPEC §4.2 shapes)."""
+    """The (Sq, Skv) window of the user mask that applies to batch b (contract 'The user mask'
+    shapes)."""
     m = np.asarray(attn_mask)
     if m.ndim == 2:                              # (Sq, Skv)
         m2 = m
@@ -208,7 +211,7 @@ def _user_mask_2d(attn_mask, b, Sq, Skv):
 
 
 # ---------------------------------------------------------------------------------------------
-# Layouts (SPEC §3)
+# Layouts (contract 'Layouts')
 # ---------------------------------------------------------------------------------------------
 
 def _to_bnsd(x, layout, heads):
@@ -229,7 +232,7 @@ def _to_bnsd(x, layout, heads):
 
 
 def _from_bnsd(o, layout):
-    """A (B, N, Sq, D) result in the output layout of SPEC §3."""
+    """A (B, N, Sq, D) result in the output layout of contract 'Layouts'."""
     B, N, Sq, D = o.shape
     if layout == "BSH":
         return o.transpose(0, 2, 1, 3).reshape(B, Sq, N * D)
@@ -239,7 +242,7 @@ def _from_bnsd(o, layout):
 
 
 def _lengths(actual, B, S, name):
-    """Per-batch actual lengths (SPEC §6): None -> S for all, length 1 -> broadcast."""
+    """Per-batch actual lengths (contract 'Lengths'): None -> S for all, length 1 -> broadcast."""
     if actual is None:
         return [S] * B
     vals = [int(v) for v in np.asarray(actual).reshape(-1)]
@@ -254,7 +257,8 @@ def _lengths(actual, B, S, name):
 
 
 # ---------------------------------------------------------------------------------------------
-# One (batch, head): floating-point inputs (SPEC §4, §5, §9)
+# One (batch, head): floating-point inputs (contract 'The computation', 'Empty rows' and
+# 'softmax_lse and merging')
 # ---------------------------------------------------------------------------------------------
 
 def _softmax_over_kept(s, kept):
@@ -270,7 +274,8 @@ def _softmax_over_kept(s, kept):
 
 
 def _log_sum_exp(m, l, nothing_kept):
-    """softmax_lse of SPEC §9: ``m + log(l)``, -inf where nothing is kept."""
+    """softmax_lse of contract 'softmax_lse and merging': ``m + log(l)``, -inf where nothing is
+    kept."""
     with np.errstate(invalid="ignore", divide="ignore"):
         lse = m + np.log(l)
     lse[nothing_kept] = -np.inf
@@ -293,7 +298,8 @@ def _weighted_sum(p, kept, v):
 
 
 def _band_mean_of_v(band, v, rows):
-    """Mean of V over the band columns, for the given rows (SPEC §5, inner_precise 0/1)."""
+    """Mean of V over the band columns, for the given rows (contract 'Empty rows', inner_precise
+    0/1)."""
     out = np.zeros((len(rows), v.shape[1]))
     for r, i in enumerate(rows):
         out[r] = v[band[i]].mean(axis=0)
@@ -329,7 +335,7 @@ def _attend_float(q, k, v, scale_value, bias, keep, band, inner_precise, compute
     out = rnd(_weighted_sum(p, kept, v))
     lse = _log_sum_exp(m, l, nothing_kept)
 
-    # SPEC §5: rows with nothing to attend to.
+    # contract 'Empty rows': rows with nothing to attend to.
     empty_band = ~band.any(axis=1)               # includes rows i >= qL and kL == 0
     fully_masked = nothing_kept & ~empty_band
     out[empty_band] = 0.0
@@ -344,12 +350,12 @@ def _attend_float(q, k, v, scale_value, bias, keep, band, inner_precise, compute
 
 
 # ---------------------------------------------------------------------------------------------
-# One (batch, head): int8 inputs (SPEC §8)
+# One (batch, head): int8 inputs (contract 'Quantization')
 # ---------------------------------------------------------------------------------------------
 
 def _attend_int8(q, k, v, deq1, quant_scale1, deq2, scale_value, pse, keep, band,
                  inner_precise):
-    """The int8 pipeline of SPEC §8 for one (batch, head), modelled step by step.
+    """The int8 pipeline of contract 'Quantization' for one (batch, head), modelled step by step.
 
     q (Sq, D), k and v (Skv, D) are int8; ``pse`` (Sq, Skv) fp16 values or None.
     Returns (O (Sq, D) as fp16 values in float64, lse (Sq,), zero_rows (Sq,) bool).
@@ -468,7 +474,8 @@ def _attention_bnsd(q, k, v, attn_mask, q_lens, kv_lens, pse_shift, deq_scale1, 
 
 
 def _tnd_bounds(ends, total, name):
-    """[start, end) row ranges of the packed sequences from cumulative ends (SPEC §3 TND)."""
+    """[start, end) row ranges of the packed sequences from cumulative ends (contract 'Layouts'
+    TND)."""
     if ends is None:
         raise ValueError(f"TND layout requires {name}")
     ends = [int(e) for e in np.asarray(ends).reshape(-1)]
@@ -494,11 +501,11 @@ def prompt_flash_attention(
         compute_dtype=None):
     """Reference ``prompt_flash_attention`` (docs/contract.md), in float64 NumPy.
 
-    Arguments are those of SPEC §1 (NumPy arrays of float16, ml_dtypes.bfloat16, float32 or
-    int8); the call is assumed valid per SPEC §10.
+    Arguments are those of contract 'Signature' (NumPy arrays of float16, ml_dtypes.bfloat16,
+    float32 or int8); the call is assumed valid per contract 'Errors'.
 
-    Returns a float64 array in the output layout of SPEC §3 ((B, Sq, H) for BSH, (B, N, Sq, D)
-    for BNSD, (B, Sq, N, D) for BSND and BNSD_BSND, (T, N, D) for TND):
+    Returns a float64 array in the output layout of contract 'Layouts' ((B, Sq, H) for BSH, (B, N,
+    Sq, D) for BNSD, (B, Sq, N, D) for BSND and BNSD_BSND, (T, N, D) for TND):
 
     - floating inputs, floating output: the exact result before rounding to the output dtype;
     - int8 inputs with float16 output: the fp16 values of the §8 model (final rounding included);
@@ -506,7 +513,7 @@ def prompt_flash_attention(
 
     ``return_softmax_lse=True`` returns ``(out, lse)``, lse float64 of shape (B, N, Sq, 1)
     (TND: (T, N, 1)): log of the sum of exp over the kept scores (scaled, pse added, fp16
-    additive mask included), -inf for rows with nothing kept (SPEC §9).
+    additive mask included), -inf for rows with nothing kept (contract 'softmax_lse and merging').
 
     ``compute_dtype`` (np.float16, np.float32 or ml_dtypes.bfloat16; floating paths only): run
     the same computation with q, k, v, the scores, the probabilities and the output rounded to
@@ -552,7 +559,7 @@ def _prompt_flash_attention_tnd(query, key, value, attn_mask, ends_q, ends_kv, p
     if query.ndim != 3 or key.ndim != 3:
         raise ValueError("TND query/key/value must have rank 3")
     if pse_shift is not None or (attn_mask is not None and common["sparse_mode"] in (0, 1)):
-        raise ValueError("TND supports neither pse_shift nor a user mask (SPEC §3)")
+        raise ValueError("TND supports neither pse_shift nor a user mask (contract 'Layouts')")
     T, N, D = query.shape
     bounds_q = _tnd_bounds(ends_q, T, "actual_seq_lengths")
     bounds_kv = _tnd_bounds(ends_kv, key.shape[0], "actual_seq_lengths_kv")

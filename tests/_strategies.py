@@ -1,5 +1,5 @@
 """Hypothesis strategies and input builders shared by the two hypothesis test files:
-tests/test_fuzz.py (valid calls with wrong things mixed in, SPEC.md section 10) and
+tests/test_fuzz.py (valid calls with wrong things mixed in, docs/contract.md, 'Errors') and
 tests/test_properties.py (random valid calls against ``pfa_numba.reference``).
 
 Here: the profiles (``PFA_HYPOTHESIS_PROFILE``), the dtype / layout / token constants, the
@@ -48,25 +48,25 @@ F32 = FLOAT_DTYPES["fp32"]
 I8 = np.dtype(np.int8)
 PADDED = ("BSH", "BNSD", "BSND", "BNSD_BSND")
 LAYOUTS = PADDED + ("TND",)
-TND_MODES = (0, 2, 3, 4)            # no user mask with TND (SPEC 3)
+TND_MODES = (0, 2, 3, 4)            # no user mask with TND (contract 'Layouts')
 QUANT_KINDS = ("int8->float16", "int8->int8", "float->int8")
-INF = 2147483647                    # pre/next_tokens at or above mean +inf (SPEC 4.1)
+INF = 2147483647                    # pre/next_tokens at or above mean +inf (contract 'The band')
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MASK_DTYPES = {"bool": np.dtype(np.bool_), "int8": I8, "uint8": np.dtype(np.uint8)}
 
 
 def pse_dtype(dtype):
-    """The pse_shift dtype of a query dtype (SPEC 7)."""
+    """The pse_shift dtype of a query dtype (contract 'pse_shift')."""
     return F16 if dtype in (F16, I8) else dtype
 
 
 def tokens_used(mode, has_mask):
-    """Whether pre/next_tokens are used (SPEC 4.1: mode 4, or mode 0 with a mask)."""
+    """Whether pre/next_tokens are used (contract 'The band': mode 4, or mode 0 with a mask)."""
     return mode == 4 or (mode == 0 and has_mask)
 
 
 def tokens_valid(pre, nxt, used, int8_out_mode4):
-    """SPEC 4.1 sign rules (values >= 2147483647 mean +inf)."""
+    """contract 'The band' sign rules (values >= 2147483647 mean +inf)."""
     if not used:
         return True
     p = None if pre >= INF else pre
@@ -99,8 +99,8 @@ def random_input(rng, shape, dtype, spread=1.0):
 
 
 def int8_scales(d, deq1_factor=1.0, qs1=127.0, deq2_factor=1.0):
-    """(deq_scale1, quant_scale1, deq_scale2) of an int8 call (SPEC 8) with head size ``d``:
-    scores of a few units, P quantized by ``qs1``, deq_scale2 = deq2_factor / qs1."""
+    """(deq_scale1, quant_scale1, deq_scale2) of an int8 call (contract 'Quantization') with head
+    size ``d``: scores of a few units, P quantized by ``qs1``, deq_scale2 = deq2_factor / qs1."""
     return (np.array([3.0 * deq1_factor / (math.sqrt(d) * 5000)], np.float32),
             np.array([qs1], np.float32), np.array([deq2_factor / qs1], np.float32))
 
@@ -230,7 +230,7 @@ ANY_TOKENS = st.one_of(st.integers(-45, 45),
 
 @st.composite
 def band_tokens(draw, used, nonneg=False):
-    """(pre_tokens, next_tokens): anything when unused; valid per SPEC 4.1 when used."""
+    """(pre_tokens, next_tokens): anything when unused; valid per contract 'The band' when used."""
     if not used:
         return draw(ANY_TOKENS), draw(ANY_TOKENS)
     if nonneg:
@@ -256,7 +256,8 @@ SCALES = st.one_of(
 
 @st.composite
 def seq_lengths(draw, batch, full):
-    """actual_seq_lengths(_kv) for the padded layouts (SPEC 6): None, one value, or B values."""
+    """actual_seq_lengths(_kv) for the padded layouts (contract 'Lengths'): None, one value, or B
+    values."""
     kind = draw(st.sampled_from(["none", "none", "one", "batch"]))
     if kind == "none":
         return None
@@ -307,7 +308,7 @@ def pse_spec(draw):
 def draw_padded_masking(draw, dtype_name, batch, sq, skv):
     """sparse_mode, mask, pse and actual lengths of a padded-layout valid call, as the entries
     of its description: mode 0 with or without a user mask, mode 1 with one, modes 2-4 with a
-    band mask (SPEC 4.1, 4.2, 6, 7)."""
+    band mask (contract 'The band', 'The user mask', 'Lengths' and 'pse_shift')."""
     sp = {}
     sp["sparse_mode"] = mode = draw(st.sampled_from([0, 0, 1, 2, 3, 4]))
     if mode == 0:

@@ -1,5 +1,5 @@
 """Arguments are converted once, at the boundary: ndarray subclasses, bools where ints go, and
-scale_value beyond float32's range (SPEC 4, 8 and 10)."""
+scale_value beyond float32's range (contract 'The computation', 'Quantization' and 'Errors')."""
 import numpy as np
 import pytest
 
@@ -9,6 +9,8 @@ from _cases import BF16, assert_matches_reference, qkv
 KW = dict(num_heads=2, input_layout="BNSD")
 
 
+# np.matrix warns that it is not recommended: it is the subclass whose reading is tested here
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
 @pytest.mark.parametrize("sparse_mode", [0, 1])
 def test_matrix_mask_is_its_plain_array(sparse_mode):
     """An np.matrix attn_mask (whose indexing keeps two axes) means the same mask as its
@@ -95,8 +97,8 @@ def _no_warning():
 
 
 def test_int8_scale_beyond_float16_range_follows_spec_8():
-    """The int8 pipeline rounds scale_value to float16 (SPEC 8): 1e300 becomes inf, and the
-    kernel agrees with the reference on what that makes of every row."""
+    """The int8 pipeline rounds scale_value to float16 (contract 'Quantization'): 1e300 becomes inf,
+    and the kernel agrees with the reference on what that makes of every row."""
     rng = np.random.default_rng(4)
     q, k, v = (rng.integers(-20, 20, (1, 2, 16, 32)).astype(np.int8) for _ in range(3))
     qkw = dict(deq_scale1=np.array([0.01], np.float32), quant_scale1=np.array([100.0], np.float32),

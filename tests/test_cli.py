@@ -17,6 +17,16 @@ def test_info_lists_backends_threads_and_cache():
         assert word in out
 
 
+def test_a_closed_pipe_ends_the_output_quietly():
+    """``info | head -1``: the reader closes the pipe after one line; no traceback, exit 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "pfa_numba", "info"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, bufsize=0)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=600) == 0 and "Traceback" not in err, err
+
+
 def test_warmup_compiles_every_cpu_kernel():
     out = _run("warmup")
     for word in ("uint16 storage", "float32 storage", "int8 pipeline"):

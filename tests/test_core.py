@@ -46,13 +46,14 @@ def _max_by_keys(a):
 def _interesting_f32(rng):
     x = rng.standard_normal(200_000).astype(np.float32)
     x *= np.float32(10.0) ** rng.integers(-9, 6, x.size).astype(np.float32)
-    halves = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
-    mid = (halves[:-1].astype(np.float64) + halves[1:]) / 2        # exact ties
-    bf = np.arange(65536, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
-    bmid = (bf[:-1] + bf[1:]) / 2
     special = [np.inf, -np.inf, 65504, 65519.99, 65520, -65520, 1e-8, 2.9802322e-08, 0.0, -0.0,
                3.4e38, -3.4e38, 1e-40]
+    # every bit pattern, NaN and inf included: the midpoints between them are NaN or inf there
     with np.errstate(invalid="ignore", over="ignore"):
+        halves = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+        mid = (halves[:-1].astype(np.float64) + halves[1:]) / 2        # exact ties
+        bf = np.arange(65536, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+        bmid = (bf[:-1] + bf[1:]) / 2
         return np.concatenate([x, mid[np.isfinite(mid)], bmid[np.isfinite(bmid)],
                                special]).astype(np.float32)
 

@@ -12,7 +12,7 @@ from _cases import qkv  # noqa: E402
 @pytest.fixture(scope="module")
 def client():
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                       dashboard_address=None, worker_dashboard_address=None)
+                                       dashboard_address=":0", worker_dashboard_address=None)
     with distributed.Client(cluster) as c:
         yield c
     cluster.close()
@@ -64,7 +64,7 @@ class _FailingParts(distributed.WorkerPlugin):
 
 def test_worker_failure_is_a_clear_error():
     cluster = distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
-                                       dashboard_address=None, worker_dashboard_address=None)
+                                       dashboard_address=":0", worker_dashboard_address=None)
     with distributed.Client(cluster) as c:
         c.register_plugin(_FailingParts())
         q, k, v = qkv(np.random.default_rng(0), "BNSD", np.float32, 1, 1, 1, 8, 8, 16)

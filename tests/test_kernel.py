@@ -368,7 +368,7 @@ BIG = 2147483647        # pre/next_tokens at or above: +inf
 
 
 def _band_ends(mode, pre, nxt, ql, kl):
-    """(preE, nextE) of SPEC 4.1's table for one batch (floats; inf: unlimited)."""
+    """(preE, nextE) of the table of contract 'The band' for one batch (floats; inf: unlimited)."""
     def tokens(t):
         return math.inf if t >= BIG else float(t)
     if mode == 0:                           # with a mask
@@ -382,7 +382,7 @@ def _band_ends(mode, pre, nxt, ql, kl):
 
 
 def _spec_band(sq, skv, ql, kl, pre_e, next_e, right=0, clip=0):
-    """band(i, j) of SPEC 4.1 over (Sq, Skv), rows i < qL: 0 <= j < kL and
+    """band(i, j) of contract 'The band' over (Sq, Skv), rows i < qL: 0 <= j < kL and
     i - preE <= j <= i + nextE. ``right`` / ``clip`` move the band's right edge / the kL clip
     by that many columns (the off-by-one implementations this test must catch)."""
     i = np.arange(sq)[:, None]
@@ -426,9 +426,9 @@ def band_tiles(request, small_tiles, monkeypatch):
                               .replace(str(BIG), "inf") for c in BAND_EDGE_CASES])
 def test_band_last_column(band_tiles, dt, mode, sq, skv, qlens, kvlens, pre, nxt, heads,
                           clip):
-    """A row's last kept column is hi = min(i + nextE, kL - 1) (SPEC 4.1), whatever the tiles:
-    the kept columns, read off the output, are SPEC's, and not those of a band one column
-    wider or narrower at its right edge, or clipped at kL instead of kL - 1."""
+    """A row's last kept column is hi = min(i + nextE, kL - 1) (contract 'The band'), whatever the
+    tiles: the kept columns, read off the output, are the contract's, and not those of a band one
+    column wider or narrower at its right edge, or clipped at kL instead of kL - 1."""
     dtype = DTYPES[dt]
     rng = np.random.default_rng(sq * 100 + skv)
     b, (n, nkv), d = len(qlens), heads, skv
@@ -450,7 +450,8 @@ def test_band_last_column(band_tiles, dt, mode, sq, skv, qlens, kvlens, pre, nxt
         for i in range(ql):
             hi = min(i + next_e, kl - 1)
             lo = max(i - pre_e, 0)
-            if hi < lo:                                            # an empty band (SPEC 5)
+            # an empty band (contract 'Empty rows')
+            if hi < lo:
                 assert not band[i].any()
                 continue
             hi, lo = int(hi), int(lo)
@@ -463,7 +464,7 @@ def test_band_last_column(band_tiles, dt, mode, sq, skv, qlens, kvlens, pre, nxt
         wrong[more][bb] = _spec_band(sq, skv, ql, kl, pre_e, next_e, right=1) & user
         wrong[fewer][bb] = _spec_band(sq, skv, ql, kl, pre_e, next_e, right=-1) & user
         wrong[at_kl][bb] = _spec_band(sq, skv, ql, kl, pre_e, next_e, clip=1) & user
-    # the case tells SPEC's band from the wrong ones (the clip only where ``clip`` says)
+    # the case tells the contract's band from the wrong ones (the clip only where ``clip`` says)
     assert (wrong[more] != keep).any() and (wrong[fewer] != keep).any()
     assert (wrong[at_kl] != keep).any() == clip
     wrong = {what: w for what, w in wrong.items() if (w != keep).any()}
@@ -479,11 +480,12 @@ def test_band_last_column(band_tiles, dt, mode, sq, skv, qlens, kvlens, pre, nxt
     for g in range(n):
         kept = o[:, g] > 0
         for what, w in wrong.items():
-            assert not np.array_equal(kept, w), f"head {g}: the kernel's band is SPEC's with {what}"
+            assert not np.array_equal(kept, w), \
+                f"head {g}: the kernel's band is the contract's with {what}"
         bad = np.argwhere((kept != keep).any(axis=-1))
         assert not bad.size, (f"head {g}: (b, i) = {bad[:3].tolist()} keep columns "
                               f"{[np.flatnonzero(kept[tuple(x)]).tolist() for x in bad[:3]]}, "
-                              f"SPEC {[np.flatnonzero(keep[tuple(x)]).tolist() for x in bad[:3]]}")
+                              f"contract {[np.flatnonzero(keep[tuple(x)]).tolist() for x in bad[:3]]}")
         np.testing.assert_allclose(o[:, g], want, rtol=2e-3 if dt == "fp16" else 1e-6, atol=0)
         assert np.array_equal(ref[:, g] > 0, keep)                 # the reference agrees
         with np.errstate(divide="ignore"):

@@ -1,4 +1,5 @@
-"""merge_attention: results over disjoint kv ranges merge into the single call (SPEC 9)."""
+"""merge_attention: results over disjoint kv ranges merge into the single call (contract
+'softmax_lse and merging')."""
 import ml_dtypes
 import numpy as np
 import pytest

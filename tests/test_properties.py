@@ -1,5 +1,5 @@
 """Property-based tests: random VALID calls of ``prompt_flash_attention`` against the float64
-``pfa_numba.reference`` (SPEC.md), with random tile sizes.
+``pfa_numba.reference`` (docs/contract.md), with random tile sizes.
 
 Hypothesis draws a small, printable description of a problem (a dict of plain values plus a
 seed); :func:`build_float` / :func:`build_quant` turn it into arrays deterministically, so a
@@ -85,7 +85,8 @@ def band_mask(content, dtype_name, shape_kind, batch):
 # --------------------------------------------------------------------------------------------
 @st.composite
 def float_specs(draw):
-    """A valid floating-point call (SPEC 1-7, 9), described by plain values."""
+    """A valid floating-point call (contract 'Signature' to 'pse_shift' and 'softmax_lse and
+    merging'), described by plain values."""
     sp = {}
     sp["layout"] = layout = draw(st.sampled_from(LAYOUTS))
     sp["dtype"] = dt = draw(st.sampled_from(list(DTYPES)))
@@ -210,7 +211,8 @@ def build_float(sp):
         asl, qlen = _resolve_lengths(sp["asl"], b, sq)
         aslkv, klen = _resolve_lengths(sp["aslkv"], b, skv)
         q4, k4, v4 = rnd(b, n, sq, d), rnd(b, nkv, skv, d), rnd(b, nkv, skv, d)
-        if sp["poison"]:    # rows >= qL and kv positions >= kL are never read (SPEC 4)
+        # rows >= qL and kv positions >= kL are never read (contract 'The computation')
+        if sp["poison"]:
             for bb in range(b):
                 q4[bb, :, qlen[bb]:] = np.nan
                 k4[bb, :, klen[bb]:] = np.nan
@@ -307,9 +309,9 @@ def assert_float_output(out, args, kw, dtype, lse):
     the input dtype, plus one ulp).
 
     Its yardstick rounds every score once. A float32 kernel forms a score from D float32
-    products, the scale and pse (SPEC 2: float32 accumulation), about sqrt(D) + 2 roundings of
-    |s|; with large logits (|s| in the hundreds) that dominates: e.g. 7e-5 where the yardstick
-    gives 2e-6. So for float32 inputs only, when the yardstick check fails, the error may
+    products, the scale and pse (contract 'Dtypes': float32 accumulation), about sqrt(D) + 2
+    roundings of |s|; with large logits (|s| in the hundreds) that dominates: e.g. 7e-5 where the
+    yardstick gives 2e-6. So for float32 inputs only, when the yardstick check fails, the error may
     instead be up to what score errors of (sqrt(D) + 2) float32 ulps of max |s| can do to a
     softmax-weighted mean of V (each moves an output by at most 2 |dS| max|V|); NaN/inf
     patterns and softmax_lse are checked as before."""
@@ -338,7 +340,7 @@ def assert_float_output(out, args, kw, dtype, lse):
 @PROFILE_SETTINGS
 @given(sp=float_specs(), pair=st.sampled_from([(0, 1), (2, 3)]))
 def test_inner_precise_bit0_changes_nothing(sp, pair):
-    """SPEC 2: inner_precise 0 and 1 give bit-identical output, and so do 2 and 3."""
+    """contract 'Dtypes': inner_precise 0 and 1 give bit-identical output, and so do 2 and 3."""
     args, kw, _ = build_float(sp)
     outs = []
     with tiles(sp["tiles"]), warnings.catch_warnings():
@@ -351,7 +353,7 @@ def test_inner_precise_bit0_changes_nothing(sp, pair):
 
 
 # --------------------------------------------------------------------------------------------
-# property 2: int8 quantization (SPEC 8)
+# property 2: int8 quantization (contract 'Quantization')
 # --------------------------------------------------------------------------------------------
 PER_CHANNEL = ("H", "11H", "1N1D", "ND", "11ND")
 
@@ -446,7 +448,8 @@ def build_quant(sp):
     mask = _mask(rng, sp["mask"], b, sq, skv)
     pdt = pse_dtype(dtype)
     ps = sp["pse"]
-    if ps is not None and dtype == I8:    # a NaN / +inf score has no int8 P8 (SPEC 8)
+    # a NaN / +inf score has no int8 P8 (contract 'Quantization')
+    if ps is not None and dtype == I8:
         ps = dict(ps, specials=[s for s in ps["specials"] if s in ("-inf", "-inf-row")])
     pse = None if ps is None else _pse(rng, ps, pdt, b, n, sq, skv, qlen, klen)
     return (q, k, v, mask, asl, aslkv, pse), kw, dtype
@@ -475,10 +478,10 @@ def decoded(deq):
 
 def float32_formed_rows(args, kw):
     """(B, N, Sq) rows of an int8 call in which some score fp16(A * deq1) depends on how the
-    product is formed: SPEC 8 lets it be formed in float32 (then rounded to fp16, a double
-    rounding) or exactly, and the two fp16 values differ by one ulp. Such a row may legitimately
-    differ from the exact reference by more than the tolerances below (the changed score moves
-    every weight of its row); no other row may."""
+    product is formed: contract 'Quantization' lets it be formed in float32 (then rounded to fp16, a
+    double rounding) or exactly, and the two fp16 values differ by one ulp. Such a row may
+    legitimately differ from the exact reference by more than the tolerances below (the changed
+    score moves every weight of its row); no other row may."""
     n, layout = kw["num_heads"], kw["input_layout"]
     nkv = kw["num_key_value_heads"] or n
     q = bnsd(args[0], layout, n).astype(np.int64)
@@ -505,8 +508,8 @@ F16_OVERFLOW = 65520.0     # values at or beyond round to +-inf in float16
 
 def fp16_out_bad(got, want, deq2, v):
     """Elements beyond one fp16 ulp plus two P8 steps of one unit (each changes O by
-    deq2 * |V| / l, l >= 1); an overflow to +-inf (SPEC 10: IEEE, never wrapped) must match up to
-    that bound. Returns the boolean array of failing elements."""
+    deq2 * |V| / l, l >= 1); an overflow to +-inf (contract 'Errors': IEEE, never wrapped) must
+    match up to that bound. Returns the boolean array of failing elements."""
     g = got.astype(np.float64)
     bad = np.isnan(g) != np.isnan(want)
     ok = ~np.isnan(want) & ~bad
@@ -529,7 +532,7 @@ def fp16_out_bad(got, want, deq2, v):
 def test_quant_calls_match_reference(sp):
     """int8 outputs within 1 LSB of the reference, float16 outputs of the int8 pipeline within
     one ulp plus two P8 steps (tests/test_quant.py explains both), softmax_lse within 1e-4
-    relative; rows whose scores SPEC 8 lets be formed in float32 are exempt."""
+    relative; rows whose scores contract 'Quantization' lets be formed in float32 are exempt."""
     args, kw, dtype = build_quant(sp)
     allargs = list(args) + [kw.get(k) for k in ("deq_scale1", "quant_scale1", "deq_scale2",
                                                   "quant_scale2", "quant_offset2")]
@@ -573,8 +576,9 @@ def test_quant_calls_match_reference(sp):
 # --------------------------------------------------------------------------------------------
 def test_scale_value_beyond_float32_range():
     """BUG-4: a finite scale_value beyond the float32 range (1e39) was cast to float32 inf
-    before scaling, so small scores became inf and the output NaN (SPEC 4: s = scale_value *
-    dot, used as given; SPEC 10 rejects only NaN/infinite scale_value)."""
+    before scaling, so small scores became inf and the output NaN (contract 'The computation': s =
+    scale_value *
+    dot, used as given; contract 'Errors' rejects only NaN/infinite scale_value)."""
     q = np.full((1, 1, 16), 1e-20, np.float32)       # dot(q, k) = 1.6e-39, s = 1.6 exactly
     k = np.full((1, 2, 16), 1e-20, np.float32)
     v = np.stack([np.zeros(16, np.float32), np.ones(16, np.float32)])[None]

@@ -1,4 +1,4 @@
-"""int8 quantization (SPEC 8): the three pipelines against pfa_numba.reference.
+"""int8 quantization (contract 'Quantization'): the three pipelines against pfa_numba.reference.
 
 int8 outputs may differ from the reference (an exact model) by 1 LSB where an intermediate
 float32 rounding lands on a tie; at most ``MAX_LSB_FRACTION`` of the elements may do so.

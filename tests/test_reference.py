@@ -1,4 +1,4 @@
-"""Tests of pfa_numba.reference, the float64 meaning of prompt_flash_attention (SPEC.md).
+"""Tests of pfa_numba.reference, the float64 meaning of prompt_flash_attention (docs/contract.md).
 
 The reference is checked against numbers worked out by hand, ASCII pictures of the §4.1 band,
 an independent row-by-row implementation with Python scalars, and identities that must hold
@@ -413,7 +413,8 @@ def test_nan_in_masked_v_does_not_leak():
         o, _ = naive_row(q[0, 0, i], k[0, 0], v[0, 0], 1.0, [True, True, True, False])
         np.testing.assert_allclose(out[0, 0, i], o, rtol=1e-12)
     assert np.all(np.isnan(out[0, 0, 2]))
-    # a fully masked row under inner_precise 1 reads V on its band: NaN reaches it (SPEC §5)
+    # a fully masked row under inner_precise 1 reads V on its band: NaN reaches it (contract 'Empty
+    # rows')
     mask[1] = True
     out = bnsd(q, k, v, attn_mask=mask, next_tokens=INF, inner_precise=1)
     assert np.all(np.isnan(out[0, 0, 1])) and np.all(np.isfinite(out[0, 0, 0]))
@@ -673,7 +674,8 @@ def test_trans_quant_param_bits():
 
 
 def int8_model_row(q_row, k, v, deq1, qs1, deq2, scale, keep_row, pse_row=None):
-    """SPEC §8 transcribed with Python scalars for one row; returns fp16 values (floats).
+    """contract 'Quantization' transcribed with Python scalars for one row; returns fp16 values
+    (floats).
 
     None when nothing is kept.
     """
@@ -701,7 +703,7 @@ def int8_model_row(q_row, k, v, deq1, qs1, deq2, scale, keep_row, pse_row=None):
 
 
 def quantize_out(o, s2, o2):
-    """Output quantization of SPEC §8 with Python scalars."""
+    """Output quantization of contract 'Quantization' with Python scalars."""
     y = float(np.float16(float(np.float16(float(np.float16(o)) * float(np.float16(s2))))
                          + float(np.float16(o2))))
     if math.isnan(y):

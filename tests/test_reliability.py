@@ -1,4 +1,5 @@
-"""Reliability: extreme scores, concurrent calls, scale (SPEC 4, 10; memory bounds)."""
+"""Reliability: extreme scores, concurrent calls, scale (contract 'The computation' and 'Errors';
+memory bounds)."""
 import concurrent.futures
 import os
 import subprocess

@@ -49,7 +49,8 @@ def test_split_items_match_the_reference(pieces, products, dt, layout, mode, b, 
 @pytest.mark.parametrize("inner_precise", [0, 2])
 def test_decode_with_padding_and_a_piece_that_keeps_nothing(pieces, dt, inner_precise):
     """Query length 1 against a padded cache: batch 0's first 300 columns are masked (whole
-    pieces keep nothing), batch 1 masks every column (SPEC 5: the mean of V or zeros)."""
+    pieces keep nothing), batch 1 masks every column (contract 'Empty rows': the mean of V or
+    zeros)."""
     rng = np.random.default_rng(4)
     q, k, v = qkv(rng, "BNSD", DTYPES[dt], 2, 8, 2, 1, 1000, 64)
     mask = np.zeros((2, 1, 1, 1000), bool)

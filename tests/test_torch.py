@@ -1,4 +1,4 @@
-"""torch CPU tensors in and out (SPEC's arguments, read without copies), forward only."""
+"""torch CPU tensors in and out (the contract's arguments, read without copies), forward only."""
 import types
 
 import numpy as np

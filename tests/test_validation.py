@@ -1,8 +1,9 @@
-"""Validation tests for ``pfa_numba.prompt_flash_attention`` (SPEC.md §1-§4, §6, §7, §8, §10).
+"""Validation tests for ``pfa_numba.prompt_flash_attention`` (the contract, docs/contract.md: every
+section but 'The computation', 'Empty rows' and 'softmax_lse and merging').
 
-One test function (usually parametrized) per validation rule of the SPEC.  Error tests check
-the exception type (TypeError / ValueError / RuntimeError as SPEC says) and that the message
-names the argument and contains the value received (SPEC §10: "Every message names the
+One test function (usually parametrized) per validation rule of the contract.  Error tests check
+the exception type (TypeError / ValueError / RuntimeError as the contract says) and that the message
+names the argument and contains the value received (contract 'Errors': "Every message names the
 argument and the value received").  Positive tests check the accepted side of each boundary.
 
 The quantization rules (§8 and the quant parts of §10) are at the end, marked ``quant``.
@@ -78,7 +79,7 @@ def _found(text, msg):
 
 def assert_raises(exc_type, fn, *names_and_values):
     """fn() must raise exc_type (and not another of TypeError/ValueError/RuntimeError; a
-    tuple of types where SPEC lets the input break two rules at once); its
+    tuple of types where the contract lets the input break two rules at once); its
     message must contain every item (str as is, dtype -> dtype name, tuple -> str(tuple),
     other -> str(x)); an AnyOf(...) item needs one of its members."""
     with pytest.raises(Exception) as info:
@@ -484,12 +485,16 @@ def test_s3_kv_heads_default_zero_means_N(layout):
     q, k, v, kw = make(layout, N=4, Nkv=4)
     kw["num_key_value_heads"] = 0
     assert run(q, k, v, kw).shape == out_shape(layout, N=4)
-    # num_key_value_heads = 0 with kv heads != N (BSH: Hkv != H): RuntimeError
+    # num_key_value_heads = 0 with kv heads != N (BSH: Hkv != H): RuntimeError, saying what
+    # 0 means and what to pass instead
     q, k, v, kw = make(layout, N=4, Nkv=2)
     kw["num_key_value_heads"] = 0
     assert_raises(RuntimeError, lambda: run(q, k, v, kw),
-                  AnyOf("num_key_value_heads", "key", "value", "num_heads"),
-                  AnyOf(shp(k), "2", "32" if layout == "BSH" else shp(k)))
+                  "num_key_value_heads = 0 means as many kv heads as num_heads (4)",
+                  "for grouped-query attention pass num_key_value_heads",
+                  AnyOf(shp(k), "32" if layout == "BSH" else shp(k)))
+    if layout != "BSH":
+        assert_raises(RuntimeError, lambda: run(q, k, v, kw), "num_key_value_heads=2")
 
 
 @pytest.mark.parametrize("layout", ["BSH", "BNSD", "BSND", "TND"])

@@ -262,8 +262,9 @@ def test_fa2_block_matches_the_reference(dt, d, name):
 
 
 def test_model_shows_nonfinite_v_needs_a_guard():
-    """SPEC 4: a dropped column contributes nothing, even an inf in V. Through the tensor
-    cores it meets P = 0 (0 * inf = NaN), so the kernel must keep such V away from the mma."""
+    """contract 'The computation': a dropped column contributes nothing, even an inf in V. Through
+    the tensor cores it meets P = 0 (0 * inf = NaN), so the kernel must keep such V away from the
+    mma."""
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((s, 64)).astype(np.float16) for s in (16, 16, 32))
     causal = np.triu(np.ones((2048, 2048), bool), 1)

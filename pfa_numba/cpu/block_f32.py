@@ -1,5 +1,5 @@
 """The float32 work item: tile products on the AVX-512 register blocks of ``_gemm`` or on BLAS,
-the softmax of ``rows``, the deferred division and SPEC 5 in the finish."""
+the softmax of ``rows``, the deferred division and contract 'Empty rows' in the finish."""
 import numpy as np
 from numba import njit, prange
 from .._band import ROW_MEAN, ROW_SOFTMAX, row_outcome
@@ -153,7 +153,7 @@ def _add_pv_exact(acc, ld, R, D, p, ldp, nc, vb, ldv, pair):
 @njit(**LEAF)
 def _finish(outs, v, geo, item, i1, acc, ld, state, tb, computed):
     """Deferred division, rounding to the output storage and softmax_lse of one work item
-    (acc row rr at acc[rr * ld:]); rows with nothing kept follow SPEC 5."""
+    (acc row rr at acc[rr * ld:]); rows with nothing kept follow contract 'Empty rows'."""
     out, lse, flags = outs
     strides, boff, lens, params = geo
     b, g, i0 = item

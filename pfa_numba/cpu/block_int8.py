@@ -1,5 +1,5 @@
-"""The int8 work item (SPEC 8): pass 1 finds each row's max score, pass 2 quantizes the weights
-against it and accumulates P8 . V exactly."""
+"""The int8 work item (contract 'Quantization'): pass 1 finds each row's max score, pass 2 quantizes
+the weights against it and accumulates P8 . V exactly."""
 import numpy as np
 from numba import njit, prange
 from .._band import ROW_MEAN, ROW_SOFTMAX, row_outcome, tile_inside_band
@@ -15,7 +15,7 @@ from .rows import _load_row, _mask_row, _row_max, band_of, element_offsets, row_
 
 
 # ---------------------------------------------------------------------------------------------
-# int8 query/key/value (SPEC 8)
+# int8 query/key/value (contract 'Quantization')
 # ---------------------------------------------------------------------------------------------
 #: P.V runs as a float32 GEMM, exact while every partial sum stays below 2^24:
 #: 127 * 128 * 1024 < 2^24, so an int8 tile has at most this many kv columns.
@@ -24,8 +24,8 @@ INT8_MAX_KV_COLS = 1024
 
 @njit(**LEAF)
 def _int8_scores(s2, r, nc, deq1, scale16, pse, where, has_pse):
-    """s2[r, :nc] (exact integer products) -> the scores of SPEC 8, pse added where there is
-    one (where: see rows.element_offsets)."""
+    """s2[r, :nc] (exact integer products) -> the scores of contract 'Quantization', pse added where
+    there is one (where: see rows.element_offsets)."""
     srow = s2[r]
     for c in range(nc):
         srow[c] = int8_score(srow[c], deq1, scale16)
@@ -127,7 +127,7 @@ def _load_rows(dst, src, base, row_stride, sd, n_rows, D):
 @njit(**LEAF)
 def _finish_int8(outs, v, geo, fparams, item, i1, a2, state, computed):
     """The int8 item's output rows: deq2 * A / l rounded once to float16 (A the exact sums
-    P8 . V in a2, float64), softmax_lse, and SPEC 5's rows."""
+    P8 . V in a2, float64), softmax_lse, and the rows of contract 'Empty rows'."""
     out, lse, flags = outs
     strides, boff, lens, params = geo
     b, g, i0 = item

@@ -122,8 +122,8 @@ def _quantize_rows(o, code, flags, scale2, offset2, y):
 
 
 def quantize_int8_output(p, o, flags):
-    """SPEC 8 output quantization of the float result ``o`` (float16 or float32, in the output
-    layout) into a new int8 array; rows that are structural zeros (flags 0) stay 0."""
+    """contract 'Quantization' output quantization of the float result ``o`` (float16 or float32, in
+    the output layout) into a new int8 array; rows that are structural zeros (flags 0) stay 0."""
     s2, o2 = output_scales(p.quant)
     code = CODE_F16 if o.dtype == np.float16 else CODE_F32
     y = np.zeros(p.out_shape, dtype=np.int8)

@@ -6,8 +6,8 @@ A piece leaves the online-softmax state of its rows, (unnormalised sums acc, run
 running sum l) over its kv columns, in a slot of the partial buffers; :func:`merge_pieces`
 combines the slots of an item with the online-softmax step itself (:func:`~.._core.rescale_factor`,
 as between two tiles of one item); block_f32's ``_merge_split`` then finishes the rows as a
-whole item would (SPEC 5, lse, output rounding), so a split changes nothing but the order of
-float32 additions. Only the float32 kernel (:mod:`.block_f32`) takes pieces.
+whole item would (contract 'Empty rows', lse, output rounding), so a split changes nothing but the
+order of float32 additions. Only the float32 kernel (:mod:`.block_f32`) takes pieces.
 """
 import numpy as np
 from numba import njit

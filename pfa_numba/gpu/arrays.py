@@ -10,8 +10,9 @@ from .._dtypes import is_bf16
 
 
 def checked(name, fn, x):
-    """``fn(x)`` for CUDA array argument ``name``, with its failures as the errors of SPEC 10:
-    a malformed __cuda_array_interface__ is a TypeError, a missing CUDA driver a RuntimeError."""
+    """``fn(x)`` for CUDA array argument ``name``, with its failures as the errors of contract
+    'Errors': a malformed __cuda_array_interface__ is a TypeError, a missing CUDA driver a
+    RuntimeError."""
     try:
         return fn(x)
     except ImportError as exc:         # numba's CudaSupportError: no driver, no device

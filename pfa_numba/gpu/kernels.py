@@ -6,9 +6,9 @@ tiles of its band only (tiles outside the band or past kL are skipped), staging 
 tile in shared memory with coalesced loads (consecutive threads read consecutive elements of a
 row) widened to float32 by ``_core.widen``; then each thread runs the three online-softmax
 steps of the CPU kernel on its row: scores (band, user mask, pse, fp16 mask), update m and l,
-rescale acc and add P V. The band predicate and SPEC 5's row rule (``_band``), the online
-update, exp, the int8 steps and every dtype conversion (``_core``) are the functions the CPU
-kernels use; the kernels read the arguments ``_kernel_args`` builds for both targets.
+rescale acc and add P V. The band predicate and the row rule of contract 'Empty rows' (``_band``),
+the online update, exp, the int8 steps and every dtype conversion (``_core``) are the functions the
+CPU kernels use; the kernels read the arguments ``_kernel_args`` builds for both targets.
 """
 
 from numba import cuda, float32, int64, njit, uint16
@@ -215,9 +215,9 @@ def kernel_source(dpad, bq, bkv):
 
 
 def kernel_source_int8(dpad, bq, bkv):
-    """The int8 kernel (SPEC 8) for the given compile-time sizes: pass 1 over the K tiles finds
-    each row's max fp16 score, pass 2 quantizes E = exp(s - m) to P8 and accumulates P8 . V in
-    int64 (exact); fparams holds the int8 scales (F_DEQ1 ... F_DEQ2).
+    """The int8 kernel (contract 'Quantization') for the given compile-time sizes: pass 1 over the K
+    tiles finds each row's max fp16 score, pass 2 quantizes E = exp(s - m) to P8 and accumulates P8
+    . V in int64 (exact); fparams holds the int8 scales (F_DEQ1 ... F_DEQ2).
     Output: float16 bits (CODE_F16) or int8 (CODE_I8, quantized in the finalize)."""
     DP, BQ, BKV = dpad, bq, bkv
 
@@ -288,7 +288,7 @@ def kernel_source_int8(dpad, bq, bkv):
             outcome, mlo, mhi, denom = row_outcome(active, m, l, inner_precise, i, pre_e, next_e, kl)
             o_off, osd = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1], strides[T_O, 2]
             if outcome == ROW_MEAN:
-                # SPEC 5 for int8: every band score equal (E = 1 on the band)
+                # contract 'Empty rows' for int8: every band score equal (E = 1 on the band)
                 p8f = int8_weight(F32_ONE, qs1)
                 nan_row = p8f != p8f                      # quant_scale1 NaN: a NaN row
                 p8 = int64(0) if nan_row else int64(p8f)
@@ -302,7 +302,7 @@ def kernel_source_int8(dpad, bq, bkv):
                 denom = F32_NAN                           # int8_out_f16's NaN-row flag
             for d in range(D):
                 # deq2 * acc / denom rounded once to float16 (exact), the CPU's procedure;
-                # rows with nothing written are +0 (SPEC 5)
+                # rows with nothing written are +0 (contract 'Empty rows')
                 h = int8_out_f16(acc[d], deq2, denom) if outcome != ROW_ZERO else uint16(0)
                 if ocode == CODE_I8:
                     # quantized from the stored float16 value, as on the CPU

@@ -19,8 +19,9 @@ shared memory. Q is staged through the K buffer once and held in registers as A 
 (t = s * scale * log2 e + bias * log2 e), the user discard mask; the online softmax in registers
 (exp2, quad ``shfl_xor``); P packed from S (``p_from_s``) to the input type; O += P V (V by
 ``ldmatrix.trans``). A warp skips a tile none of its rows keeps a column of. At the end: the
-division, SPEC 5's rows (``row_outcome``; ROW_MEAN rows average V from global memory), lse,
-the output through ``T_O`` as float16 / bfloat16 bits (cvt.rn, as _core.f32_to_f16 / _bf16 round).
+division, the rows of contract 'Empty rows' (``row_outcome``; ROW_MEAN rows average V from global
+memory), lse, the output through ``T_O`` as float16 / bfloat16 bits (cvt.rn, as _core.f32_to_f16 /
+_bf16 round).
 
 Registers: D = 128 sits at the 255 limit with 0 spills (ptxas -v, tests/ptx/test_tc_kernel.py)
 because nothing but fragments is held across the tile loop: offsets and lengths are re-read
@@ -297,7 +298,8 @@ def tc_kernel_source(kind, d):
                             p0, p1, p2, p3, v2, v3,
                             o[e + 4], o[e + 5], o[e + 6], o[e + 7])
 
-        # finish: the row sums over the quad, the division, SPEC 5's rows, lse, the output
+        # finish: the row sums over the quad, the division, the rows of contract 'Empty rows',
+        # lse, the output
         for h in range(2):
             for sh in (1, 2):
                 lr[h] += cuda.shfl_xor_sync(FULL, lr[h], sh)
@@ -311,7 +313,8 @@ def tc_kernel_source(kind, d):
                                                        pre_e, next_e, kl)
                 o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
                 osd = strides[T_O, 2]
-                if outcome == ROW_MEAN:               # SPEC 5: the mean of V over the band
+                # contract 'Empty rows': the mean of V over the band
+                if outcome == ROW_MEAN:
                     for col in range(2 * t4, D, 8):
                         for e in range(2):
                             y = F32_ZERO

@@ -21,13 +21,14 @@ S = Q K^T (Q fragments loaded once, K by plain ldmatrix), the band predicate
 in log2 units with the scale folded in (t = s * scale * log2 e, p = exp2(t - m)), P re-packed
 from the S accumulators into A fragments (``p_from_s``: no shuffles) in the input's 16-bit
 type, O += P V (V by ldmatrix.trans), l kept per lane and reduced over the quad at the end,
-the division deferred to the end, and SPEC 5's rows by ``_band.row_outcome``.
+the division deferred to the end, and the rows of contract 'Empty rows' by ``_band.row_outcome``.
 :func:`attention` runs every block of one head. ``maps`` (default :data:`MAPS`) lets the tests
 swap in a wrong map and see a check fail.
 
 What the model shows the kernel must also do: a V value that is inf or NaN in a column a row
-drops still reaches that row (0 * inf = NaN in the product), where SPEC 4 says it contributes
-nothing; the kernel needs a guard (for example a finite-V flag, else the scalar kernel).
+drops still reaches that row (0 * inf = NaN in the product), where contract 'The computation' says
+it contributes nothing; the kernel needs a guard (for example a finite-V flag, else the scalar
+kernel).
 """
 import functools
 from typing import Callable, NamedTuple
@@ -275,8 +276,8 @@ def _rescaled_sum(l, alpha, p):
 
 
 def _finish(o, m, l, v, i0, ql, kl, pre_e, next_e, inner_precise, maps):
-    """The deferred division, SPEC 5's rows and softmax_lse, each lane for its two rows (as
-    the kernel does): (out (16, D), lse (16,))."""
+    """The deferred division, the rows of contract 'Empty rows' and softmax_lse, each lane for its
+    two rows (as the kernel does): (out (16, D), lse (16,))."""
     crow, ccol = tables(maps)["c"]
     out = np.zeros((ROWS, v.shape[1]), np.float32)
     lse = np.full(ROWS, -np.inf, np.float32)
@@ -305,7 +306,8 @@ def attention(q, k, v, scale, sparse_mode=0, pre_tokens=2147483647, next_tokens=
               attn_mask=None, inner_precise=1, q_len=None, kv_len=None, bkv=64, maps=MAPS):
     """One head, every block of 16 rows: q (Sq, D), k and v (Skv, D) of float16 / bfloat16.
     ``attn_mask`` a bool discard mask of at least (Sq, Skv) (read by sparse modes 0 and 1
-    only, as SPEC 4.2 says); the other arguments and defaults are the API's. Returns (out (Sq, D) in the input dtype, lse (Sq,) float32)."""
+    only, as contract 'The user mask' says); the other arguments and defaults are the API's.
+    Returns (out (Sq, D) in the input dtype, lse (Sq,) float32)."""
     sq, skv = q.shape[0], k.shape[0]
     ql, kl = (sq if q_len is None else q_len), (skv if kv_len is None else kv_len)
     pre_e, next_e = (int(e[0]) for e in band_edges(sparse_mode, attn_mask is not None,

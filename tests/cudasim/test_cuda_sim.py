@@ -189,7 +189,7 @@ INT8_CASES = {
 def test_int8_pipeline_cpu_and_cuda_bit_identical(case, out):
     """Both backends turn deq2 * (P8 . V) / l into float16 with _core.int8_out_f16, one exact
     rounding, so their float16 (and int8) outputs agree bit for bit, fully masked rows
-    (SPEC 5 means) and NaN rows included."""
+    (contract 'Empty rows' means) and NaN rows included."""
     from pfa_numba import reference
     from test_quant import assert_fp16_close, assert_int8_close
     b, n, nkv, sq, skv, d, mode, ip, lengths, nan = INT8_CASES[case]
@@ -221,7 +221,7 @@ def test_int8_pipeline_cpu_and_cuda_bit_identical(case, out):
         assert np.array_equal(cpu.view(np.uint16), gpu.view(np.uint16))
         assert_fp16_close(gpu, want, kw["deq_scale2"][0], v)
         if ip < 2:
-            assert np.any(gpu[0, :, 1] != 0)              # the SPEC 5 mean row
+            assert np.any(gpu[0, :, 1] != 0)              # the contract 'Empty rows' mean row
         if nan:
             assert np.isnan(gpu[0, 1, 3]).all() and not np.isnan(gpu[0, 0]).any()
     else:
@@ -233,8 +233,8 @@ def test_int8_pipeline_cpu_and_cuda_bit_identical(case, out):
 
 
 def test_int8_mean_row_near_float16_midpoints(monkeypatch):
-    """A SPEC 5 mean row whose exact values lie 1/cnt away from float16 midpoints, where a
-    float32 evaluation of deq2 * A / cnt (float32(A) alone rounds A > 2^24) lands on the
+    """A contract 'Empty rows' mean row whose exact values lie 1/cnt away from float16 midpoints,
+    where a float32 evaluation of deq2 * A / cnt (float32(A) alone rounds A > 2^24) lands on the
     midpoint and ties the wrong way: both backends give the exact rounding."""
     from fractions import Fraction
     monkeypatch.setattr(config, "CUDA_KV_COLS", 256)
