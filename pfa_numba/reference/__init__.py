@@ -22,6 +22,9 @@ Public functions
     The (preE, nextE) pair of the §4.1 table that ``keep_mask`` uses (ints or ``math.inf``).
 ``trans_quant_param(scale)``
     Ascend's packed uint64 form of a float32 dequantization scale (contract 'Quantization').
+``fused_infer_attention_score(query, key, value, ...)``
+    FIA (:mod:`.fia`): the decode branch, paged / listed / prefixed / left-padded KV caches and
+    int8 KV dequantization, reduced batch by batch to ``prompt_flash_attention``.
 
 The input is assumed to be valid per contract 'Errors'; only a few clearly broken inputs raise
 ``ValueError``.
@@ -32,7 +35,8 @@ import math
 import ml_dtypes
 import numpy as np
 
-__all__ = ["prompt_flash_attention", "keep_mask", "band_edges", "trans_quant_param"]
+__all__ = ["prompt_flash_attention", "keep_mask", "band_edges", "trans_quant_param",
+           "fused_infer_attention_score"]
 
 #: pre_tokens / next_tokens at or above this value mean "+infinity" (contract 'The band').
 INF_TOKENS = 2147483647
@@ -576,3 +580,6 @@ def _prompt_flash_attention_tnd(query, key, value, attn_mask, ends_q, ends_kv, p
         out[q0:q1] = o[0].transpose(1, 0, 2)
         lse[q0:q1] = l[0].transpose(1, 0, 2)
     return out, lse
+
+
+from .fia import fused_infer_attention_score  # noqa: E402  (fia builds on the above)
