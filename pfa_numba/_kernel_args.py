@@ -2,7 +2,7 @@
 
 :func:`kernel_args` turns a planned problem and its output arrays into a :class:`KernelArgs`:
 every tensor as a flat read-only array over its memory (no copy), element offsets per batch and
-element strides in the (7, 3) ``strides`` and (7, B) ``boff`` arrays (rows ``T_*``), the
+element strides in the (9, 4) ``strides`` and (9, B) ``boff`` arrays (rows ``T_*``), the
 per-batch lengths and band edges in ``lens`` (rows ``L_*``), the integer ``params`` (slots
 ``P_*``; the CPU's tiling slots are 0 on CUDA), the float32 ``fparams`` (slots ``F_*``) and the
 float16-rounded output quantization scales. The CPU and CUDA kernels index them by these names.
@@ -12,16 +12,21 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ._core import CODE_BF16, CODE_F16, CODE_F32, CODE_I8
+from ._core import CODE_BF16, CODE_F16, CODE_F32, CODE_I8, jit
 from ._dtypes import F16, is_bf16
 
-# rows of the geometry arrays (strides: (7, 3) int64 in elements; boff: (7, B) int64)
-T_Q, T_K, T_V, T_O, T_L, T_M, T_P = range(7)
+# rows of the geometry arrays (strides: (9, 4) int64 in elements; boff: (9, B) int64): query,
+# key, value, output, lse, mask, pse, and a shared prefix's key and value
+T_Q, T_K, T_V, T_O, T_L, T_M, T_P, T_PK, T_PV = range(9)
+# columns of strides: head, row, element, and the block of a paged pool
+S_HEAD, S_ROW, S_ELEM, S_BLOCK = range(4)
 # rows of lens ((5, B) int64): qL, kL, preE, nextE, output rows to write (Sq, or qL for TND)
 L_QLEN, L_KLEN, L_PRE, L_NEXT, L_ROWS = range(5)
 # the params vector (int64)
+# (P_BLOCK: the paged pool's block size, 0 for contiguous key/value; P_PREFIX: the shared
+# prefix's length P, whose rows come before every batch's own)
 (P_N, P_G, P_D, P_CODE, P_MASK, P_PSE, P_IP, P_LSE, P_ROWS, P_COLS, P_THREADS, P_OCODE,
- P_FLAGS, P_SUB, P_SEG, P_GEMM, P_BLAS, P_SCALE_EXP) = range(18)
+ P_FLAGS, P_SUB, P_SEG, P_GEMM, P_BLAS, P_SCALE_EXP, P_BLOCK, P_PREFIX) = range(20)
 # the fparams vector (float32): scale_value as factors (see scale_factors), the int8 scales
 F_SCALE, F_SCALE2, F_DEQ1, F_SCALE16, F_QS1, F_DEQ2 = range(6)
 
@@ -77,11 +82,22 @@ def output_code(dtype):
     return CODE_I8 if np.dtype(dtype) == np.int8 else storage_code(dtype)
 
 
+@jit
+def kv_row(strides, boff, table, block, t, b, j):
+    """Element offset of own kv row j (logical, after any prefix) of batch b in tensor t (T_K
+    or T_V), head 0: row j of the batch's contiguous rows, or slot j % block of block
+    table[b, j // block] of a paged pool (block > 0)."""
+    if block == 0:
+        return boff[t, b] + j * strides[t, S_ROW]
+    return (boff[t, b] + table[b, j // block] * strides[t, S_BLOCK]
+            + (j % block) * strides[t, S_ROW])
+
+
 def geometry(p, out, lse):
-    """Flat arrays, (7, 3) strides and (7, B) batch offsets for the kernels."""
+    """Flat arrays, (9, 4) strides and (9, B) batch offsets for the kernels."""
     st = storage(p.dtype)
-    strides = np.zeros((7, 3), np.int64)
-    boff = np.zeros((7, max(p.B, 1)), np.int64)
+    strides = np.zeros((9, 4), np.int64)
+    boff = np.zeros((9, max(p.B, 1)), np.int64)
     bidx = np.arange(p.B, dtype=np.int64)
 
     def put(row, x, as_type, start=None):
@@ -94,19 +110,30 @@ def geometry(p, out, lse):
             strides[row, :3] = [s[1], s[0], s[2]]
         return flat
 
+    def put_pool(row, pool):
+        """A paged pool (num_blocks, Nkv, block_size, D): every batch starts at block 0."""
+        flat, origin, s = flat_view(pool, st)
+        boff[row, :p.B] = origin
+        strides[row] = [s[1], s[2], s[3], s[0]]
+        return flat
+
+    cache = p.cache
     qf = put(T_Q, p.q, st, p.q_start)
-    kf = put(T_K, p.k, st, p.kv_start)
-    vf = put(T_V, p.v, st, p.kv_start)
+    if cache is not None and cache.block_table is not None:
+        kf, vf = put_pool(T_K, p.k), put_pool(T_V, p.v)
+    else:
+        kf = put(T_K, p.k, st, p.kv_start)
+        vf = put(T_V, p.v, st, p.kv_start)
 
     ov = p.out_view(out)
     o_flat = out.reshape(-1).view(storage(out.dtype))
     o_s = [s // out.itemsize for s in ov.strides]
     if p.packed:
         boff[T_O, :p.B] = p.q_start * o_s[0]
-        strides[T_O] = [o_s[1], o_s[0], o_s[2]]
+        strides[T_O, :3] = [o_s[1], o_s[0], o_s[2]]
     else:
         boff[T_O, :p.B] = bidx * o_s[0]
-        strides[T_O] = o_s[1:]
+        strides[T_O, :3] = o_s[1:]
     lv = p.lse_view(lse)
     l_s = [s // 4 for s in lv.strides]
     if p.packed:
@@ -125,7 +152,23 @@ def geometry(p, out, lse):
     pse = readonly_dummy(np.uint16 if p.dtype == np.int8 else st)
     if p.pse is not None:
         pse = put(T_P, p.pse, storage(p.pse.dtype))
-    return qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff
+    kp = vp = readonly_dummy(st)
+    if cache is not None:
+        if cache.P:
+            kp, vp = put(T_PK, cache.prefix_key, st), put(T_PV, cache.prefix_value, st)
+        _shift_windows(strides, boff, p.B, p.q_off, cache.kv_off)
+    return qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff, kp, vp
+
+
+def _shift_windows(strides, boff, B, q_off, kv_off):
+    """Left padding: batch b's query, output and lse rows start at q_off[b], its contiguous kv
+    rows at kv_off[b]; its mask and pse are read at the same physical rows and columns."""
+    for t in (T_Q, T_O, T_L):
+        boff[t, :B] += q_off * strides[t, S_ROW]
+    for t in (T_K, T_V):
+        boff[t, :B] += kv_off * strides[t, S_ROW]
+    for t in (T_M, T_P):
+        boff[t, :B] += q_off * strides[t, S_ROW] + kv_off * strides[t, S_ELEM]
 
 
 def scale_factors(scale):
@@ -171,6 +214,9 @@ class KernelArgs:
     mask8: np.ndarray        # flat user mask (bool / int8 / uint8), or a dummy
     mask16: np.ndarray       # flat float16 additive mask bits, or a dummy
     pse: np.ndarray          # flat pse_shift storage, or a dummy
+    kp: np.ndarray           # flat storage of a shared prefix's key / value, or dummies
+    vp: np.ndarray
+    table: np.ndarray        # int64 (B, max_blocks) block table of paged key/value, or a dummy
     strides: np.ndarray
     boff: np.ndarray
     lens: np.ndarray
@@ -187,13 +233,20 @@ def kernel_args(p, out, lse, flags=False, rows=0, cols=0, threads=0, sub=0, seg=
     second pass) is the backend's choice; the rest are the CPU's tiling: query
     rows per work item and head, kv columns per tile, threads, rows per row segment of cut and
     inside tiles, register-block products (1) and the BLAS sgemm address."""
-    q, k, v, o_flat, mask8, mask16, pse, strides, boff = geometry(p, out, lse)
+    q, k, v, o_flat, mask8, mask16, pse, strides, boff, kp, vp = geometry(p, out, lse)
+    cache = p.cache
+    paged = cache is not None and cache.block_table is not None
+    table = cache.block_table if paged else np.zeros((1, 1), np.int64)
     rows_b = np.full(p.B, p.Sq, np.int64) if not p.packed else p.qlen
+    if cache is not None:
+        rows_b = rows_b - p.q_off                    # the frame's rows from the window on
     lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e, rows_b]).astype(np.int64)
     s1, s2, post = scale_factors(p.scale)
     params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None, p.inner_precise,
                        p.want_lse, rows, cols, threads,
-                       output_code(out.dtype), flags, sub, seg, gemm, blas, post], np.int64)
+                       output_code(out.dtype), flags, sub, seg, gemm, blas, post,
+                       cache.block_size if paged else 0, cache.P if cache is not None else 0],
+                      np.int64)
     fparams = np.zeros(6, np.float32)
     fparams[F_SCALE], fparams[F_SCALE2] = s1, s2
     if p.quant is not None and p.dtype == np.int8:
@@ -202,5 +255,5 @@ def kernel_args(p, out, lse, flags=False, rows=0, cols=0, threads=0, sub=0, seg=
         fparams[[F_DEQ1, F_SCALE16, F_QS1, F_DEQ2]] = (p.quant.deq1, scale16, p.quant.quant1,
                                                        p.quant.deq2)
     scale2, offset2 = output_scales(p.quant)
-    return KernelArgs(q, k, v, o_flat, lse.reshape(-1), mask8, mask16, pse, strides, boff, lens,
-                      params, fparams, scale2, offset2)
+    return KernelArgs(q, k, v, o_flat, lse.reshape(-1), mask8, mask16, pse, kp, vp, table,
+                      strides, boff, lens, params, fparams, scale2, offset2)

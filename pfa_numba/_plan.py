@@ -11,7 +11,7 @@ nothing (:func:`._validate.validate` has):
 * the output dtype and layout.
 """
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -48,6 +48,10 @@ class Problem:
     inner_precise: int
     want_lse: bool
     quant: Optional[V.QuantParams] = None
+    # fused_infer_attention_score's kv cache (a _validate_fia.KvCache: paged blocks, a shared
+    # prefix, per-batch kv row offsets), with k / v then its arrays; q_off: first query rows
+    cache: Optional[Any] = None
+    q_off: Optional[np.ndarray] = None
 
     @property
     def packed(self):

@@ -58,19 +58,19 @@ def check_int(name, value):
     return value
 
 
-def check_scale_value(value):
+def check_scale_value(value, name="scale_value"):
     if (isinstance(value, (bool, np.bool_))
             or not isinstance(value, (numbers.Real, np.integer, np.floating))
             or isinstance(value, (complex, np.complexfloating))):
-        raise TypeError(f"scale_value must be a real number (int or float), got "
+        raise TypeError(f"{name} must be a real number (int or float), got "
                         f"{type(value).__name__}: {value!r}")
     try:
         value = float(value)
     except OverflowError:
-        raise ValueError(f"scale_value must be finite, got an int beyond the float range: "
+        raise ValueError(f"{name} must be finite, got an int beyond the float range: "
                          f"{value}") from None
     if not np.isfinite(value):
-        raise ValueError(f"scale_value must be finite, got {value}")
+        raise ValueError(f"{name} must be finite, got {value}")
     return value
 
 

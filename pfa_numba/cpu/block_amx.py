@@ -22,8 +22,9 @@ def _block_amx(ins, outs, extras, geo, scales, item, bufs, tb, state):
     enter as bf16 hi + lo parts (exact), kept in the second halves of qh, kt and vv, and each
     product sums three bf16 products (all but lo . lo). Returns False, having written nothing,
     when an input of the item could be flushed by AMX (see _SUBNORMAL_LIMIT) or, for float16,
-    is not finite."""
-    q, k, v = ins
+    is not finite. It reads contiguous key / value without a prefix (the driver sends the
+    others to the float32 kernel); ins as :func:`~.block_f32._block`'s."""
+    q, k, v = ins[0], ins[1], ins[2]
     strides, boff, lens, params = geo
     b, g, i0 = item
     cfg, qh, kt, vv, tmp, sb, pp, acc = bufs
@@ -97,13 +98,13 @@ def _block_amx(ins, outs, extras, geo, scales, item, bufs, tb, state):
                         _add_pv_exact(acc[r0 * Dp:], Dp, nrow, D, sb, nsp, ns, vv[c0 * Dp:],
                                       2 * Dp, 2)
                 r0 = r1
-    _finish(outs, v, geo, item, i1, acc, Dp, state, tb, jstart < jend)
+    _finish(outs, ins, geo, item, i1, acc, Dp, state, tb, jstart < jend)
     return True
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work,
-                   params, scales):
+                   params, scales, cache):
     """:func:`~.block_f32._attention` for bf16 and float16 storage on AMX; a work item AMX
     could get wrong (see :func:`_block_amx`) is computed by :func:`~.block_f32._block`
     instead."""
@@ -128,18 +129,20 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
         alpha = np.empty(rows, np.float32)
         qb = sb2 = acc2 = kb = vb = np.empty(0, np.float32)
         kx = np.empty(0, np.int32)
+        ro = np.empty((2, 0), np.int64)
         blas = scratch(params[P_BLAS])
         w = take_next(taken)
-        ins, outs, extras = (q, k, v), (out, lse, flags), (mask8, mask16, pse)
+        ins, outs, extras = (q, k, v) + cache, (out, lse, flags), (mask8, mask16, pse)
         geo, state = (strides, boff, lens, params), (m, l, alpha)
         while w < n_items:
             item = (work[w, W_B], work[w, W_G], work[w, W_I0])
             if not _block_amx(ins, outs, extras, geo, scales, item,
                               (cfg, qh, kt, vv, tmp, sb, pp, acc), tb, state):
                 if qb.size == 0:
-                    qb, sb2, acc2, kb, vb, kx = _f32_buffers(params)
+                    qb, sb2, acc2, kb, vb, kx, ro = _f32_buffers(params)
                 i1, computed = _block(ins, extras, geo, scales, item,
                                       (work[w, W_JLO], work[w, W_JHI]),
-                                      (qb, sb2, tb, acc2, kb, vb, kx), state, blas)
-                _finish(outs, v, geo, item, i1, acc2, f32_widths(params)[0], state, tb, computed)
+                                      (qb, sb2, tb, acc2, kb, vb, kx, ro), state, blas)
+                _finish(outs, ins, geo, item, i1, acc2, f32_widths(params)[0], state, tb,
+                        computed)
             w = take_next(taken)

@@ -12,6 +12,7 @@ from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_wi
 from ._jit import FASTMATH, LEAF
 from ._vector import aligned_empty, take_next, wide_vectors
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, _item, _segment, _sizes
+from .kv import kv_tile_end, kv_tile_rows, kv_value_row
 from .rows import (_PF_ROWS, _all_finite, _load_row, _pack_kt, _prefetch_row, _rescale_rows,
                    _scale_row, _softmax_rows, _store_row, band_of, row_place)
 from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
@@ -40,13 +41,14 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
     unnormalised sums in acc and their (m, l) in state for :func:`_finish` or
     split_kv.keep_piece; returns (i1, whether any kv column was visited).
 
-    ins = (q, k, v), extras = (mask8, mask16, pse), geo = (strides, boff, lens, params): the
-    kernel arguments; bufs = (qb, sb, tb, acc, kb, vb, kx) and state = (m, l, alpha): the
-    thread's buffers (see :func:`_f32_buffers`)."""
-    q, k, v = ins
+    ins = (q, k, v, kp, vp, table) (kp / vp: a shared prefix's key and value; table: the block
+    table of paged key / value, see :mod:`.kv`), extras = (mask8, mask16, pse), geo = (strides,
+    boff, lens, params): the kernel arguments; bufs = (qb, sb, tb, acc, kb, vb, kx, ro) and
+    state = (m, l, alpha): the thread's buffers (see :func:`_f32_buffers`)."""
+    q, k, v, kp, vp, table = ins
     strides, boff, lens, params = geo
     b, g, i0 = item
-    qb, sb, tb, acc, kb, vb, kx = bufs
+    qb, sb, tb, acc, kb, vb, kx, ro = bufs
     m, l, alpha = state
     G = params[P_G]
     D = params[P_D]
@@ -69,26 +71,25 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
             m[rr] = F32_NEG_INF
             l[rr] = F32_ZERO
         acc[:] = F32_ZERO
-        k_base = boff[T_K, b] + g * strides[T_K, 0]
-        v_base = boff[T_V, b] + g * strides[T_V, 0]
-        for j0 in range(jstart, jend, tk):
-            j1 = min(j0 + tk, jend)
+        j1 = jstart
+        while j1 < jend:
+            j0 = j1
+            j1 = kv_tile_end(params, j0, tk, jend)
             nc = j1 - j0
+            prefix, sdk, sdv = kv_tile_rows(table, geo, b, g, j0, nc, ro)
+            ks = kp if prefix else k
+            vs = vp if prefix else v
             v2 = vb[:nc * ldv].reshape(nc, ldv)
             if own:
-                _pack_kt(kb, k, k_base + j0 * strides[T_K, 1], strides[T_K, 1], strides[T_K, 2],
-                         nc, D, code, tb)
+                _pack_kt(kb, ks, ro[0], sdk, nc, D, code, tb)
             else:
                 k2 = kb[:nc * D].reshape(nc, D)
             for c in range(nc):
                 if not own:
-                    _load_row(k2, c, k, k_base + (j0 + c) * strides[T_K, 1], strides[T_K, 2], D,
-                              code, F32_ONE)
+                    _load_row(k2, c, ks, ro[0, c], sdk, D, code, F32_ONE)
                 if c + _PF_ROWS < nc:
-                    _prefetch_row(v, v_base + (j0 + c + _PF_ROWS) * strides[T_V, 1],
-                                  D * strides[T_V, 2])
-                _load_row(v2, c, v, v_base + (j0 + c) * strides[T_V, 1], strides[T_V, 2], D,
-                          code, F32_ONE)
+                    _prefetch_row(vs, ro[1, c + _PF_ROWS], D * sdv)
+                _load_row(v2, c, vs, ro[1, c], sdv, D, code, F32_ONE)
                 v2[c, D:] = F32_ZERO
             v_finite = _all_finite(vb, nc * ldv)
             r0 = 0
@@ -151,10 +152,11 @@ def _add_pv_exact(acc, ld, R, D, p, ldp, nc, vb, ldv, pair):
 
 
 @njit(**LEAF)
-def _finish(outs, v, geo, item, i1, acc, ld, state, tb, computed):
+def _finish(outs, ins, geo, item, i1, acc, ld, state, tb, computed):
     """Deferred division, rounding to the output storage and softmax_lse of one work item
     (acc row rr at acc[rr * ld:]); rows with nothing kept follow contract 'Empty rows'."""
     out, lse, flags = outs
+    v, vp, table = ins[2], ins[4], ins[5]
     strides, boff, lens, params = geo
     b, g, i0 = item
     m, l, _ = state
@@ -175,9 +177,10 @@ def _finish(outs, v, geo, item, i1, acc, ld, state, tb, computed):
             trow = tb[:D]
             trow[:] = F32_ZERO
             for j in range(lo, hi + 1):
-                off = boff[T_V, b] + g * strides[T_V, 0] + j * strides[T_V, 1]
+                prefix, off, sd = kv_value_row(table, geo, b, g, j)
+                vs = vp if prefix else v
                 for d in range(D):
-                    trow[d] += widen(v[off + d * strides[T_V, 2]], code)
+                    trow[d] += widen(vs[off + d * sd], code)
             for d in range(D):
                 store(out, o_off + d * osd, trow[d] / divisor, ocode)
             if want_flags:
@@ -186,43 +189,44 @@ def _finish(outs, v, geo, item, i1, acc, ld, state, tb, computed):
 
 @njit(fastmath=FASTMATH, cache=True)
 def _f32_buffers(params):
-    """Per-thread buffers of :func:`_block`: (qb, sb, acc, kb, vb, kx)."""
+    """Per-thread buffers of :func:`_block`: (qb, sb, acc, kb, vb, kx, ro)."""
     D = params[P_D]
     ldv, rows, tkp = f32_widths(params)
     qb = aligned_empty(rows * D, np.float32)
     qb[:] = F32_ZERO                         # rows past a work item's stay finite
     return (qb, aligned_empty(rows * tkp, np.float32), aligned_empty(rows * ldv, np.float32),
             aligned_empty(tkp * D, np.float32), aligned_empty(tkp * ldv, np.float32),
-            aligned_empty(rows, np.int32))
+            aligned_empty(rows, np.int32), np.empty((2, tkp), np.int64))
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work, params,
-               scales, parts):
+               scales, parts, cache):
     """Run every work item. Each of the nthr threads takes the next item not yet taken whenever
     it is free (items are sorted by cost, most expensive first), so a thread that runs slower,
     on a core shared with other work, takes fewer items instead of holding the call up.
     Pieces of split items (see split_kv) leave their state in ``parts`` for
-    :func:`_merge_split`."""
+    :func:`_merge_split`; cache = (kp, vp, table), see :mod:`.kv`."""
     D, rows, tk, nthr, n_items = _sizes(params, work)
     ldv = f32_widths(params)[0]
     taken = np.zeros(1, np.int64)
     for t in prange(nthr):
-        qb, sb, acc, kb, vb, kx = _f32_buffers(params)
+        qb, sb, acc, kb, vb, kx, ro = _f32_buffers(params)
         tb = aligned_empty(16 * D, np.float32)   # _pack_kt's 16 rows, _finish's one
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
         alpha = np.empty(rows, np.float32)
         blas = scratch(params[P_BLAS])
         w = take_next(taken)
-        ins, outs, extras = (q, k, v), (out, lse, flags), (mask8, mask16, pse)
-        geo, bufs, state = (strides, boff, lens, params), (qb, sb, tb, acc, kb, vb, kx), (m, l, alpha)
+        ins, outs, extras = (q, k, v) + cache, (out, lse, flags), (mask8, mask16, pse)
+        geo, state = (strides, boff, lens, params), (m, l, alpha)
+        bufs = (qb, sb, tb, acc, kb, vb, kx, ro)
         while w < n_items:
             item = (work[w, W_B], work[w, W_G], work[w, W_I0])
             i1, computed = _block(ins, extras, geo, scales, item, (work[w, W_JLO], work[w, W_JHI]),
                                   bufs, state, blas)
             if work[w, W_SLOT] < 0:
-                _finish(outs, v, geo, item, i1, acc, ldv, state, tb, computed)
+                _finish(outs, ins, geo, item, i1, acc, ldv, state, tb, computed)
             else:
                 keep_piece(parts, work[w, W_SLOT], acc, ldv, state, params[P_G] * (i1 - item[2]),
                            computed)
@@ -230,7 +234,7 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def _merge_split(v, out, lse, flags, strides, boff, lens, params, groups, parts):
+def _merge_split(ins, out, lse, flags, strides, boff, lens, params, groups, parts):
     """Merge the pieces of every split item (split_kv.merge_rows) and finish its rows as
     :func:`_finish` finishes a whole item."""
     D, rows = params[P_D], params[P_G] * params[P_ROWS]
@@ -244,4 +248,5 @@ def _merge_split(v, out, lse, flags, strides, boff, lens, params, groups, parts)
                  np.empty(rows, np.float32))
         merge_rows(parts, groups[w, G_SLOT], groups[w, G_PIECES], R, D, ldv, acc, state,
                    params[P_SCALE_EXP])
-        _finish(outs, v, geo, (b, g, i0), i1, acc, ldv, state, aligned_empty(D, np.float32), True)
+        _finish(outs, ins, geo, (b, g, i0), i1, acc, ldv, state, aligned_empty(D, np.float32),
+                True)

@@ -79,7 +79,9 @@ def run(p):
         if p.dtype != np.int8:                        # pieces run on the float32 kernel
             work, groups = split_work(p, work, rows_per_head, nthreads)
         nthreads = min(nthreads, work.shape[0])
-        amx = p.dtype != np.int8 and not groups.shape[0] and use_amx(p)
+        # AMX reads contiguous key / value without a prefix
+        plain_kv = p.cache is None or (p.cache.block_table is None and not p.cache.P)
+        amx = p.dtype != np.int8 and not groups.shape[0] and plain_kv and use_amx(p)
         own = use_register_blocks()
         blas = p.dtype == np.int8 or not own          # the int8 kernel's products are BLAS
         a = kernel_args(p, out, lse, flags=int8_out,
@@ -88,17 +90,18 @@ def run(p):
         flat_flags = flags.reshape(-1)
         args = (a.q, a.k, a.v, a.out, a.lse, flat_flags, a.mask8, a.mask16, a.pse, a.strides,
                 a.boff, a.lens, work, a.params, a.fparams)
+        cache = (a.kp, a.vp, a.table)
         with _one_call_at_a_time(blas):
             if p.dtype == np.int8:
                 _attention_int8(*args)
             elif amx:
-                _attention_amx(*args)
+                _attention_amx(*args, cache)
             else:
                 parts = partial_buffers(groups, p.G * rows_per_head, f32_widths(a.params)[0])
-                _attention(*args, parts)
+                _attention(*args, parts, cache)
                 if groups.shape[0]:
-                    _merge_split(a.v, a.out, a.lse, flat_flags, a.strides, a.boff, a.lens,
-                                 a.params, groups, parts)
+                    _merge_split((a.q, a.k, a.v) + cache, a.out, a.lse, flat_flags, a.strides,
+                                 a.boff, a.lens, a.params, groups, parts)
     if int8_out:
         out = quantize_int8_output(p, out, flags)
     return out, (lse if p.want_lse else None)

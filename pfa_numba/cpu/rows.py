@@ -297,19 +297,19 @@ def _prefetch_row(src, off, n):
 
 
 @njit(**LEAF)
-def _pack_kt(kt, src, base, row_stride, sd, nc, D, code, tb):
-    """K tile (nc rows from src, widened) as K^T panels for _gemm.scores: kt[p * PANEL * D +
-    d * PANEL + c] = K[p * PANEL + c, d]; the last panel's columns past nc are zero. Rows are
-    widened 16 at a time into ``tb`` (16 * D values; vectorised) and then transposed."""
+def _pack_kt(kt, src, offs, sd, nc, D, code, tb):
+    """K tile (nc rows from src at element offsets offs[c], widened) as K^T panels for
+    _gemm.scores: kt[p * PANEL * D + d * PANEL + c] = K[p * PANEL + c, d]; the last panel's
+    columns past nc are zero. Rows are widened 16 at a time into ``tb`` (16 * D values;
+    vectorised) and then transposed."""
     wide_vectors()
     tmp = tb[:16 * D].reshape(16, D)
     for c0 in range(0, nc, 16):
         cn = min(16, nc - c0)
         for cc in range(cn):
-            off = base + (c0 + cc) * row_stride
             if c0 + cc + _PF_ROWS < nc:
-                _prefetch_row(src, off + _PF_ROWS * row_stride, D * sd)
-            _load_row(tmp, cc, src, off, sd, D, code, F32_ONE)
+                _prefetch_row(src, offs[c0 + cc + _PF_ROWS], D * sd)
+            _load_row(tmp, cc, src, offs[c0 + cc], sd, D, code, F32_ONE)
         dst = (c0 // PANEL) * PANEL * D + c0 % PANEL      # the 16 columns share a panel
         for d in range(D):
             col = kt[dst + d * PANEL:dst + d * PANEL + cn]

@@ -1,0 +1,366 @@
+"""Every user-facing error of fused_infer_attention_score (docs/fia.md, 'Validation'), on top of
+prompt_flash_attention's (:mod:`._validate`), which check everything the two share.
+
+:func:`validate` takes a :class:`FiaCall` and returns a :class:`ValidFia`: the checked
+prompt_flash_attention call of the problem (its key and value stand-ins have the logical kv
+extent's shape, so that mask, pse and length checks see the kv axis the contract names) and
+the :class:`KvCache` the kernels read instead: contiguous rows at per-batch offsets (left
+padding), paged blocks, and a shared prefix before them.
+"""
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _validate as V
+from ._band import TOKENS_INF
+from ._dtypes import I8, dtype_name
+
+#: FIA's tensor arguments besides query, key and value
+FIA_TENSORS = ("pse_shift", "atten_mask", "block_table", "key_shared_prefix",
+               "value_shared_prefix")
+
+
+@dataclass(frozen=True)
+class FiaCall:
+    """One fused_infer_attention_score call: every argument by its name, as passed."""
+    query: Any
+    key: Any
+    value: Any
+    pse_shift: Any = None
+    atten_mask: Any = None
+    actual_seq_lengths: Any = None
+    actual_seq_lengths_kv: Any = None
+    dequant_scale1: Any = None
+    quant_scale1: Any = None
+    dequant_scale2: Any = None
+    quant_scale2: Any = None
+    quant_offset2: Any = None
+    antiquant_scale: Any = None
+    antiquant_offset: Any = None
+    key_antiquant_scale: Any = None
+    key_antiquant_offset: Any = None
+    value_antiquant_scale: Any = None
+    value_antiquant_offset: Any = None
+    block_table: Any = None
+    query_padding_size: Any = None
+    kv_padding_size: Any = None
+    key_shared_prefix: Any = None
+    value_shared_prefix: Any = None
+    actual_shared_prefix_len: Any = None
+    num_heads: Any = 1
+    scale: Any = 1.0
+    pre_tokens: Any = TOKENS_INF
+    next_tokens: Any = TOKENS_INF
+    input_layout: Any = "BSH"
+    num_key_value_heads: Any = 0
+    sparse_mode: Any = 0
+    inner_precise: Any = 1
+    block_size: Any = 0
+    antiquant_mode: Any = 0
+    key_antiquant_mode: Any = 0
+    value_antiquant_mode: Any = 0
+    softmax_lse_flag: Any = False
+    device: Any = None
+
+
+@dataclass
+class KvCache:
+    """Where each batch's kv rows live, for the kernels. Own rows of batch b: logical row t is
+    physical row ``kv_off[b] + t`` of contiguous key/value, or slot t % block_size of block
+    ``block_table[b, t // block_size]`` of the pools; a prefix of P rows (batch 1) comes first."""
+    key: np.ndarray                        # (B, Nkv, S, D) view, or the pool as (nb, Nkv, bs, D)
+    value: np.ndarray
+    block_table: Optional[np.ndarray]      # int64 (B, max_blocks), or None
+    block_size: int
+    prefix_key: Optional[np.ndarray]       # (1, Nkv, P, D) views, or None
+    prefix_value: Optional[np.ndarray]
+    P: int
+    kv_off: np.ndarray                     # int64[B]: first physical own row (left padding)
+
+
+@dataclass
+class ValidFia:
+    pfa: V.ValidCall                       # the problem, with stand-in key / value
+    kv: KvCache
+    q_off: np.ndarray                      # int64[B]: first physical query row
+    decode: bool
+    lse_flag: bool
+
+
+def _real(name, x):
+    return None if x is None else V.check_array(name, V._plain(name, x))
+
+
+def _one_int(name, x):
+    """query/kv_padding_size: one integer element (negative counts as 0)."""
+    x = _real(name, x)
+    if x.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold an integer, got dtype {dtype_name(x.dtype)}")
+    if x.size != 1 or x.ndim > 1:
+        raise RuntimeError(f"{name} must hold one element (shape (1,) or ()), got shape "
+                           f"{V.shape_str(x.shape)}")
+    return max(int(x.reshape(-1)[0]), 0)
+
+
+def _kv_arrays(name, x):
+    """key / value: an array, or a list of them (one element: that array)."""
+    if isinstance(x, (list, tuple)):
+        if not x:
+            raise RuntimeError(f"{name} is an empty list")
+        for i, e in enumerate(x):
+            if not isinstance(e, np.ndarray):
+                raise TypeError(f"{name}[{i}] must be an array, got {type(e).__name__}")
+        if len(x) == 1:
+            return V.check_array(name, x[0]), None
+        return None, [V.check_array(f"{name}[{i}]", e) for i, e in enumerate(x)]
+    return V.check_array(name, x), None
+
+
+def validate(call, stage=None):
+    """Check ``call`` (docs/fia.md, 'Validation') and return its :class:`ValidFia`."""
+    lse_flag = V.check_bool("softmax_lse_flag", call.softmax_lse_flag)
+    block_size = V.check_int("block_size", call.block_size)
+    for name in ("antiquant_mode", "key_antiquant_mode", "value_antiquant_mode"):
+        V.check_int(name, getattr(call, name))
+    V.check_scale_value(call.scale, name="scale")
+    layout = V.check_layout(call.input_layout)
+    query = V.check_array("query", V._plain("query", call.query))
+    key, key_list = _kv_arrays("key", call.key)
+    value, value_list = _kv_arrays("value", call.value)
+    V.check_rank("query", query, layout)
+    decode = layout != "TND" and query.shape[V.SEQ_AXIS[layout]] == 1
+    mask = _plain_mask(call.atten_mask)
+    if any(x is not None for x in (call.antiquant_scale, call.key_antiquant_scale,
+                                   call.value_antiquant_scale, call.antiquant_offset,
+                                   call.key_antiquant_offset, call.value_antiquant_offset)):
+        raise RuntimeError("int8 key/value with a float query (antiquant) is not supported yet")
+    table = _real("block_table", call.block_table)
+    prefix_k = _real("key_shared_prefix", call.key_shared_prefix)
+    prefix_v = _real("value_shared_prefix", call.value_shared_prefix)
+    q_pad = None if decode or call.query_padding_size is None else \
+        _one_int("query_padding_size", call.query_padding_size)
+    kv_pad = None if call.kv_padding_size is None else \
+        _one_int("kv_padding_size", call.kv_padding_size)
+    padded = call.kv_padding_size is not None or (not decode and
+                                                  call.query_padding_size is not None)
+    listed = key_list is not None or value_list is not None
+    prefixed = prefix_k is not None or prefix_v is not None
+    _exclusions(query, layout, table, padded, listed, prefixed)
+    if listed:
+        raise RuntimeError("key/value as lists of several tensors are not supported yet")
+    if table is None:
+        V.check_rank("key", key, layout)
+    P = 0
+    if prefixed:
+        P = _prefix(call, layout, key, prefix_k, prefix_v)
+    pfa_call = V.Call(
+        query, key, value, None if mask is None else _pfa_mask(mask, decode, query, layout),
+        None if decode else call.actual_seq_lengths, call.actual_seq_lengths_kv, call.pse_shift,
+        call.dequant_scale1, call.quant_scale1, call.dequant_scale2, call.quant_scale2,
+        call.quant_offset2, num_heads=call.num_heads, scale_value=call.scale,
+        pre_tokens=TOKENS_INF if decode else call.pre_tokens,
+        next_tokens=TOKENS_INF if decode else call.next_tokens, input_layout=layout,
+        num_key_value_heads=call.num_key_value_heads,
+        sparse_mode=(1 if mask is not None else 0) if decode else call.sparse_mode,
+        inner_precise=call.inner_precise, device=call.device, return_softmax_lse=True)
+    if table is not None:
+        return _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
+                      lse_flag, stage)
+    stand_in = pfa_call
+    if P:
+        stand_in = pfa_call.with_arrays({name: _extended(x, layout, P) for name, x in
+                                         (("key", key), ("value", value))})
+    valid = V.validate(stand_in, stage)
+    valid = _reanchor(valid, padded, mask, decode)
+    B = valid.B
+    k_off = np.zeros(B, np.int64)
+    q_off = np.zeros(B, np.int64)
+    if kv_pad is not None and call.actual_seq_lengths_kv is not None:
+        k_off = valid.Skv - kv_pad - valid.klen
+    if q_pad is not None and call.actual_seq_lengths is not None:
+        q_off = valid.Sq - q_pad - valid.qlen
+    valid = _empty_windows(valid, q_off, k_off)
+    k4, v4 = (_bnsd(x, layout, valid.N, valid.Nkv) for x in (key, value))
+    pk = pv = None
+    if P:                      # kL counts own rows only; the band sees the P + kL columns
+        own = key.shape[V.SEQ_AXIS[layout]]
+        klen = V.check_seq_lengths("actual_seq_lengths_kv", call.actual_seq_lengths_kv, B, own)
+        valid = dataclasses.replace(valid, klen=klen + P)
+        pk, pv = (_bnsd(x, layout, valid.N, valid.Nkv)[:, :, :P] for x in (prefix_k, prefix_v))
+    kv = KvCache(k4, v4, None, 0, pk, pv, P, np.maximum(k_off, 0))
+    return ValidFia(valid, kv, np.maximum(q_off, 0), decode, lse_flag)
+
+
+def _plain_mask(mask):
+    if mask is None:
+        return None
+    mask = V._plain("atten_mask", mask)
+    if isinstance(mask, np.ndarray) and mask.dtype == np.float16:
+        raise TypeError("atten_mask must be bool, int8 or uint8 (fused_infer_attention_score "
+                        "takes no float16 additive mask), got float16 of shape "
+                        f"{V.shape_str(mask.shape)}")
+    return mask
+
+
+def _pfa_mask(mask, decode, query, layout):
+    """A decode mask ((B|1, C), (B|1, 1, C), (B|1, 1, 1, C)) as prompt_flash_attention's
+    (B|1, 1, 1, C); prefill masks as they are."""
+    if not decode or not isinstance(mask, np.ndarray):
+        return mask
+    ok = mask.ndim in (2, 3, 4) and all(s == 1 for s in mask.shape[1:-1])
+    if not ok:
+        raise RuntimeError(f"atten_mask shape {V.shape_str(mask.shape)} is not accepted in "
+                           f"decode (query length 1): expected (B, C), (B, 1, C) or "
+                           f"(B, 1, 1, C), batch B or 1, C >= the kv length")
+    return mask.reshape(mask.shape[0], 1, 1, mask.shape[-1])
+
+
+def _exclusions(query, layout, table, padded, listed, prefixed):
+    int8_query = query.dtype == I8
+    named = {"paged KV (block_table)": table is not None, "left padding": padded,
+             "key/value lists": listed, "a shared prefix": prefixed}
+    if layout == "TND":
+        given = [n for n, on in named.items() if on]
+        if given:
+            raise RuntimeError(f"input_layout 'TND' takes contiguous key/value only, got "
+                               f"{', '.join(given)}")
+    pairs = [("paged KV (block_table)", "left padding"), ("paged KV (block_table)",
+             "key/value lists"), ("paged KV (block_table)", "a shared prefix"),
+             ("a shared prefix", "left padding"), ("a shared prefix", "key/value lists"),
+             ("left padding", "key/value lists")]
+    for a, b in pairs:
+        if named[a] and named[b]:
+            raise RuntimeError(f"{a} cannot be combined with {b}")
+    for feature in ("paged KV (block_table)", "key/value lists", "a shared prefix"):
+        if named[feature] and int8_query:
+            raise RuntimeError(f"{feature} does not take an int8 query (full quantization "
+                               f"reads contiguous key/value), got query shape "
+                               f"{V.shape_str(query.shape)}")
+
+
+def _prefix(call, layout, key, prefix_k, prefix_v):
+    """Check the shared prefix; returns its length P."""
+    if prefix_k is None or prefix_v is None:
+        given = "key_shared_prefix" if prefix_k is not None else "value_shared_prefix"
+        raise RuntimeError(f"key_shared_prefix and value_shared_prefix come together, got "
+                           f"only {given}")
+    for name, x in (("key_shared_prefix", prefix_k), ("value_shared_prefix", prefix_v)):
+        if x.dtype != key.dtype:
+            raise TypeError(f"{name} dtype must be key's ({dtype_name(key.dtype)}), got "
+                            f"{dtype_name(x.dtype)}")
+        V.check_rank(name, x, layout)
+        other = tuple(s for i, s in enumerate(key.shape) if i not in (0, V.SEQ_AXIS[layout]))
+        mine = tuple(s for i, s in enumerate(x.shape) if i not in (0, V.SEQ_AXIS[layout]))
+        if x.shape[0] != 1 or mine != other:
+            raise RuntimeError(f"{name} must be key's shape with batch 1 and its own sequence "
+                               f"length, got {V.shape_str(x.shape)} for key "
+                               f"{V.shape_str(key.shape)}")
+    if prefix_k.shape != prefix_v.shape:
+        raise RuntimeError(f"key_shared_prefix and value_shared_prefix shapes differ: "
+                           f"{V.shape_str(prefix_k.shape)} and {V.shape_str(prefix_v.shape)}")
+    sp = prefix_k.shape[V.SEQ_AXIS[layout]]
+    if call.actual_shared_prefix_len is None:
+        return sp
+    n = V._int_vector("actual_shared_prefix_len", call.actual_shared_prefix_len) \
+        if not isinstance(call.actual_shared_prefix_len, (int, np.integer)) else \
+        np.array([V.check_int("actual_shared_prefix_len", call.actual_shared_prefix_len)])
+    if n.size != 1 or not 0 <= int(n[0]) <= sp:
+        raise ValueError(f"actual_shared_prefix_len must be one int in [0, {sp}], got "
+                         f"{n.tolist()}")
+    return int(n[0])
+
+
+def _extended(x, layout, extra):
+    """A zero-strided stand-in for ``x`` with ``extra`` more rows on the sequence axis (the
+    logical kv extent a prefix adds), for the shape checks."""
+    shape = list(x.shape)
+    shape[V.SEQ_AXIS[layout]] += extra
+    return np.broadcast_to(np.zeros((), x.dtype), tuple(shape))
+
+
+def _reanchor(valid, padded, mask, decode):
+    """Left padding with sparse_mode 0 and a mask ignores pre/next (Ascend's tiling)."""
+    if padded and not decode and valid.sparse_mode == 0 and mask is not None:
+        return dataclasses.replace(valid, pre_tokens=TOKENS_INF, next_tokens=TOKENS_INF)
+    return valid
+
+
+def _empty_windows(valid, q_off, k_off):
+    """A batch whose padded window does not fit (q_off or k_off < 0) computes nothing."""
+    bad = (q_off < 0) | (k_off < 0)
+    if not bad.any():
+        return valid
+    return dataclasses.replace(valid, qlen=np.where(bad, 0, valid.qlen),
+                               klen=np.where(bad, 0, valid.klen))
+
+
+def _bnsd(x, layout, n, nkv):
+    if layout == "BSH":
+        b, s, h = x.shape
+        return x.reshape(b, s, nkv, h // nkv).transpose(0, 2, 1, 3)
+    if layout == "BSND":
+        return x.transpose(0, 2, 1, 3)
+    return x
+
+
+def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode, lse_flag,
+           stage):
+    """Paged KV: pools, block table, block size; the problem's kv extent is Smax."""
+    if table.dtype not in (np.int32, np.int64):
+        raise TypeError(f"block_table must be int32 or int64, got {dtype_name(table.dtype)}")
+    if block_size < 1:
+        raise RuntimeError(f"block_size must be >= 1 with a block_table, got {block_size}")
+    B = query.shape[0]
+    if table.ndim != 2 or table.shape[0] != B:
+        raise RuntimeError(f"block_table must be (B, max_blocks) with B = {B}, got shape "
+                           f"{V.shape_str(table.shape)}")
+    if key.shape != value.shape:
+        raise RuntimeError(f"key and value pools must have equal shapes, got "
+                           f"{V.shape_str(key.shape)} and {V.shape_str(value.shape)}")
+    if key.ndim == 4 and layout not in ("BNSD", "BNSD_BSND"):
+        raise RuntimeError(f"a 4-D block pool (num_blocks, Nkv, block_size, D) needs "
+                           f"input_layout BNSD or BNSD_BSND, got {layout!r} with pool shape "
+                           f"{V.shape_str(key.shape)}")
+    if key.ndim not in (3, 4):
+        raise RuntimeError(f"paged key/value must be (num_blocks, block_size, Hkv) or "
+                           f"(num_blocks, Nkv, block_size, D), got shape "
+                           f"{V.shape_str(key.shape)}")
+    bs_axis = 1 if key.ndim == 3 else 2
+    if key.shape[bs_axis] != block_size:
+        raise RuntimeError(f"the pool's block axis ({key.shape[bs_axis]}) must equal "
+                           f"block_size ({block_size}); pool shape {V.shape_str(key.shape)}")
+    if call.actual_seq_lengths_kv is None:
+        raise ValueError("paged KV (block_table) needs actual_seq_lengths_kv, got None")
+    smax = table.shape[1] * block_size
+    stand = _pool_stand_in(key, layout, B, smax, query)
+    valid = V.validate(pfa_call.with_arrays({"key": stand, "value": stand}), stage)
+    used = -(-valid.klen // block_size)
+    nb = key.shape[0]
+    for b in range(B):
+        ids = table[b, :used[b]]
+        if ids.size and (ids.min() < 0 or ids.max() >= nb):
+            bad = int(ids[(ids < 0) | (ids >= nb)][0])
+            raise ValueError(f"block_table[{b}] names block {bad}, outside [0, {nb}) (the "
+                             f"pool has {nb} blocks)")
+    pools = [x if x.ndim == 4 else
+             x.reshape(nb, block_size, valid.Nkv, valid.D).transpose(0, 2, 1, 3)
+             for x in (key, value)]
+    zeros = np.zeros(B, np.int64)
+    kv = KvCache(pools[0], pools[1], table.astype(np.int64), block_size, None, None, 0, zeros)
+    return ValidFia(valid, kv, zeros.copy(), decode, lse_flag)
+
+
+def _pool_stand_in(pool, layout, B, smax, query):
+    """A zero-strided (B, Smax, ...) key in ``layout`` with the pool's heads, for the checks."""
+    if pool.ndim == 3:
+        hkv = pool.shape[2]
+        shape = (B, smax, hkv) if layout == "BSH" else None
+        if shape is None:
+            n_d = query.shape[-1]
+            nkv = hkv // n_d if n_d else 0
+            shape = (B, smax, nkv, n_d) if layout == "BSND" else (B, nkv, smax, n_d)
+    else:
+        shape = (B, pool.shape[1], smax, pool.shape[3])
+    return np.broadcast_to(np.zeros((), pool.dtype), shape)

@@ -1,0 +1,97 @@
+"""``fused_infer_attention_score``: Ascend's FIA (MindSpore ``ops.fused_infer_attention_score``)
+on the prompt_flash_attention kernels.
+
+One entry point for the prefill branch (query length > 1: prompt_flash_attention's rules) and
+the decode branch (query length 1 against a kv cache: every kv column, a mask is a user mask),
+with left padding (per-batch windows of the padded frame), paged key/value (block pools and a
+block table) and a shared prefix before every batch's own rows. The kernels walk that kv
+sequence directly (:mod:`.cpu.kv`): no cache is gathered or copied. The contract is
+docs/fia.md; ``pfa_numba.reference.fused_infer_attention_score`` is its float64 meaning.
+"""
+import dataclasses
+
+import numpy as np
+
+from . import _torch
+from . import _validate as V
+from . import _validate_fia as FV
+from . import dispatch
+from ._band import TOKENS_INF
+from ._plan import plan
+
+
+def fused_infer_attention_score(
+        query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
+        actual_seq_lengths_kv=None, dequant_scale1=None, quant_scale1=None,
+        dequant_scale2=None, quant_scale2=None, quant_offset2=None, antiquant_scale=None,
+        antiquant_offset=None, key_antiquant_scale=None, key_antiquant_offset=None,
+        value_antiquant_scale=None, value_antiquant_offset=None, block_table=None,
+        query_padding_size=None, kv_padding_size=None, key_shared_prefix=None,
+        value_shared_prefix=None, actual_shared_prefix_len=None, num_heads=1, scale=1.0,
+        pre_tokens=TOKENS_INF, next_tokens=TOKENS_INF, input_layout="BSH",
+        num_key_value_heads=0, sparse_mode=0, inner_precise=1, block_size=0, antiquant_mode=0,
+        key_antiquant_mode=0, value_antiquant_mode=0, softmax_lse_flag=False, device=None):
+    """Fused attention for inference, as Ascend's FusedInferAttentionScore: the prefill branch
+    (prompt_flash_attention, with FIA's argument names ``atten_mask``, ``scale``,
+    ``dequant_scale1/2`` and its default ``next_tokens=2147483647``) and the decode branch
+    (query length 1), over a contiguous, left-padded, paged or prefixed kv cache.
+
+    Only query, key and value are positional. Returns ``(attention_out, softmax_lse)``:
+    softmax_lse is float32 (B, N, Sq, 1), ``m + log(l)`` over the kept scores, -inf for rows
+    that kept nothing, with ``softmax_lse_flag=True``; float32 zeros of shape (1,) otherwise.
+
+    Decode (query S axis 1): ``actual_seq_lengths``, ``pre_tokens``, ``next_tokens``,
+    ``sparse_mode`` and ``query_padding_size`` are ignored; ``atten_mask`` of shape (B, C),
+    (B, 1, C) or (B, 1, 1, C) (batch 1 too) drops the columns it marks.
+    Left padding (``kv_padding_size`` with ``actual_seq_lengths_kv``; in prefill also
+    ``query_padding_size`` with ``actual_seq_lengths``): batch b's rows are the last ones of
+    the padded frame before p padding rows; masks and pse are read in the padded frame.
+    Paged (``block_table`` (B, max_blocks) int32/int64, ``block_size``): key/value are block
+    pools (num_blocks, block_size, Hkv), or (num_blocks, Nkv, block_size, D) with BNSD;
+    ``actual_seq_lengths_kv`` is required; table entries past a batch's length are never
+    read. Shared prefix (``key_shared_prefix``, ``value_shared_prefix``, batch 1, optional
+    ``actual_shared_prefix_len``): prepended to every batch's kv.
+
+    Not yet supported (RuntimeError): int8 key/value with a float query (antiquant), key/value
+    as lists of several tensors, CUDA arrays. Errors are those of docs/fia.md, 'Validation'.
+    """
+    call = FV.FiaCall(
+        query, key, value, pse_shift, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
+        dequant_scale1, quant_scale1, dequant_scale2, quant_scale2, quant_offset2,
+        antiquant_scale, antiquant_offset, key_antiquant_scale, key_antiquant_offset,
+        value_antiquant_scale, value_antiquant_offset, block_table, query_padding_size,
+        kv_padding_size, key_shared_prefix, value_shared_prefix, actual_shared_prefix_len,
+        num_heads, scale, pre_tokens, next_tokens, input_layout, num_key_value_heads,
+        sparse_mode, inner_precise, block_size, antiquant_mode, key_antiquant_mode,
+        value_antiquant_mode, softmax_lse_flag, device)
+    tensors_out = _torch.is_tensor(query)
+    valid = FV.validate(_host(call))
+    if valid.pfa.device != "cpu":
+        raise RuntimeError("fused_infer_attention_score runs on the CPU only so far; got "
+                           f"device {valid.pfa.device!r}")
+    kv = valid.kv
+    problem = dataclasses.replace(plan(valid.pfa), k=kv.key, v=kv.value, cache=kv,
+                                  q_off=valid.q_off)
+    out, lse = dispatch.choose(problem, "cpu").run(problem)
+    if not valid.lse_flag:
+        lse = np.zeros(1, np.float32)
+    if tensors_out:
+        return _torch.as_tensor(out), _torch.as_tensor(lse)
+    return out, lse
+
+
+def _host(call):
+    """torch CPU tensors as the NumPy arrays over their memory; CUDA arrays are refused."""
+    arrays = {}
+    for field in dataclasses.fields(call):
+        x = getattr(call, field.name)
+        if isinstance(x, (list, tuple)) and field.name in ("key", "value"):
+            if any(_torch.is_cpu_tensor(e) for e in x):
+                arrays[field.name] = type(x)(_torch.as_numpy(field.name, e)
+                                             if _torch.is_cpu_tensor(e) else e for e in x)
+        elif _torch.is_cpu_tensor(x):
+            arrays[field.name] = _torch.as_numpy(field.name, x)
+        elif V.is_cuda_array(x):
+            raise RuntimeError(f"fused_infer_attention_score runs on the CPU only so far; "
+                               f"{field.name} is a CUDA array ({type(x).__name__})")
+    return dataclasses.replace(call, **arrays) if arrays else call

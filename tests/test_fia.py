@@ -1,0 +1,165 @@
+"""fused_infer_attention_score against its float64 reference: the decode and prefill branches
+over contiguous, left-padded, paged and prefixed kv caches, and the errors of its contract."""
+import numpy as np
+import pytest
+
+from pfa_numba import config, reference
+from pfa_numba.fia import fused_infer_attention_score as fia
+from _cases import BF16, _eps
+
+B, N, NKV, D = 3, 8, 2, 32
+F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
+
+
+def _x(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def _check(args, kw, dtype):
+    """The kernel against the reference: within twice the reference's own error in the input
+    dtype, plus one ulp; lse to 1e-4; the placeholder lse without the flag."""
+    out, lse = fia(*args, **kw)
+    ref, ref_lse = reference.fused_infer_attention_score(*args, **kw)
+    low, _ = reference.fused_infer_attention_score(*args, **kw, compute_dtype=dtype)
+    assert out.dtype == dtype and out.shape == ref.shape
+    got = out.astype(np.float64)
+    fin = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(got), fin)
+    err = np.abs(got[fin] - ref[fin]).max(initial=0.0)
+    bound = 2 * np.abs(low[fin] - ref[fin]).max(initial=0.0) + \
+        (_eps(dtype) + 16 * _eps(np.float32)) * max(1.0, np.abs(ref[fin]).max(initial=0.0))
+    assert err <= bound, (err, bound)
+    if kw.get("softmax_lse_flag"):
+        assert lse.dtype == np.float32 and lse.shape == ref_lse.shape
+        assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+        ok = np.isfinite(ref_lse)
+        assert np.abs(lse[ok] - ref_lse[ok]).max(initial=0.0) <= 1e-4 * max(
+            1.0, np.abs(ref_lse[ok]).max(initial=0.0))
+    else:
+        assert lse.shape == (1,) and lse.dtype == np.float32 and not lse.any()
+    return out, lse
+
+
+def _kw(layout="BNSD", **kw):
+    return dict(dict(num_heads=N, num_key_value_heads=NKV, input_layout=layout,
+                     scale=D ** -0.5, softmax_lse_flag=True), **kw)
+
+
+def _qkv(rng, layout, dtype, sq, skv, b=B):
+    shapes = {"BNSD": ((b, N, sq, D), (b, NKV, skv, D)), "BSND": ((b, sq, N, D), (b, skv, NKV, D)),
+              "BSH": ((b, sq, N * D), (b, skv, NKV * D)),
+              "BNSD_BSND": ((b, N, sq, D), (b, NKV, skv, D))}[layout]
+    return _x(rng, shapes[0], dtype), _x(rng, shapes[1], dtype), _x(rng, shapes[1], dtype)
+
+
+@pytest.fixture(params=["default tiles", "small tiles"])
+def tiles(request, monkeypatch):
+    if request.param == "small tiles":
+        monkeypatch.setattr(config, "CPU_Q_ROWS", 12)
+        monkeypatch.setattr(config, "CPU_KV_COLS", 7)
+    return request.param
+
+
+@pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "BNSD_BSND"])
+@pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=["fp16", "bf16", "fp32"])
+def test_decode_contiguous(tiles, layout, dtype):
+    rng = np.random.default_rng(1)
+    q, k, v = _qkv(rng, layout, dtype, 1, 70)
+    mask = rng.random((B, 70)) < 0.3
+    mask[2] = True                                   # a batch that keeps nothing
+    _check((q, k, v), _kw(layout, atten_mask=mask, actual_seq_lengths_kv=[70, 33, 50],
+                          sparse_mode=3, pre_tokens=-4, actual_seq_lengths=[9, 9, 9]), dtype)
+
+
+@pytest.mark.parametrize("mode, tokens", [(0, (2147483647, 2147483647)), (0, (5, 2)),
+                                          (2, (0, 0)), (3, (0, 0)), (4, (6, 1))])
+def test_prefill_is_prompt_flash_attention_with_fia_names(tiles, mode, tokens):
+    rng = np.random.default_rng(2)
+    q, k, v = _qkv(rng, "BSH", F16, 37, 53)
+    mask = rng.random((B, 1, 37, 53)) < 0.2 if mode == 0 else \
+        np.triu(np.ones((2048, 2048), bool), 1)
+    pse = _x(rng, (1, N, 37, 53), F16)
+    _check((q, k, v), _kw("BSH", atten_mask=mask, pse_shift=pse, sparse_mode=mode,
+                          pre_tokens=tokens[0], next_tokens=tokens[1],
+                          actual_seq_lengths=[37, 20, 0], actual_seq_lengths_kv=[53, 41, 7]),
+           F16)
+
+
+@pytest.mark.parametrize("sq", [1, 19])
+def test_left_padding(tiles, sq):
+    """Windows at the end of the padded frame, masks and pse read in the frame; batch 2's
+    window does not fit (zeros, lse -inf)."""
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(rng, "BNSD", F32, sq, 60)
+    mask = rng.random((B, 1, sq, 60)) < 0.25
+    pse = _x(rng, (B, N, sq, 60), F32)
+    kw = _kw(kv_padding_size=np.array([4], np.int64), actual_seq_lengths_kv=[30, 56, 57],
+             atten_mask=mask if sq > 1 else mask[:, 0, 0], pse_shift=pse)
+    if sq > 1:
+        kw.update(query_padding_size=np.array([2]), actual_seq_lengths=[10, 17, 3])
+    out, lse = _check((q, k, v), kw, F32)
+    assert not out[2].any() and np.isneginf(lse[2]).all()
+
+
+@pytest.mark.parametrize("pool", ["3-d", "4-d"])
+@pytest.mark.parametrize("sq", [1, 13])
+@pytest.mark.parametrize("dtype", [F16, F32], ids=["fp16", "fp32"])
+def test_paged(tiles, pool, sq, dtype):
+    """Shuffled, shared and repeated blocks; NaN in every slot no used entry names."""
+    rng = np.random.default_rng(4)
+    bs, nb = 8, 30
+    lens = [45, 8, 0]
+    table = np.full((B, 6), -1, np.int32)
+    table[0] = rng.permutation(nb)[:6]
+    table[1, 0] = table[0, 2]                        # a block shared with batch 0
+    keys = np.full((nb, NKV, bs, D), np.nan, np.float32)
+    vals = np.full((nb, NKV, bs, D), np.nan, np.float32)
+    for b, n in enumerate(lens):
+        for t in range(n):
+            blk, off = table[b, t // bs], t % bs
+            if b == 1:                               # batch 1 reads batch 0's block as is
+                continue
+            keys[blk, :, off] = rng.standard_normal((NKV, D))
+            vals[blk, :, off] = rng.standard_normal((NKV, D))
+    keys, vals = keys.astype(dtype), vals.astype(dtype)
+    q = _x(rng, (B, N, sq, D), dtype)
+    if pool == "3-d":
+        keys, vals = (x.transpose(0, 2, 1, 3).reshape(nb, bs, NKV * D) for x in (keys, vals))
+        q = np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(B, sq, N * D))
+    layout = "BNSD" if pool == "4-d" else "BSH"
+    mask = rng.random((B, 1, sq, 48)) < 0.2
+    out, _ = _check((q, keys, vals), _kw(layout, block_table=table, block_size=bs,
+                                         actual_seq_lengths_kv=lens,
+                                         atten_mask=mask if sq > 1 else mask[:, :, 0]), dtype)
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("sq, mode", [(1, 0), (21, 0), (21, 3)])
+def test_shared_prefix(tiles, sq, mode):
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, "BNSD", F16, sq, 40)
+    pk, pv = _x(rng, (1, NKV, 12, D), F16), _x(rng, (1, NKV, 12, D), F16)
+    mask = rng.random((B, 1, sq, 9 + 40)) < 0.2
+    kw = _kw(key_shared_prefix=pk, value_shared_prefix=pv, actual_shared_prefix_len=9,
+             actual_seq_lengths_kv=[40, 17, 0], sparse_mode=mode,
+             atten_mask=(mask if sq > 1 else mask[:, 0]) if mode == 0 else
+             np.triu(np.ones((2048, 2048), bool), 1))
+    _check((q, k, v), kw, F16)
+
+
+def test_lse_placeholder_and_torch_tensors():
+    torch = pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
+    rng = np.random.default_rng(6)
+    q, k, v = _qkv(rng, "BNSD", F32, 1, 20)
+    out, lse = _check((q, k, v), _kw(softmax_lse_flag=False), F32)
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    tout, tlse = fia(tq, tk, tv, **_kw(softmax_lse_flag=False))
+    assert isinstance(tout, torch.Tensor) and np.array_equal(tout.numpy(), out)
+
+
+def test_inputs_are_never_written():
+    rng = np.random.default_rng(7)
+    q, k, v = _qkv(rng, "BNSD", F16, 5, 20)
+    copies = [x.copy() for x in (q, k, v)]
+    fia(q, k, v, **_kw())
+    assert all(np.array_equal(a, c) for a, c in zip((q, k, v), copies))
