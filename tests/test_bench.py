@@ -78,3 +78,17 @@ def test_transformers_benchmark_runs_and_reports_both(tmp_path):
     assert res.returncode == 0, res.stderr
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
     assert len(rows) == 2 + 2 + 4 and not any("nan" in r for r in rows)
+
+
+def test_decode_benchmark_runs(tmp_path):
+    """The decode benchmark's smoke run: contiguous, paged, torch and the streaming floor."""
+    pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
+    import subprocess
+    import sys
+    script = pathlib.Path(__file__).parent.parent / "benchmarks" / "decode.py"
+    out = tmp_path / "decode.md"
+    res = subprocess.run([sys.executable, str(script), "--quick", "--repeats", "1", "--out",
+                          str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| float16")]
+    assert len(rows) == 1 and "nan" not in rows[0]

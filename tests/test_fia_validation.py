@@ -1,0 +1,118 @@
+"""fused_infer_attention_score's own errors (docs/fia.md, 'Errors'): one case a rule, the type
+and the words the message must hold; and what decode ignores."""
+import numpy as np
+import pytest
+
+from pfa_numba import fused_infer_attention_score as fia
+
+B, N, NKV, D = 2, 4, 2, 16
+
+
+def _base(sq=1, **kw):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, N, sq, D)).astype(np.float16)
+    k = rng.standard_normal((B, NKV, 24, D)).astype(np.float16)
+    return (q, k, k.copy()), dict(dict(num_heads=N, num_key_value_heads=NKV,
+                                       input_layout="BNSD"), **kw)
+
+
+def _pool(layout="BNSD", nb=6, bs=4):
+    pool = np.zeros((nb, NKV, bs, D), np.float16)
+    return pool if layout == "BNSD" else pool.transpose(0, 2, 1, 3).reshape(nb, bs, NKV * D)
+
+
+TABLE = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
+PAGED = dict(block_table=TABLE, block_size=4, actual_seq_lengths_kv=[12, 5])
+
+CASES = {
+    # name: (call changes, error type, words in the message)
+    "lse flag not bool": (dict(softmax_lse_flag=1), TypeError, "softmax_lse_flag"),
+    "block_size bool": (dict(block_size=True), TypeError, "block_size"),
+    "antiquant_mode str": (dict(antiquant_mode="0"), TypeError, "antiquant_mode"),
+    "scale complex": (dict(scale=1j), TypeError, "scale"),
+    "scale nan": (dict(scale=float("nan")), ValueError, "scale"),
+    "float16 mask": (dict(atten_mask=np.zeros((B, 24), np.float16)), TypeError, "float16"),
+    "decode mask rank 3, middle not 1": (dict(atten_mask=np.zeros((B, 2, 24), bool)),
+                                         RuntimeError, "decode"),
+    "decode mask too short": (dict(atten_mask=np.zeros((B, 10), bool)), RuntimeError,
+                              "attn_mask"),
+    "padding float": (dict(kv_padding_size=np.array([1.0])), TypeError, "kv_padding_size"),
+    "padding two values": (dict(kv_padding_size=np.array([1, 2])), RuntimeError,
+                           "kv_padding_size"),
+    "table float": (dict(PAGED, block_table=TABLE.astype(np.float32), paged=True), TypeError,
+                    "block_table"),
+    "table rows": (dict(PAGED, block_table=TABLE[:1], paged=True), RuntimeError, "block_table"),
+    "block_size 0": (dict(PAGED, block_size=0, paged=True), RuntimeError, "block_size"),
+    "block axis": (dict(PAGED, block_size=2, paged=True), RuntimeError, "block axis"),
+    "paged without lengths": (dict(PAGED, actual_seq_lengths_kv=None, paged=True), ValueError,
+                              "actual_seq_lengths_kv"),
+    "paged length past the table": (dict(PAGED, actual_seq_lengths_kv=[13, 5], paged=True),
+                                    ValueError, "actual_seq_lengths_kv"),
+    "block id past the pool": (dict(PAGED, block_table=np.array([[0, 1, 9], [3, 4, 5]]),
+                                    paged=True), ValueError, "block"),
+    "4-d pool with BSH": (dict(PAGED, paged="4-d with BSH"), RuntimeError, "4-D"),
+    "paged with padding": (dict(PAGED, kv_padding_size=np.array([1]), paged=True),
+                           RuntimeError, "left padding"),
+    "prefix alone": (dict(key_shared_prefix=np.zeros((1, NKV, 3, D), np.float16)),
+                     RuntimeError, "value_shared_prefix"),
+    "prefix dtype": (dict(key_shared_prefix=np.zeros((1, NKV, 3, D), np.float32),
+                          value_shared_prefix=np.zeros((1, NKV, 3, D), np.float32)),
+                     TypeError, "key_shared_prefix"),
+    "prefix batch 2": (dict(key_shared_prefix=np.zeros((2, NKV, 3, D), np.float16),
+                            value_shared_prefix=np.zeros((2, NKV, 3, D), np.float16)),
+                       RuntimeError, "batch 1"),
+    "prefix length": (dict(key_shared_prefix=np.zeros((1, NKV, 3, D), np.float16),
+                           value_shared_prefix=np.zeros((1, NKV, 3, D), np.float16),
+                           actual_shared_prefix_len=4), ValueError, "actual_shared_prefix_len"),
+    "prefix with padding": (dict(key_shared_prefix=np.zeros((1, NKV, 3, D), np.float16),
+                                 value_shared_prefix=np.zeros((1, NKV, 3, D), np.float16),
+                                 kv_padding_size=np.array([1])), RuntimeError, "left padding"),
+    "heads from PFA's rules": (dict(num_heads=3), RuntimeError, "num_heads"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_rule(name):
+    changes, error, words = CASES[name]
+    changes = dict(changes)
+    paged = changes.pop("paged", False)
+    (q, k, v), kw = _base(**changes)
+    if paged:
+        layout = "BSH" if paged == "4-d with BSH" else "BNSD"
+        k = v = _pool()
+        if layout == "BSH":
+            q = np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(B, 1, N * D))
+            kw["input_layout"] = "BSH"
+    with pytest.raises(error, match=words):
+        fia(q, k, v, **kw)
+
+
+def test_a_fourth_positional_argument_is_pythons_type_error():
+    (q, k, v), kw = _base()
+    with pytest.raises(TypeError):
+        fia(q, k, v, None, **kw)
+
+
+def test_decode_ignores_what_it_does_not_read():
+    """Any sparse_mode, pre/next tokens, query lengths and query padding run in decode."""
+    (q, k, v), kw = _base()
+    want, _ = fia(q, k, v, **kw)
+    got, _ = fia(q, k, v, **kw, sparse_mode=7, pre_tokens=-9, next_tokens=-9,
+                 actual_seq_lengths=[99], query_padding_size="anything")
+    assert np.array_equal(got, want)
+
+
+def test_padding_without_its_lengths_is_ignored():
+    (q, k, v), kw = _base()
+    want, _ = fia(q, k, v, **kw)
+    got, _ = fia(q, k, v, **kw, kv_padding_size=np.array([5]))
+    assert np.array_equal(got, want)
+
+
+def test_unsupported_features_say_so():
+    (q, k, v), kw = _base()
+    with pytest.raises(RuntimeError, match="not supported yet"):
+        fia(q, [k, k], [v, v], **kw)
+    with pytest.raises(RuntimeError, match="not supported yet"):
+        fia(q, k.astype(np.int8), v.astype(np.int8), antiquant_scale=np.ones(2, np.float16),
+            **kw)
