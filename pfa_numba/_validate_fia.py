@@ -1,4 +1,4 @@
-"""Every user-facing error of fused_infer_attention_score (docs/fia.md, 'Validation'), on top of
+"""Every user-facing error of fused_infer_attention_score (docs/fia.md, 'Errors'), on top of
 prompt_flash_attention's (:mod:`._validate`), which check everything the two share.
 
 :func:`validate` takes a :class:`FiaCall` and returns a :class:`ValidFia`: the checked
@@ -119,7 +119,7 @@ def _kv_arrays(name, x):
 
 
 def validate(call, stage=None):
-    """Check ``call`` (docs/fia.md, 'Validation') and return its :class:`ValidFia`."""
+    """Check ``call`` (docs/fia.md, 'Errors') and return its :class:`ValidFia`."""
     lse_flag = V.check_bool("softmax_lse_flag", call.softmax_lse_flag)
     block_size = V.check_int("block_size", call.block_size)
     for name in ("antiquant_mode", "key_antiquant_mode", "value_antiquant_mode"):
@@ -148,8 +148,9 @@ def validate(call, stage=None):
     listed = key_list is not None or value_list is not None
     prefixed = prefix_k is not None or prefix_v is not None
     _exclusions(query, layout, table, padded, listed, prefixed)
+    list_lens = None
     if listed:
-        raise RuntimeError("key/value as lists of several tensors are not supported yet")
+        key, value, list_lens = _gathered(key_list, value_list, layout, query.shape[0])
     if table is None:
         V.check_rank("key", key, layout)
     P = 0
@@ -175,6 +176,8 @@ def validate(call, stage=None):
     valid = V.validate(stand_in, stage)
     valid = _reanchor(valid, padded, mask, decode)
     B = valid.B
+    if list_lens is not None:
+        valid = dataclasses.replace(valid, klen=_list_lengths(call, list_lens))
     k_off = np.zeros(B, np.int64)
     q_off = np.zeros(B, np.int64)
     if kv_pad is not None and call.actual_seq_lengths_kv is not None:
@@ -191,6 +194,59 @@ def validate(call, stage=None):
         pk, pv = (_bnsd(x, layout, valid.N, valid.Nkv)[:, :, :P] for x in (prefix_k, prefix_v))
     kv = KvCache(k4, v4, None, 0, pk, pv, P, np.maximum(k_off, 0))
     return ValidFia(valid, kv, np.maximum(q_off, 0), decode, lse_flag)
+
+
+def _gathered(key_list, value_list, layout, batch):
+    """key / value lists (one batch-1 tensor a batch, each its own length) gathered into one
+    padded cache in the layout, and the lengths. (The one copy FIA makes: the kernels read a
+    batch's rows from one array.)"""
+    if key_list is None or value_list is None:
+        raise RuntimeError("key and value must both be lists (or both tensors), got a list for "
+                           + ("key" if key_list is not None else "value") + " only")
+    if len(key_list) != batch or len(value_list) != batch:
+        raise RuntimeError(f"key and value lists need one tensor a batch (B = {batch}), got "
+                           f"{len(key_list)} and {len(value_list)}")
+    axis = V.SEQ_AXIS[layout]
+    first = key_list[0]
+    for i, (k, v) in enumerate(zip(key_list, value_list)):
+        for name, x in ((f"key[{i}]", k), (f"value[{i}]", v)):
+            if x.dtype != first.dtype:
+                raise TypeError(f"{name} dtype must be key[0]'s ({dtype_name(first.dtype)}), got "
+                                f"{dtype_name(x.dtype)}")
+            V.check_rank(name, x, layout)
+            same = all(x.shape[a] == first.shape[a] for a in range(x.ndim) if a not in (0, axis))
+            if x.shape[0] != 1 or not same:
+                raise RuntimeError(f"{name} must be batch 1 with key[0]'s heads and head dim, "
+                                   f"got shape {V.shape_str(x.shape)} (key[0]: "
+                                   f"{V.shape_str(first.shape)})")
+        if k.shape != v.shape:
+            raise RuntimeError(f"key[{i}] and value[{i}] shapes differ: {V.shape_str(k.shape)} "
+                               f"and {V.shape_str(v.shape)}")
+    lens = [k.shape[axis] for k in key_list]
+    shape = list(first.shape)
+    shape[0], shape[axis] = batch, max(lens)
+    gathered = []
+    for parts in (key_list, value_list):
+        x = np.zeros(shape, first.dtype)
+        for b, part in enumerate(parts):
+            index = [slice(None)] * x.ndim
+            index[0], index[axis] = b, slice(0, lens[b])
+            x[tuple(index)] = part[0]
+        gathered.append(x)
+    return gathered[0], gathered[1], np.array(lens, np.int64)
+
+
+def _list_lengths(call, lens):
+    """kL of each list element: actual_seq_lengths_kv (at most the element's length) or it."""
+    if call.actual_seq_lengths_kv is None:
+        return lens
+    klen = V.check_seq_lengths("actual_seq_lengths_kv", call.actual_seq_lengths_kv, lens.size,
+                               int(lens.max()))
+    if (klen > lens).any():
+        b = int(np.argmax(klen > lens))
+        raise ValueError(f"actual_seq_lengths_kv[{b}] = {int(klen[b])} exceeds key[{b}]'s "
+                         f"length {int(lens[b])}")
+    return klen
 
 
 def _plain_mask(mask):

@@ -52,8 +52,11 @@ def fused_infer_attention_score(
     read. Shared prefix (``key_shared_prefix``, ``value_shared_prefix``, batch 1, optional
     ``actual_shared_prefix_len``): prepended to every batch's kv.
 
-    Not yet supported (RuntimeError): int8 key/value with a float query (antiquant), key/value
-    as lists of several tensors, CUDA arrays. Errors are those of docs/fia.md, 'Validation'.
+    key/value lists: one batch-1 tensor a batch, each its own length (gathered into one padded
+    cache per call).
+
+    Not yet supported (RuntimeError): int8 key/value with a float query (antiquant) and CUDA
+    arrays. Errors are those of docs/fia.md, 'Errors'.
     """
     call = FV.FiaCall(
         query, key, value, pse_shift, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,

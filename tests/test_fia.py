@@ -147,6 +147,18 @@ def test_shared_prefix(tiles, sq, mode):
     _check((q, k, v), kw, F16)
 
 
+@pytest.mark.parametrize("sq", [1, 11])
+def test_key_value_lists(tiles, sq):
+    """One tensor a batch, each of its own length (lengths from the tensors, or fewer)."""
+    rng = np.random.default_rng(9)
+    sizes = [17, 40, 3]
+    q = _x(rng, (B, sq, N * D), BF16)
+    k = [_x(rng, (1, s, NKV * D), BF16) for s in sizes]
+    v = [_x(rng, (1, s, NKV * D), BF16) for s in sizes]
+    _check((q, k, v), _kw("BSH"), BF16)
+    _check((q, k, v), _kw("BSH", actual_seq_lengths_kv=[10, 40, 0]), BF16)
+
+
 def test_lse_placeholder_and_torch_tensors():
     torch = pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
     rng = np.random.default_rng(6)

@@ -70,6 +70,34 @@ CASES = {
     "heads from PFA's rules": (dict(num_heads=3), RuntimeError, "num_heads"),
 }
 
+LISTS = {
+    # name: (key list, value list, error type, words)
+    "one of two lists": ("k2", "v", RuntimeError, "both be lists"),
+    "wrong count": ("k3", "v3", RuntimeError, "one tensor a batch"),
+    "element batch 2": ("kb2", "vb2", RuntimeError, "batch 1"),
+    "element heads": ("kh", "vh", RuntimeError, "heads"),
+    "key/value shapes": ("k2", "vs", RuntimeError, "shapes differ"),
+    "element dtype": ("kd", "vd", TypeError, "dtype"),
+}
+
+
+@pytest.mark.parametrize("name", list(LISTS))
+def test_list_rule(name):
+    kname, vname, error, words = LISTS[name]
+    (q, k, v), kw = _base()
+    e = k[:1]
+    lists = {"k2": [e, e], "v": v, "k3": [e, e, e], "v3": [e, e, e], "kb2": [k, k],
+             "vb2": [k, k], "kh": [e, e[:, :1]], "vh": [e, e[:, :1]], "vs": [e, e[:, :, :5]],
+             "kd": [e, e.astype(np.float32)], "vd": [e, e.astype(np.float32)]}
+    with pytest.raises(error, match=words):
+        fia(q, lists[kname], lists[vname], **kw)
+
+
+def test_list_length_past_its_element():
+    (q, k, v), kw = _base()
+    with pytest.raises(ValueError, match="exceeds"):
+        fia(q, [k[:1], k[1:, :, :5]], [v[:1], v[1:, :, :5]], actual_seq_lengths_kv=[3, 6], **kw)
+
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_rule(name):
@@ -111,8 +139,6 @@ def test_padding_without_its_lengths_is_ignored():
 
 def test_unsupported_features_say_so():
     (q, k, v), kw = _base()
-    with pytest.raises(RuntimeError, match="not supported yet"):
-        fia(q, [k, k], [v, v], **kw)
     with pytest.raises(RuntimeError, match="not supported yet"):
         fia(q, k.astype(np.int8), v.astype(np.int8), antiquant_scale=np.ones(2, np.float16),
             **kw)
