@@ -4,7 +4,8 @@ with torch SDPA on the same contiguous cache and with the time to read the cache
     python benchmarks/decode.py [--quick] [--repeats 5] [--out FILE.md]
 
 Cases: B in {1, 8}, N = 32, Nkv = 8, D = 128, float16 and bfloat16 caches of 1k to 32k tokens,
-contiguous and paged (block_size 128, a shuffled block table). Repeats alternate between the
+contiguous and paged (block_size 128, a shuffled block table), and the same cache in int8 (keys
+per channel, values per token, dequantized as they load). Repeats alternate between the
 implementations; the table gives medians. "stream" is the time to read the same K and V bytes
 once (a sum over them as uint64), measured in the same repeats: the memory-bound floor.
 """
@@ -50,11 +51,17 @@ def run(batches, lengths, dtypes, repeats):
                               if x.dtype == ml_dtypes.bfloat16 else torch.from_numpy(x)
                               for x in (q, k, v))
                 raw = [x.view(np.uint64) for x in (k, v)]
+                k8, v8 = (np.clip(np.round(x.astype(np.float32) * 40), -127, 127)
+                          .astype(np.int8) for x in (k, v))
+                aq = dict(key_antiquant_scale=np.full((NKV, D), 1 / 40, q.dtype),
+                          value_antiquant_scale=np.full((B, S), 1 / 40, np.float32),
+                          key_antiquant_mode=0, value_antiquant_mode=1)
                 calls = {
                     "contiguous": lambda: fused_infer_attention_score(q, k, v, **kw),
                     "paged": lambda: fused_infer_attention_score(
                         q, kp, vp, block_table=table, block_size=BLOCK,
                         actual_seq_lengths_kv=[S] * B, **kw),
+                    "int8": lambda: fused_infer_attention_score(q, k8, v8, **kw, **aq),
                     "torch": lambda: torch.nn.functional.scaled_dot_product_attention(
                         tq, tk, tv, enable_gqa=True),
                     "stream": lambda: [x.sum() for x in raw],
@@ -74,14 +81,15 @@ def run(batches, lengths, dtypes, repeats):
 def markdown(rows, repeats):
     lines = [f"Decode, N = {N}, Nkv = {NKV}, D = {D}, paged block_size {BLOCK}; medians of "
              f"{repeats} alternating repeats, ms. {environment()}.", "",
-             "| cache | B | kv tokens | K+V MiB | contiguous | paged | torch SDPA | stream | "
-             "torch / contiguous | paged / contiguous | contiguous / stream |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| cache | B | kv tokens | K+V MiB | contiguous | paged | int8 cache | torch SDPA | "
+             "stream | torch / contiguous | paged / contiguous | contiguous / stream | "
+             "contiguous / int8 |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for dt, B, S, nbytes, t in rows:
         c = t["contiguous"]
         lines.append(f"| {dt} | {B} | {S} | {nbytes / 2**20:.0f} | {c * 1e3:.2f} | "
-                     f"{t['paged'] * 1e3:.2f} | {t['torch'] * 1e3:.2f} | {t['stream'] * 1e3:.2f} "
-                     f"| {t['torch'] / c:.2f} | {t['paged'] / c:.2f} | {c / t['stream']:.2f} |")
+                     f"{t['paged'] * 1e3:.2f} | {t['int8'] * 1e3:.2f} | {t['torch'] * 1e3:.2f} | "
+                     f"{t['stream'] * 1e3:.2f} | {t['torch'] / c:.2f} | {t['paged'] / c:.2f} | "
+                     f"{c / t['stream']:.2f} | {c / t['int8']:.2f} |")
     return "\n".join(lines)
 
 

@@ -15,18 +15,22 @@ from numpy.lib.stride_tricks import as_strided
 from ._core import CODE_BF16, CODE_F16, CODE_F32, CODE_I8, jit
 from ._dtypes import F16, is_bf16
 
-# rows of the geometry arrays (strides: (9, 4) int64 in elements; boff: (9, B) int64): query,
-# key, value, output, lse, mask, pse, and a shared prefix's key and value
-T_Q, T_K, T_V, T_O, T_L, T_M, T_P, T_PK, T_PV = range(9)
+# rows of the geometry arrays (strides: (11, 4) int64 in elements; boff: (11, B) int64): query,
+# key, value, output, lse, mask, pse, a shared prefix's key and value, and the token planes of
+# int8 key / value dequantization (_antiquant; S_ELEM: from a row's scale to its offset)
+T_Q, T_K, T_V, T_O, T_L, T_M, T_P, T_PK, T_PV, T_KT, T_VT = range(11)
 # columns of strides: head, row, element, and the block of a paged pool
 S_HEAD, S_ROW, S_ELEM, S_BLOCK = range(4)
 # rows of lens ((5, B) int64): qL, kL, preE, nextE, output rows to write (Sq, or qL for TND)
 L_QLEN, L_KLEN, L_PRE, L_NEXT, L_ROWS = range(5)
 # the params vector (int64)
 # (P_BLOCK: the paged pool's block size, 0 for contiguous key/value; P_PREFIX: the shared
-# prefix's length P, whose rows come before every batch's own)
+# prefix's length P, whose rows come before every batch's own; P_KVCODE: the storage code of
+# key/value; P_DEQUANT: 1 when int8 key/value are dequantized as they load; P_KTOK / P_VTOK:
+# their token planes, 0 none, 1 by row, 2 by paged slot)
 (P_N, P_G, P_D, P_CODE, P_MASK, P_PSE, P_IP, P_LSE, P_ROWS, P_COLS, P_THREADS, P_OCODE,
- P_FLAGS, P_SUB, P_SEG, P_GEMM, P_BLAS, P_SCALE_EXP, P_BLOCK, P_PREFIX) = range(20)
+ P_FLAGS, P_SUB, P_SEG, P_GEMM, P_BLAS, P_SCALE_EXP, P_BLOCK, P_PREFIX, P_KVCODE, P_DEQUANT,
+ P_KTOK, P_VTOK) = range(24)
 # the fparams vector (float32): scale_value as factors (see scale_factors), the int8 scales
 F_SCALE, F_SCALE2, F_DEQ1, F_SCALE16, F_QS1, F_DEQ2 = range(6)
 
@@ -94,10 +98,11 @@ def kv_row(strides, boff, table, block, t, b, j):
 
 
 def geometry(p, out, lse):
-    """Flat arrays, (9, 4) strides and (9, B) batch offsets for the kernels."""
+    """Flat arrays, (11, 4) strides and (11, B) batch offsets for the kernels."""
     st = storage(p.dtype)
-    strides = np.zeros((9, 4), np.int64)
-    boff = np.zeros((9, max(p.B, 1)), np.int64)
+    kst = storage(p.k.dtype)                     # int8 key/value of a float query
+    strides = np.zeros((11, 4), np.int64)
+    boff = np.zeros((11, max(p.B, 1)), np.int64)
     bidx = np.arange(p.B, dtype=np.int64)
 
     def put(row, x, as_type, start=None):
@@ -110,9 +115,9 @@ def geometry(p, out, lse):
             strides[row, :3] = [s[1], s[0], s[2]]
         return flat
 
-    def put_pool(row, pool):
+    def put_pool(row, pool, as_type):
         """A paged pool (num_blocks, Nkv, block_size, D): every batch starts at block 0."""
-        flat, origin, s = flat_view(pool, st)
+        flat, origin, s = flat_view(pool, as_type)
         boff[row, :p.B] = origin
         strides[row] = [s[1], s[2], s[3], s[0]]
         return flat
@@ -120,10 +125,10 @@ def geometry(p, out, lse):
     cache = p.cache
     qf = put(T_Q, p.q, st, p.q_start)
     if cache is not None and cache.block_table is not None:
-        kf, vf = put_pool(T_K, p.k), put_pool(T_V, p.v)
+        kf, vf = put_pool(T_K, p.k, kst), put_pool(T_V, p.v, kst)
     else:
-        kf = put(T_K, p.k, st, p.kv_start)
-        vf = put(T_V, p.v, st, p.kv_start)
+        kf = put(T_K, p.k, kst, p.kv_start)
+        vf = put(T_V, p.v, kst, p.kv_start)
 
     ov = p.out_view(out)
     o_flat = out.reshape(-1).view(storage(out.dtype))
@@ -152,12 +157,28 @@ def geometry(p, out, lse):
     pse = readonly_dummy(np.uint16 if p.dtype == np.int8 else st)
     if p.pse is not None:
         pse = put(T_P, p.pse, storage(p.pse.dtype))
-    kp = vp = readonly_dummy(st)
+    kp = vp = readonly_dummy(kst)
+    tokens = [readonly_dummy(np.float32), readonly_dummy(np.float32)]
     if cache is not None:
         if cache.P:
-            kp, vp = put(T_PK, cache.prefix_key, st), put(T_PV, cache.prefix_value, st)
+            kp, vp = put(T_PK, cache.prefix_key, kst), put(T_PV, cache.prefix_value, kst)
+        for i, (row, planes) in enumerate(zip((T_KT, T_VT), cache.antiquant or ())):
+            if planes.token is not None:
+                tokens[i] = _put_token_plane(strides, boff, row, planes, p.B)
         _shift_windows(strides, boff, p.B, p.q_off, cache.kv_off)
-    return qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff, kp, vp
+    return qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff, kp, vp, tokens
+
+
+def _put_token_plane(strides, boff, row, planes, B):
+    """A (2, R0, Nkv, R1) token plane: rows (b, p) or paged slots (block, slot); the offset of
+    a row sits S_ELEM after its scale."""
+    flat, origin, s = flat_view(planes.token, np.float32)
+    if planes.paged:
+        boff[row, :B] = origin
+    else:
+        boff[row, :B] = origin + np.arange(B, dtype=np.int64) * s[1]
+    strides[row] = [s[2], s[3], s[0], s[1]]
+    return flat
 
 
 def _shift_windows(strides, boff, B, q_off, kv_off):
@@ -165,7 +186,7 @@ def _shift_windows(strides, boff, B, q_off, kv_off):
     rows at kv_off[b]; its mask and pse are read at the same physical rows and columns."""
     for t in (T_Q, T_O, T_L):
         boff[t, :B] += q_off * strides[t, S_ROW]
-    for t in (T_K, T_V):
+    for t in (T_K, T_V, T_KT, T_VT):
         boff[t, :B] += kv_off * strides[t, S_ROW]
     for t in (T_M, T_P):
         boff[t, :B] += q_off * strides[t, S_ROW] + kv_off * strides[t, S_ELEM]
@@ -217,6 +238,9 @@ class KernelArgs:
     kp: np.ndarray           # flat storage of a shared prefix's key / value, or dummies
     vp: np.ndarray
     table: np.ndarray        # int64 (B, max_blocks) block table of paged key/value, or a dummy
+    channel: np.ndarray      # float32 (4, Nkv * D): key scale, key offset, value scale, offset
+    ktok: np.ndarray         # flat float32 token planes of key / value (see _antiquant)
+    vtok: np.ndarray
     strides: np.ndarray
     boff: np.ndarray
     lens: np.ndarray
@@ -233,10 +257,14 @@ def kernel_args(p, out, lse, flags=False, rows=0, cols=0, threads=0, sub=0, seg=
     second pass) is the backend's choice; the rest are the CPU's tiling: query
     rows per work item and head, kv columns per tile, threads, rows per row segment of cut and
     inside tiles, register-block products (1) and the BLAS sgemm address."""
-    q, k, v, o_flat, mask8, mask16, pse, strides, boff, kp, vp = geometry(p, out, lse)
+    q, k, v, o_flat, mask8, mask16, pse, strides, boff, kp, vp, tokens = geometry(p, out, lse)
     cache = p.cache
     paged = cache is not None and cache.block_table is not None
     table = cache.block_table if paged else np.zeros((1, 1), np.int64)
+    aq = cache.antiquant if cache is not None else None
+    channel = np.zeros((4, 1), np.float32) if aq is None else \
+        np.concatenate([aq[0].channel, aq[1].channel]).astype(np.float32)
+    tok = [0, 0] if aq is None else [0 if x.token is None else (2 if x.paged else 1) for x in aq]
     rows_b = np.full(p.B, p.Sq, np.int64) if not p.packed else p.qlen
     if cache is not None:
         rows_b = rows_b - p.q_off                    # the frame's rows from the window on
@@ -245,8 +273,8 @@ def kernel_args(p, out, lse, flags=False, rows=0, cols=0, threads=0, sub=0, seg=
     params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None, p.inner_precise,
                        p.want_lse, rows, cols, threads,
                        output_code(out.dtype), flags, sub, seg, gemm, blas, post,
-                       cache.block_size if paged else 0, cache.P if cache is not None else 0],
-                      np.int64)
+                       cache.block_size if paged else 0, cache.P if cache is not None else 0,
+                       storage_code(p.k.dtype), aq is not None, tok[0], tok[1]], np.int64)
     fparams = np.zeros(6, np.float32)
     fparams[F_SCALE], fparams[F_SCALE2] = s1, s2
     if p.quant is not None and p.dtype == np.int8:
@@ -256,4 +284,5 @@ def kernel_args(p, out, lse, flags=False, rows=0, cols=0, threads=0, sub=0, seg=
                                                        p.quant.deq2)
     scale2, offset2 = output_scales(p.quant)
     return KernelArgs(q, k, v, o_flat, lse.reshape(-1), mask8, mask16, pse, kp, vp, table,
-                      strides, boff, lens, params, fparams, scale2, offset2)
+                      channel, tokens[0], tokens[1], strides, boff, lens, params, fparams, scale2,
+                      offset2)

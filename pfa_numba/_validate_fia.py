@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from . import _antiquant as AQ
 from . import _validate as V
 from ._band import TOKENS_INF
 from ._dtypes import I8, dtype_name
@@ -72,6 +73,7 @@ class KvCache:
     ``block_table[b, t // block_size]`` of the pools; a prefix of P rows (batch 1) comes first."""
     key: np.ndarray                        # (B, Nkv, S, D) view, or the pool as (nb, Nkv, bs, D)
     value: np.ndarray
+    antiquant: Optional[tuple]             # (key, value) _antiquant.Planes of int8 key/value
     block_table: Optional[np.ndarray]      # int64 (B, max_blocks), or None
     block_size: int
     prefix_key: Optional[np.ndarray]       # (1, Nkv, P, D) views, or None
@@ -132,10 +134,6 @@ def validate(call, stage=None):
     V.check_rank("query", query, layout)
     decode = layout != "TND" and query.shape[V.SEQ_AXIS[layout]] == 1
     mask = _plain_mask(call.atten_mask)
-    if any(x is not None for x in (call.antiquant_scale, call.key_antiquant_scale,
-                                   call.value_antiquant_scale, call.antiquant_offset,
-                                   call.key_antiquant_offset, call.value_antiquant_offset)):
-        raise RuntimeError("int8 key/value with a float query (antiquant) is not supported yet")
     table = _real("block_table", call.block_table)
     prefix_k = _real("key_shared_prefix", call.key_shared_prefix)
     prefix_v = _real("value_shared_prefix", call.value_shared_prefix)
@@ -153,6 +151,10 @@ def validate(call, stage=None):
         key, value, list_lens = _gathered(key_list, value_list, layout, query.shape[0])
     if table is None:
         V.check_rank("key", key, layout)
+    if key.dtype != value.dtype:
+        raise TypeError(f"value dtype must be key's ({dtype_name(key.dtype)}), got "
+                        f"{dtype_name(value.dtype)}")
+    dequant = AQ.applies(call, query.dtype, key.dtype)
     P = 0
     if prefixed:
         P = _prefix(call, layout, key, prefix_k, prefix_v)
@@ -168,11 +170,11 @@ def validate(call, stage=None):
         inner_precise=call.inner_precise, device=call.device, return_softmax_lse=True)
     if table is not None:
         return _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
-                      lse_flag, stage)
+                      lse_flag, stage, dequant)
     stand_in = pfa_call
-    if P:
-        stand_in = pfa_call.with_arrays({name: _extended(x, layout, P) for name, x in
-                                         (("key", key), ("value", value))})
+    if P or dequant:           # shapes with the prefix's rows; the query's dtype for int8 kv
+        stand_in = pfa_call.with_arrays({name: _extended(x, layout, P, query.dtype)
+                                         for name, x in (("key", key), ("value", value))})
     valid = V.validate(stand_in, stage)
     valid = _reanchor(valid, padded, mask, decode)
     B = valid.B
@@ -192,7 +194,9 @@ def validate(call, stage=None):
         klen = V.check_seq_lengths("actual_seq_lengths_kv", call.actual_seq_lengths_kv, B, own)
         valid = dataclasses.replace(valid, klen=klen + P)
         pk, pv = (_bnsd(x, layout, valid.N, valid.Nkv)[:, :, :P] for x in (prefix_k, prefix_v))
-    kv = KvCache(k4, v4, None, 0, pk, pv, P, np.maximum(k_off, 0))
+    planes = AQ.plan(call, query.dtype, B, valid.Nkv, valid.D, k4.shape[2], False, 0, 0,
+                     bool(P)) if dequant else None
+    kv = KvCache(k4, v4, planes, None, 0, pk, pv, P, np.maximum(k_off, 0))
     return ValidFia(valid, kv, np.maximum(q_off, 0), decode, lse_flag)
 
 
@@ -328,12 +332,12 @@ def _prefix(call, layout, key, prefix_k, prefix_v):
     return int(n[0])
 
 
-def _extended(x, layout, extra):
-    """A zero-strided stand-in for ``x`` with ``extra`` more rows on the sequence axis (the
-    logical kv extent a prefix adds), for the shape checks."""
+def _extended(x, layout, extra, dtype):
+    """A zero-strided stand-in for ``x`` of ``dtype`` with ``extra`` more rows on the sequence
+    axis (the logical kv extent a prefix adds), for the shape checks."""
     shape = list(x.shape)
     shape[V.SEQ_AXIS[layout]] += extra
-    return np.broadcast_to(np.zeros((), x.dtype), tuple(shape))
+    return np.broadcast_to(np.zeros((), dtype), tuple(shape))
 
 
 def _reanchor(valid, padded, mask, decode):
@@ -362,7 +366,7 @@ def _bnsd(x, layout, n, nkv):
 
 
 def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode, lse_flag,
-           stage):
+           stage, dequant):
     """Paged KV: pools, block table, block size; the problem's kv extent is Smax."""
     if table.dtype not in (np.int32, np.int64):
         raise TypeError(f"block_table must be int32 or int64, got {dtype_name(table.dtype)}")
@@ -390,7 +394,7 @@ def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
     if call.actual_seq_lengths_kv is None:
         raise ValueError("paged KV (block_table) needs actual_seq_lengths_kv, got None")
     smax = table.shape[1] * block_size
-    stand = _pool_stand_in(key, layout, B, smax, query)
+    stand = _pool_stand_in(key, layout, B, smax, query, query.dtype if dequant else key.dtype)
     valid = V.validate(pfa_call.with_arrays({"key": stand, "value": stand}), stage)
     used = -(-valid.klen // block_size)
     nb = key.shape[0]
@@ -404,12 +408,16 @@ def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
              x.reshape(nb, block_size, valid.Nkv, valid.D).transpose(0, 2, 1, 3)
              for x in (key, value)]
     zeros = np.zeros(B, np.int64)
-    kv = KvCache(pools[0], pools[1], table.astype(np.int64), block_size, None, None, 0, zeros)
+    planes = AQ.plan(call, query.dtype, B, valid.Nkv, valid.D, smax, True, nb, block_size,
+                     False) if dequant else None
+    kv = KvCache(pools[0], pools[1], planes, table.astype(np.int64), block_size, None, None, 0,
+                 zeros)
     return ValidFia(valid, kv, zeros.copy(), decode, lse_flag)
 
 
-def _pool_stand_in(pool, layout, B, smax, query):
-    """A zero-strided (B, Smax, ...) key in ``layout`` with the pool's heads, for the checks."""
+def _pool_stand_in(pool, layout, B, smax, query, dtype):
+    """A zero-strided (B, Smax, ...) key of ``dtype`` in ``layout`` with the pool's heads, for
+    the checks."""
     if pool.ndim == 3:
         hkv = pool.shape[2]
         shape = (B, smax, hkv) if layout == "BSH" else None
@@ -419,4 +427,4 @@ def _pool_stand_in(pool, layout, B, smax, query):
             shape = (B, smax, nkv, n_d) if layout == "BSND" else (B, nkv, smax, n_d)
     else:
         shape = (B, pool.shape[1], smax, pool.shape[3])
-    return np.broadcast_to(np.zeros((), pool.dtype), shape)
+    return np.broadcast_to(np.zeros((), dtype), shape)

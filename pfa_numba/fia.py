@@ -53,10 +53,11 @@ def fused_infer_attention_score(
     ``actual_shared_prefix_len``): prepended to every batch's kv.
 
     key/value lists: one batch-1 tensor a batch, each its own length (gathered into one padded
-    cache per call).
+    cache per call). int8 key/value with a float query: dequantized as they load, ``(int8 +
+    offset) * scale`` per tensor, channel, head, token or paged slot (``antiquant_*``,
+    ``key_antiquant_*``, ``value_antiquant_*``; docs/fia.md, 'KV antiquant').
 
-    Not yet supported (RuntimeError): int8 key/value with a float query (antiquant) and CUDA
-    arrays. Errors are those of docs/fia.md, 'Errors'.
+    Not yet supported (RuntimeError): CUDA arrays. Errors are those of docs/fia.md, 'Errors'.
     """
     call = FV.FiaCall(
         query, key, value, pse_shift, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,

@@ -196,3 +196,85 @@ def test_int8_query_with_left_padding(sq, out_int8):
     # the int8 pipeline is modelled exactly; fp16 outputs within one fp16 rounding of it
     np.testing.assert_allclose(out.astype(np.float64), ref, rtol=1e-3, atol=1 if out_int8 else 1e-3)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-4, atol=1e-4)
+
+
+def _int8(rng, shape):
+    return rng.integers(-128, 128, shape).astype(np.int8)
+
+
+def _antiquant_args(rng, form, S, nb=0, bs=0, b=B, nkv=NKV, d=D):
+    """The antiquant keywords of each form (scales of a few 1e-2, offsets of a few units), for
+    batch b, nkv kv heads of head dim d and S kv rows (paged: nb blocks of bs)."""
+    def f16(*shape):
+        return (rng.random(shape) * 0.02 + 0.005).astype(np.float16)
+
+    def f32(*shape):
+        return (rng.random(shape) * 0.02 + 0.005).astype(np.float32)
+    off = lambda x: (rng.standard_normal(x.shape) * 3).astype(x.dtype)      # noqa: E731
+    if form == "merged per-tensor":
+        s = f16(2)
+        return dict(antiquant_scale=s, antiquant_offset=off(s))
+    if form == "merged per-channel":
+        s = f16(2, nkv * d)
+        return dict(antiquant_scale=s, antiquant_offset=off(s))
+    if form == "merged per-token":
+        return dict(antiquant_scale=f32(2, b, S + 3), antiquant_mode=1)
+    if form == "per-channel key, per-token value":
+        return dict(key_antiquant_scale=f16(nkv, 1, d), key_antiquant_mode=0,
+                    value_antiquant_scale=f32(b, S), value_antiquant_mode=1)
+    if form == "per-head":
+        ks, vs = f16(nkv), f16(nkv)
+        return dict(key_antiquant_scale=ks, value_antiquant_scale=vs, key_antiquant_offset=off(ks),
+                    value_antiquant_offset=off(vs), key_antiquant_mode=2, value_antiquant_mode=2)
+    if form == "per-token-head":
+        ks, vs = f32(b, nkv, S), f32(b, nkv, S)
+        return dict(key_antiquant_scale=ks, value_antiquant_scale=vs, key_antiquant_offset=off(ks),
+                    value_antiquant_offset=off(vs), key_antiquant_mode=3, value_antiquant_mode=3)
+    if form == "paged per-token":
+        return dict(key_antiquant_scale=f32(nb, bs), value_antiquant_scale=f32(nb, bs),
+                    key_antiquant_mode=4, value_antiquant_mode=4)
+    ks, vs = f32(nb, nkv, bs), f32(nb, nkv, bs)                    # paged per-token-head
+    return dict(key_antiquant_scale=ks, value_antiquant_scale=vs, key_antiquant_offset=off(ks),
+                value_antiquant_offset=off(vs), key_antiquant_mode=5, value_antiquant_mode=5)
+
+
+CONTIGUOUS_FORMS = ["merged per-tensor", "merged per-channel", "merged per-token",
+                    "per-channel key, per-token value", "per-head", "per-token-head"]
+
+
+@pytest.mark.parametrize("form", CONTIGUOUS_FORMS)
+@pytest.mark.parametrize("sq, dtype", [(1, F16), (9, BF16), (1, F32)], ids=["decode-fp16",
+                                                                           "prefill-bf16",
+                                                                           "decode-fp32"])
+def test_int8_kv_cache_dequantized_as_it_loads(tiles, form, sq, dtype):
+    """int8 key/value with a float query, every scale form, on a left-padded cache."""
+    rng = np.random.default_rng(10)
+    S = 45
+    q = _x(rng, (B, N, sq, D), dtype)
+    k, v = _int8(rng, (B, NKV, S, D)), _int8(rng, (B, NKV, S, D))
+    kw = _kw(kv_padding_size=np.array([2]), actual_seq_lengths_kv=[40, 11, 0],
+             **_antiquant_args(rng, form, S))
+    if dtype != F16:      # per-tensor / per-channel / per-head scales take the query's dtype
+        kw = {n: (x.astype(dtype) if isinstance(x, np.ndarray) and x.dtype == F16 else x)
+              for n, x in kw.items()}
+    _check((q, k, v), kw, dtype)
+
+
+@pytest.mark.parametrize("form", ["paged per-token", "paged per-token-head", "per-head"])
+def test_int8_paged_cache(tiles, form):
+    rng = np.random.default_rng(11)
+    nb, bs = 12, 8
+    table = rng.permutation(nb)[:B * 4].reshape(B, 4).astype(np.int32)
+    k, v = _int8(rng, (nb, NKV, bs, D)), _int8(rng, (nb, NKV, bs, D))
+    q = _x(rng, (B, N, 1, D), F16)
+    _check((q, k, v), _kw(block_table=table, block_size=bs, actual_seq_lengths_kv=[32, 9, 17],
+                          **_antiquant_args(rng, form, 32, nb, bs)), F16)
+
+
+def test_int8_kv_with_a_shared_prefix():
+    rng = np.random.default_rng(12)
+    q = _x(rng, (B, N, 7, D), F16)
+    k, v = _int8(rng, (B, NKV, 20, D)), _int8(rng, (B, NKV, 20, D))
+    pk, pv = _int8(rng, (1, NKV, 6, D)), _int8(rng, (1, NKV, 6, D))
+    _check((q, k, v), _kw(key_shared_prefix=pk, value_shared_prefix=pv,
+                          **_antiquant_args(rng, "merged per-channel", 20)), F16)

@@ -137,8 +137,65 @@ def test_padding_without_its_lengths_is_ignored():
     assert np.array_equal(got, want)
 
 
-def test_unsupported_features_say_so():
+S16, S32 = np.ones(2, np.float16), np.ones((B, 24), np.float32)
+AQ = {
+    # name: (keywords, int8 key/value, error type, words)
+    "int8 kv without scales": ({}, True, RuntimeError, "need antiquant scales"),
+    "scales with float kv": (dict(antiquant_scale=S16), False, RuntimeError, "int8 key/value"),
+    "merged mode 2": (dict(antiquant_scale=S16, antiquant_mode=2), True, RuntimeError,
+                      "antiquant_mode"),
+    "merged offset dtype": (dict(antiquant_scale=S16, antiquant_offset=S16.astype(np.float32)),
+                            True, TypeError, "antiquant_offset"),
+    "merged offset shape": (dict(antiquant_scale=S16, antiquant_offset=np.ones(3, np.float16)),
+                            True, RuntimeError, "antiquant_offset"),
+    "offset without scale": (dict(antiquant_offset=S16), True, RuntimeError,
+                             "needs antiquant_scale"),
+    "merged scale dtype": (dict(antiquant_scale=S16.astype(np.float32)), True, TypeError,
+                           "antiquant_scale"),
+    "merged per-channel shape": (dict(antiquant_scale=np.ones((2, 3), np.float16)), True,
+                                 RuntimeError, "antiquant_scale"),
+    "per-token short": (dict(antiquant_scale=np.ones((2, B, 10), np.float32), antiquant_mode=1),
+                        True, RuntimeError, "per token"),
+    "key scale alone": (dict(key_antiquant_scale=np.ones(1, np.float16)), True, RuntimeError,
+                        "value_antiquant_scale"),
+    "modes differ": (dict(key_antiquant_scale=S32, value_antiquant_scale=S32,
+                          key_antiquant_mode=1, value_antiquant_mode=0), True, RuntimeError,
+                     "must be equal"),
+    "mode 6": (dict(key_antiquant_scale=S32, value_antiquant_scale=S32, key_antiquant_mode=6,
+                    value_antiquant_mode=6), True, RuntimeError, "0..5"),
+    "paged mode without a table": (dict(key_antiquant_scale=np.ones((4, 4), np.float32),
+                                        value_antiquant_scale=np.ones((4, 4), np.float32),
+                                        key_antiquant_mode=4, value_antiquant_mode=4), True,
+                                   RuntimeError, "block_table|shape"),
+    "token scale float16": (dict(key_antiquant_scale=S32.astype(np.float16),
+                                 value_antiquant_scale=S32.astype(np.float16),
+                                 key_antiquant_mode=1, value_antiquant_mode=1), True, TypeError,
+                            "float32"),
+    "int8 query with antiquant": (dict(antiquant_scale=S16, int8_query=True), True,
+                                  RuntimeError, "int8 query"),
+}
+
+
+@pytest.mark.parametrize("name", list(AQ))
+def test_antiquant_rule(name):
+    changes, int8_kv, error, words = AQ[name]
+    changes = dict(changes)
+    int8_query = changes.pop("int8_query", False)
+    (q, k, v), kw = _base(**changes)
+    if int8_kv:
+        k, v = (x.astype(np.int8) for x in (k, v))
+    if int8_query:
+        q = q.astype(np.int8)
+        kw.update(dequant_scale1=np.ones(1, np.float32), quant_scale1=np.ones(1, np.float32),
+                  dequant_scale2=np.ones(1, np.float32))
+    with pytest.raises(error, match=words):
+        fia(q, k, v, **kw)
+
+
+def test_cuda_arrays_are_not_taken_yet():
+    class FakeCuda:
+        __cuda_array_interface__ = {}
+        shape = (B, N, 1, D)
     (q, k, v), kw = _base()
-    with pytest.raises(RuntimeError, match="not supported yet"):
-        fia(q, k.astype(np.int8), v.astype(np.int8), antiquant_scale=np.ones(2, np.float16),
-            **kw)
+    with pytest.raises(RuntimeError, match="CPU only"):
+        fia(FakeCuda(), k, v, **kw)

@@ -12,7 +12,7 @@ LAYERS = [
     ("config", "_dtypes", "_core", "reference", "_torch"),   # numerics, the float64 meaning, torch
     ("_band", "_kernel_args"),                        # the band; the kernels' arguments
     ("cpu", "gpu"),                                   # the backends (packages)
-    ("_validate", "_validate_fia", "_plan"),          # the call: checks, then the problem
+    ("_validate", "_antiquant", "_validate_fia", "_plan"),   # the call: checks, the problem
     ("dispatch",),                                    # choosing a backend
     ("api", "fia", "merge", "sdpa"),                  # the public functions
     ("distributed", "__init__", "integrations"),      # other libraries' calls onto the API

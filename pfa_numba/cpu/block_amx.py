@@ -130,6 +130,7 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
         qb = sb2 = acc2 = kb = vb = np.empty(0, np.float32)
         kx = np.empty(0, np.int32)
         ro = np.empty((2, 0), np.int64)
+        rs = np.empty((4, 0), np.float32)
         blas = scratch(params[P_BLAS])
         w = take_next(taken)
         ins, outs, extras = (q, k, v) + cache, (out, lse, flags), (mask8, mask16, pse)
@@ -139,10 +140,10 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
             if not _block_amx(ins, outs, extras, geo, scales, item,
                               (cfg, qh, kt, vv, tmp, sb, pp, acc), tb, state):
                 if qb.size == 0:
-                    qb, sb2, acc2, kb, vb, kx, ro = _f32_buffers(params)
+                    qb, sb2, acc2, kb, vb, kx, ro, rs = _f32_buffers(params)
                 i1, computed = _block(ins, extras, geo, scales, item,
                                       (work[w, W_JLO], work[w, W_JHI]),
-                                      (qb, sb2, tb, acc2, kb, vb, kx, ro), state, blas)
+                                      (qb, sb2, tb, acc2, kb, vb, kx, ro, rs), state, blas)
                 _finish(outs, ins, geo, item, i1, acc2, f32_widths(params)[0], state, tb,
                         computed)
             w = take_next(taken)

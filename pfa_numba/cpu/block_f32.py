@@ -6,13 +6,14 @@ from .._band import ROW_MEAN, ROW_SOFTMAX, row_outcome
 from .._core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, lse_value, order_key,
                      store, widen)
 from .._kernel_args import (F_SCALE, F_SCALE2, P_BLAS, P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_GEMM,
-                            P_IP, P_LSE, P_MASK, P_OCODE, P_PSE, P_ROWS, P_SCALE_EXP, T_K, T_Q, T_V)
+                            P_IP, P_KVCODE, P_DEQUANT, P_LSE, P_MASK, P_OCODE, P_PSE, P_ROWS,
+                            P_SCALE_EXP, T_Q)
 from ._blas import gemm_rm, scratch
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
 from ._jit import FASTMATH, LEAF
 from ._vector import aligned_empty, take_next, wide_vectors
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, _item, _segment, _sizes
-from .kv import kv_tile_end, kv_tile_rows, kv_value_row
+from .kv import KEY, VALUE, dequant_row, kv_tile_end, kv_tile_rows, kv_value_row
 from .rows import (_PF_ROWS, _all_finite, _load_row, _pack_kt, _prefetch_row, _rescale_rows,
                    _scale_row, _softmax_rows, _store_row, band_of, row_place)
 from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
@@ -41,18 +42,22 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
     unnormalised sums in acc and their (m, l) in state for :func:`_finish` or
     split_kv.keep_piece; returns (i1, whether any kv column was visited).
 
-    ins = (q, k, v, kp, vp, table) (kp / vp: a shared prefix's key and value; table: the block
-    table of paged key / value, see :mod:`.kv`), extras = (mask8, mask16, pse), geo = (strides,
-    boff, lens, params): the kernel arguments; bufs = (qb, sb, tb, acc, kb, vb, kx, ro) and
-    state = (m, l, alpha): the thread's buffers (see :func:`_f32_buffers`)."""
-    q, k, v, kp, vp, table = ins
+    ins = (q, k, v) + cache (a shared prefix, the block table of paged key / value, the planes
+    that dequantize int8 key / value: see :mod:`.kv`), extras = (mask8, mask16, pse), geo =
+    (strides, boff, lens, params): the kernel arguments; bufs = (qb, sb, tb, acc, kb, vb, kx,
+    ro, rs) and state = (m, l, alpha): the thread's buffers (see :func:`_f32_buffers`)."""
+    q, k, v = ins[0], ins[1], ins[2]
+    kp, vp, channel = ins[3], ins[4], ins[6]
+    cache = ins[3:]
     strides, boff, lens, params = geo
     b, g, i0 = item
-    qb, sb, tb, acc, kb, vb, kx, ro = bufs
+    qb, sb, tb, acc, kb, vb, kx, ro, rs = bufs
     m, l, alpha = state
     G = params[P_G]
     D = params[P_D]
     code = params[P_CODE]
+    kvcode = params[P_KVCODE]
+    dequant = params[P_DEQUANT] != 0
     tk = params[P_COLS]
     own = params[P_GEMM] != 0
     any_user = params[P_MASK] != 0 or params[P_PSE] != 0
@@ -76,20 +81,24 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
             j0 = j1
             j1 = kv_tile_end(params, j0, tk, jend)
             nc = j1 - j0
-            prefix, sdk, sdv = kv_tile_rows(table, geo, b, g, j0, nc, ro)
+            prefix, sdk, sdv = kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs)
             ks = kp if prefix else k
             vs = vp if prefix else v
             v2 = vb[:nc * ldv].reshape(nc, ldv)
             if own:
-                _pack_kt(kb, ks, ro[0], sdk, nc, D, code, tb)
+                _pack_kt(kb, ks, ro[0], sdk, nc, D, kvcode, tb, (params, channel, g, rs))
             else:
                 k2 = kb[:nc * D].reshape(nc, D)
             for c in range(nc):
                 if not own:
-                    _load_row(k2, c, ks, ro[0, c], sdk, D, code, F32_ONE)
+                    _load_row(k2, c, ks, ro[0, c], sdk, D, kvcode, F32_ONE)
+                    if dequant:
+                        dequant_row(k2, c, params, channel, KEY, g, rs[KEY, c], rs[KEY + 1, c])
                 if c + _PF_ROWS < nc:
                     _prefetch_row(vs, ro[1, c + _PF_ROWS], D * sdv)
-                _load_row(v2, c, vs, ro[1, c], sdv, D, code, F32_ONE)
+                _load_row(v2, c, vs, ro[1, c], sdv, D, kvcode, F32_ONE)
+                if dequant:
+                    dequant_row(v2, c, params, channel, VALUE, g, rs[VALUE, c], rs[VALUE + 1, c])
                 v2[c, D:] = F32_ZERO
             v_finite = _all_finite(vb, nc * ldv)
             r0 = 0
@@ -156,11 +165,11 @@ def _finish(outs, ins, geo, item, i1, acc, ld, state, tb, computed):
     """Deferred division, rounding to the output storage and softmax_lse of one work item
     (acc row rr at acc[rr * ld:]); rows with nothing kept follow contract 'Empty rows'."""
     out, lse, flags = outs
-    v, vp, table = ins[2], ins[4], ins[5]
+    v, vp, channel = ins[2], ins[4], ins[6]
     strides, boff, lens, params = geo
     b, g, i0 = item
     m, l, _ = state
-    D, code, ocode = params[P_D], params[P_CODE], params[P_OCODE]
+    D, code, ocode = params[P_D], params[P_KVCODE], params[P_OCODE]
     want_lse, want_flags = params[P_LSE] != 0, params[P_FLAGS] != 0
     kl, pre_e, next_e = band_of(lens, b)
     for rr in range(params[P_G] * (i1 - i0)):
@@ -177,10 +186,14 @@ def _finish(outs, ins, geo, item, i1, acc, ld, state, tb, computed):
             trow = tb[:D]
             trow[:] = F32_ZERO
             for j in range(lo, hi + 1):
-                prefix, off, sd = kv_value_row(table, geo, b, g, j)
+                prefix, off, sd, scale, offset = kv_value_row(ins[3:], geo, b, g, j)
                 vs = vp if prefix else v
                 for d in range(D):
-                    trow[d] += widen(vs[off + d * sd], code)
+                    x = widen(vs[off + d * sd], code)
+                    if params[P_DEQUANT] != 0:
+                        x = (x + channel[VALUE + 1, g * D + d] + offset) * \
+                            (channel[VALUE, g * D + d] * scale)
+                    trow[d] += x
             for d in range(D):
                 store(out, o_off + d * osd, trow[d] / divisor, ocode)
             if want_flags:
@@ -189,14 +202,15 @@ def _finish(outs, ins, geo, item, i1, acc, ld, state, tb, computed):
 
 @njit(fastmath=FASTMATH, cache=True)
 def _f32_buffers(params):
-    """Per-thread buffers of :func:`_block`: (qb, sb, acc, kb, vb, kx, ro)."""
+    """Per-thread buffers of :func:`_block`: (qb, sb, acc, kb, vb, kx, ro, rs)."""
     D = params[P_D]
     ldv, rows, tkp = f32_widths(params)
     qb = aligned_empty(rows * D, np.float32)
     qb[:] = F32_ZERO                         # rows past a work item's stay finite
     return (qb, aligned_empty(rows * tkp, np.float32), aligned_empty(rows * ldv, np.float32),
             aligned_empty(tkp * D, np.float32), aligned_empty(tkp * ldv, np.float32),
-            aligned_empty(rows, np.int32), np.empty((2, tkp), np.int64))
+            aligned_empty(rows, np.int32), np.empty((2, tkp), np.int64),
+            np.empty((4, tkp), np.float32))
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -206,12 +220,12 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
     it is free (items are sorted by cost, most expensive first), so a thread that runs slower,
     on a core shared with other work, takes fewer items instead of holding the call up.
     Pieces of split items (see split_kv) leave their state in ``parts`` for
-    :func:`_merge_split`; cache = (kp, vp, table), see :mod:`.kv`."""
+    :func:`_merge_split`; cache = (kp, vp, table, channel, ktok, vtok), see :mod:`.kv`."""
     D, rows, tk, nthr, n_items = _sizes(params, work)
     ldv = f32_widths(params)[0]
     taken = np.zeros(1, np.int64)
     for t in prange(nthr):
-        qb, sb, acc, kb, vb, kx, ro = _f32_buffers(params)
+        qb, sb, acc, kb, vb, kx, ro, rs = _f32_buffers(params)
         tb = aligned_empty(16 * D, np.float32)   # _pack_kt's 16 rows, _finish's one
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
@@ -220,7 +234,7 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
         w = take_next(taken)
         ins, outs, extras = (q, k, v) + cache, (out, lse, flags), (mask8, mask16, pse)
         geo, state = (strides, boff, lens, params), (m, l, alpha)
-        bufs = (qb, sb, tb, acc, kb, vb, kx, ro)
+        bufs = (qb, sb, tb, acc, kb, vb, kx, ro, rs)
         while w < n_items:
             item = (work[w, W_B], work[w, W_G], work[w, W_I0])
             i1, computed = _block(ins, extras, geo, scales, item, (work[w, W_JLO], work[w, W_JHI]),

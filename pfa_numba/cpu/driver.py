@@ -80,7 +80,8 @@ def run(p):
             work, groups = split_work(p, work, rows_per_head, nthreads)
         nthreads = min(nthreads, work.shape[0])
         # AMX reads contiguous key / value without a prefix
-        plain_kv = p.cache is None or (p.cache.block_table is None and not p.cache.P)
+        plain_kv = p.cache is None or (p.cache.block_table is None and not p.cache.P
+                                       and p.cache.antiquant is None)
         amx = p.dtype != np.int8 and not groups.shape[0] and plain_kv and use_amx(p)
         own = use_register_blocks()
         blas = p.dtype == np.int8 or not own          # the int8 kernel's products are BLAS
@@ -90,7 +91,7 @@ def run(p):
         flat_flags = flags.reshape(-1)
         args = (a.q, a.k, a.v, a.out, a.lse, flat_flags, a.mask8, a.mask16, a.pse, a.strides,
                 a.boff, a.lens, work, a.params, a.fparams)
-        cache = (a.kp, a.vp, a.table)
+        cache = (a.kp, a.vp, a.table, a.channel, a.ktok, a.vtok)
         with _one_call_at_a_time(blas):
             if p.dtype == np.int8:
                 _attention_int8(*args)

@@ -1,12 +1,22 @@
 """The kv sequence a float32 work item walks: a shared prefix's rows (j < P, from the prefix
 arrays), then the batch's own rows (contiguous from the batch's first row, or the slots of a
-paged pool's blocks, :func:`~.._kernel_args.kv_row`). The tile loads read K and V rows at the
-element offsets these functions give; a tile never straddles the prefix's end."""
+paged pool's blocks, :func:`~.._kernel_args.kv_row`), int8 ones dequantized as they load
+(:mod:`.._antiquant`). The tile loads read K and V rows at the element offsets these functions
+give; a tile never straddles the prefix's end.
+
+cache = (kp, vp, table, channel, ktok, vtok): the prefix arrays, the block table, the channel
+planes and the token planes of the kernel arguments.
+"""
 from numba import njit
 
-from .._kernel_args import (P_BLOCK, P_PREFIX, S_ELEM, S_HEAD, S_ROW, T_K, T_PK, T_PV, T_V,
-                            kv_row)
+from .._core import F32_ONE, F32_ZERO
+from .._kernel_args import (P_BLOCK, P_D, P_DEQUANT, P_KTOK, P_PREFIX, P_VTOK, S_ELEM, S_HEAD,
+                            S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row)
 from ._jit import LEAF
+
+#: rows of the channel planes (and of a tile's token scalars): key scale, key offset, value
+#: scale, value offset
+KEY, VALUE = 0, 2
 
 
 @njit(**LEAF)
@@ -19,32 +29,67 @@ def kv_tile_end(params, j0, tk, jend):
 
 
 @njit(**LEAF)
-def kv_tile_rows(table, geo, b, g, j0, nc, ro):
-    """The element offsets of kv rows j0 .. j0 + nc of kv head g of batch b: ro[0, c] in the
-    key's array, ro[1, c] in the value's. Returns (whether the rows are the prefix's, the key's
-    and the value's element strides)."""
+def _token(plane, geo, table, t, mode, b, g, j):
+    """(scale, offset) of own row j of kv head g in token plane t (mode 1: by row, 2: by paged
+    slot), or (1, 0) without one."""
     strides, boff, _, params = geo
+    if mode == 0:
+        return F32_ONE, F32_ZERO
+    off = kv_row(strides, boff, table, params[P_BLOCK] if mode == 2 else 0, t, b, j) \
+        + g * strides[t, S_HEAD]
+    return plane[off], plane[off + strides[t, S_ELEM]]
+
+
+@njit(**LEAF)
+def kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs):
+    """The element offsets of kv rows j0 .. j0 + nc of kv head g of batch b: ro[0, c] in the
+    key's array, ro[1, c] in the value's; with dequantization, the rows' token scales and
+    offsets in rs[KEY:KEY + 2, c] and rs[VALUE:VALUE + 2, c]. Returns (whether the rows are the
+    prefix's, the key's and the value's element strides)."""
+    strides, boff, _, params = geo
+    table, ktok, vtok = cache[2], cache[4], cache[5]
     P = params[P_PREFIX]
+    dequant = params[P_DEQUANT] != 0
     if j0 < P:
         for c in range(nc):
             ro[0, c] = boff[T_PK, b] + g * strides[T_PK, S_HEAD] + (j0 + c) * strides[T_PK, S_ROW]
             ro[1, c] = boff[T_PV, b] + g * strides[T_PV, S_HEAD] + (j0 + c) * strides[T_PV, S_ROW]
+            if dequant:              # a prefix takes the channel planes only
+                rs[KEY, c], rs[KEY + 1, c] = F32_ONE, F32_ZERO
+                rs[VALUE, c], rs[VALUE + 1, c] = F32_ONE, F32_ZERO
         return True, strides[T_PK, S_ELEM], strides[T_PV, S_ELEM]
     block = params[P_BLOCK]
     for c in range(nc):
         j = j0 + c - P
         ro[0, c] = kv_row(strides, boff, table, block, T_K, b, j) + g * strides[T_K, S_HEAD]
         ro[1, c] = kv_row(strides, boff, table, block, T_V, b, j) + g * strides[T_V, S_HEAD]
+        if dequant:
+            rs[KEY, c], rs[KEY + 1, c] = _token(ktok, geo, table, T_KT, params[P_KTOK], b, g, j)
+            rs[VALUE, c], rs[VALUE + 1, c] = _token(vtok, geo, table, T_VT, params[P_VTOK], b,
+                                                    g, j)
     return False, strides[T_K, S_ELEM], strides[T_V, S_ELEM]
 
 
 @njit(**LEAF)
-def kv_value_row(table, geo, b, g, j):
-    """(whether in the prefix, element offset, element stride) of V row j of kv head g."""
+def dequant_row(dst, r, params, channel, which, g, scale, offset):
+    """dst[r, :D] = (int8 + offset) * scale of tensor ``which`` (KEY or VALUE): the channel
+    plane's values of kv head g with the row's token (scale, offset)."""
+    D = params[P_D]
+    base = g * D
+    for d in range(D):
+        dst[r, d] = (dst[r, d] + channel[which + 1, base + d] + offset) * \
+            (channel[which, base + d] * scale)
+
+
+@njit(**LEAF)
+def kv_value_row(cache, geo, b, g, j):
+    """(whether in the prefix, element offset, element stride, token scale, token offset) of V
+    row j of kv head g."""
     strides, boff, _, params = geo
     P = params[P_PREFIX]
     if j < P:
         return (True, boff[T_PV, b] + g * strides[T_PV, S_HEAD] + j * strides[T_PV, S_ROW],
-                strides[T_PV, S_ELEM])
-    off = kv_row(strides, boff, table, params[P_BLOCK], T_V, b, j - P)
-    return False, off + g * strides[T_V, S_HEAD], strides[T_V, S_ELEM]
+                strides[T_PV, S_ELEM], F32_ONE, F32_ZERO)
+    off = kv_row(strides, boff, cache[2], params[P_BLOCK], T_V, b, j - P)
+    scale, offset = _token(cache[5], geo, cache[2], T_VT, params[P_VTOK], b, g, j - P)
+    return False, off + g * strides[T_V, S_HEAD], strides[T_V, S_ELEM], scale, offset
