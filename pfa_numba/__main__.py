@@ -1,5 +1,6 @@
-"""``python -m pfa_numba demo | bench | warmup | info``: the main job, the benchmark, cache
-warm-up for deployment images, and a look at this installation."""
+"""``python -m pfa_numba demo | bench | bench-decode | warmup | info | cuda-ptx``: the main job,
+the benchmarks, cache warm-up for deployment images, a look at this installation, and the
+tensor-core kernel's PTX."""
 import argparse
 import os
 import platform
@@ -111,6 +112,20 @@ def warmup(args):
         finally:
             config.CPU_SPLIT_KV_ITEMS = items
 
+    def int8_kv_cache():          # fused_infer_attention_score's int8 key/value, whole and split
+        from pfa_numba import fused_infer_attention_score
+        items = config.CPU_SPLIT_KV_ITEMS
+        kv = np.ones((1, 1, 2 * config.CPU_SPLIT_KV_MIN_COLS, 16), np.int8)
+        try:
+            for split in (0, 2):
+                config.CPU_SPLIT_KV_ITEMS = split
+                for dt in (np.float32, np.float16):
+                    fused_infer_attention_score(np.ones((1, 1, 1, 16), dt), kv, kv,
+                                                antiquant_scale=np.ones(2, dt),
+                                                input_layout="BNSD")
+        finally:
+            config.CPU_SPLIT_KV_ITEMS = items
+
     jobs = [("uint16 storage (float16, bfloat16)", float32_tiles),
             ("float32 storage", lambda: prompt_flash_attention(
                 q32, q32, q32, num_heads=1, input_layout="BNSD")),
@@ -119,7 +134,8 @@ def warmup(args):
             ("int8 output quantization", lambda: [prompt_flash_attention(
                 x, x, x, num_heads=1, input_layout="BNSD", quant_scale2=scales["deq_scale1"])
                 for x in (q16, q32)]),
-            ("split-kv merge (decode)", split_kv)]
+            ("split-kv merge (decode)", split_kv),
+            ("int8 kv caches (FIA)", int8_kv_cache)]
     if _amx.available():
         jobs.append(("float16 and bfloat16 on AMX", lambda: prompt_flash_attention(
             q16, q16, q16, num_heads=1, input_layout="BNSD")))
@@ -176,6 +192,11 @@ def cuda_ptx(args):
     return 0
 
 
+def _bench_decode_module():
+    from pfa_numba import _bench_decode
+    return _bench_decode
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m pfa_numba", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -189,6 +210,10 @@ def main(argv=None):
     p.add_argument("--filter", default="", help="only cases whose name contains this")
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(fn=lambda a: __import__("pfa_numba._bench", fromlist=["main"]).main(a))
+    p = sub.add_parser("bench-decode", help="decode with fused_infer_attention_score vs torch "
+                                            "SDPA and the memory-streaming floor")
+    _bench_decode_module().add_arguments(p)
+    p.set_defaults(fn=lambda a: _bench_decode_module().main(a))
     p = sub.add_parser("warmup", help="compile every CPU kernel into Numba's cache")
     p.set_defaults(fn=warmup)
     p = sub.add_parser("info", help="versions, backends, threads, cache location")

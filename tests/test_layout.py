@@ -16,7 +16,7 @@ LAYERS = [
     ("dispatch",),                                    # choosing a backend
     ("api", "fia", "merge", "sdpa"),                  # the public functions
     ("distributed", "__init__", "integrations"),      # other libraries' calls onto the API
-    ("_bench", "__main__"),                           # the command line and its benchmark
+    ("_bench", "_bench_decode", "__main__"),          # the command line and its benchmarks
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 

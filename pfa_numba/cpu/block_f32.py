@@ -13,7 +13,7 @@ from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_wi
 from ._jit import FASTMATH, LEAF
 from ._vector import aligned_empty, take_next, wide_vectors
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, _item, _segment, _sizes
-from .kv import KEY, VALUE, dequant_row, kv_tile_end, kv_tile_rows, kv_value_row
+from .kv import KEY, VALUE, kv_tile_end, kv_tile_rows, kv_value_row, load_dequant_row
 from .rows import (_PF_ROWS, _all_finite, _load_row, _pack_kt, _prefetch_row, _rescale_rows,
                    _scale_row, _softmax_rows, _store_row, band_of, row_place)
 from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
@@ -49,6 +49,7 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
     q, k, v = ins[0], ins[1], ins[2]
     kp, vp, channel = ins[3], ins[4], ins[6]
     cache = ins[3:]
+    ks_ch, ko_ch, vs_ch, vo_ch = channel[KEY], channel[KEY + 1], channel[VALUE], channel[VALUE + 1]
     strides, boff, lens, params = geo
     b, g, i0 = item
     qb, sb, tb, acc, kb, vb, kx, ro, rs = bufs
@@ -86,19 +87,22 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
             vs = vp if prefix else v
             v2 = vb[:nc * ldv].reshape(nc, ldv)
             if own:
-                _pack_kt(kb, ks, ro[0], sdk, nc, D, kvcode, tb, (params, channel, g, rs))
+                _pack_kt(kb, ks, ro[0], sdk, nc, D, kvcode, tb, (dequant, ks_ch, ko_ch, g * D, rs))
             else:
                 k2 = kb[:nc * D].reshape(nc, D)
             for c in range(nc):
-                if not own:
+                if not own and dequant:
+                    load_dequant_row(k2, c, ks, ro[0, c], sdk, D, ks_ch, ko_ch, g * D,
+                                     rs[KEY, c], rs[KEY + 1, c])
+                elif not own:
                     _load_row(k2, c, ks, ro[0, c], sdk, D, kvcode, F32_ONE)
-                    if dequant:
-                        dequant_row(k2, c, params, channel, KEY, g, rs[KEY, c], rs[KEY + 1, c])
                 if c + _PF_ROWS < nc:
                     _prefetch_row(vs, ro[1, c + _PF_ROWS], D * sdv)
-                _load_row(v2, c, vs, ro[1, c], sdv, D, kvcode, F32_ONE)
                 if dequant:
-                    dequant_row(v2, c, params, channel, VALUE, g, rs[VALUE, c], rs[VALUE + 1, c])
+                    load_dequant_row(v2, c, vs, ro[1, c], sdv, D, vs_ch, vo_ch, g * D,
+                                     rs[VALUE, c], rs[VALUE + 1, c])
+                else:
+                    _load_row(v2, c, vs, ro[1, c], sdv, D, kvcode, F32_ONE)
                 v2[c, D:] = F32_ZERO
             v_finite = _all_finite(vb, nc * ldv)
             r0 = 0

@@ -7,12 +7,14 @@ give; a tile never straddles the prefix's end.
 cache = (kp, vp, table, channel, ktok, vtok): the prefix arrays, the block table, the channel
 planes and the token planes of the kernel arguments.
 """
+import numpy as np
 from numba import njit
 
 from .._core import F32_ONE, F32_ZERO
 from .._kernel_args import (P_BLOCK, P_D, P_DEQUANT, P_KTOK, P_PREFIX, P_VTOK, S_ELEM, S_HEAD,
                             S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row)
 from ._jit import LEAF
+from ._vector import wide_vectors
 
 #: rows of the channel planes (and of a tile's token scalars): key scale, key offset, value
 #: scale, value offset
@@ -71,14 +73,23 @@ def kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs):
 
 
 @njit(**LEAF)
-def dequant_row(dst, r, params, channel, which, g, scale, offset):
-    """dst[r, :D] = (int8 + offset) * scale of tensor ``which`` (KEY or VALUE): the channel
-    plane's values of kv head g with the row's token (scale, offset)."""
-    D = params[P_D]
-    base = g * D
-    for d in range(D):
-        dst[r, d] = (dst[r, d] + channel[which + 1, base + d] + offset) * \
-            (channel[which, base + d] * scale)
+def load_dequant_row(dst, r, src, off, sd, D, cs, co, base, scale, offset):
+    """dst[r, :D] = (int8 + offset) * scale of the int8 row at src[off + d * sd]: the channel
+    plane's scales cs and offsets co from element ``base`` (kv head g: g * D), with the row's
+    token (scale, offset). One pass; unsigned indices (a negative-index wrap stops the
+    vectoriser)."""
+    wide_vectors()
+    b0 = np.uint64(base)
+    if sd == 1:
+        s0 = np.uint64(off)
+        for d in range(D):
+            i = np.uint64(d)
+            dst[r, d] = (np.float32(src[s0 + i]) + co[b0 + i] + offset) * (cs[b0 + i] * scale)
+    else:
+        for d in range(D):
+            i = np.uint64(d)
+            dst[r, d] = (np.float32(src[off + d * sd]) + co[b0 + i] + offset) * \
+                (cs[b0 + i] * scale)
 
 
 @njit(**LEAF)

@@ -9,13 +9,13 @@ from .._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, 
                      f16_to_f32, f32_as_i32, f32_as_u32, f32_to_bf16, f32_to_f16, from_order_key,
                      online_update, order_key, running_sum, softmax_weight, store, times_pow2,
                      u32_as_f32, widen)
-from .._kernel_args import (L_KLEN, L_NEXT, L_PRE, P_CODE, P_DEQUANT, P_G, P_MASK, P_PSE,
-                            P_SCALE_EXP, T_L, T_M, T_O, T_P)
+from .._kernel_args import (L_KLEN, L_NEXT, L_PRE, P_CODE, P_G, P_MASK, P_PSE, P_SCALE_EXP,
+                            T_L, T_M, T_O, T_P)
 from ._gemm import PANEL
 from ._jit import LEAF
 from ._vector import (bf16_bits_hw, f16_bits_to_f32_hw, f32_to_f16_bits_hw, host_has, prefetch,
                       wide_vectors)
-from .kv import KEY, dequant_row
+from .kv import KEY, load_dequant_row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,9 +302,9 @@ def _pack_kt(kt, src, offs, sd, nc, D, code, tb, dq):
     """K tile (nc rows from src at element offsets offs[c], widened) as K^T panels for
     _gemm.scores: kt[p * PANEL * D + d * PANEL + c] = K[p * PANEL + c, d]; the last panel's
     columns past nc are zero. Rows are widened 16 at a time into ``tb`` (16 * D values;
-    vectorised), dequantized where dq = (params, channel, g, rs) says (see kv.dequant_row),
-    and then transposed."""
-    params, channel, g, rs = dq
+    vectorised), dequantized where dq = (on, key scales, key offsets, g * D, rs) says (see
+    kv.dequant_row), and then transposed."""
+    dequant, cs, co, base, rs = dq
     wide_vectors()
     tmp = tb[:16 * D].reshape(16, D)
     for c0 in range(0, nc, 16):
@@ -312,10 +312,11 @@ def _pack_kt(kt, src, offs, sd, nc, D, code, tb, dq):
         for cc in range(cn):
             if c0 + cc + _PF_ROWS < nc:
                 _prefetch_row(src, offs[c0 + cc + _PF_ROWS], D * sd)
-            _load_row(tmp, cc, src, offs[c0 + cc], sd, D, code, F32_ONE)
-            if params[P_DEQUANT] != 0:
-                dequant_row(tmp, cc, params, channel, KEY, g, rs[KEY, c0 + cc],
-                            rs[KEY + 1, c0 + cc])
+            if dequant:
+                load_dequant_row(tmp, cc, src, offs[c0 + cc], sd, D, cs, co, base,
+                                 rs[KEY, c0 + cc], rs[KEY + 1, c0 + cc])
+            else:
+                _load_row(tmp, cc, src, offs[c0 + cc], sd, D, code, F32_ONE)
         dst = (c0 // PANEL) * PANEL * D + c0 % PANEL      # the 16 columns share a panel
         for d in range(D):
             col = kt[dst + d * PANEL:dst + d * PANEL + cn]
