@@ -48,6 +48,10 @@ CPU_SPLIT_KV_ITEMS = 1
 #: Fewest kv columns of a split-kv piece: a shorter one costs more in merging than it saves.
 CPU_SPLIT_KV_MIN_COLS = 256
 
+#: Work items of at most this many rows (decode: the G query heads of one position) stream each
+#: K and V row once from the cache instead of packing tiles (cpu/stream.py; docs/tuning.md).
+CPU_STREAM_ROWS = 16
+
 #: Numba threads used by one call (None: numba.get_num_threads() at call time).
 CPU_THREADS = None
 

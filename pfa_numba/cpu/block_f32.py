@@ -7,7 +7,7 @@ from .._core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, lse_va
                      store, widen)
 from .._kernel_args import (F_SCALE, F_SCALE2, P_BLAS, P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_GEMM,
                             P_IP, P_KVCODE, P_DEQUANT, P_LSE, P_MASK, P_OCODE, P_PSE, P_ROWS,
-                            P_SCALE_EXP, T_Q)
+                            P_SCALE_EXP, P_STREAM, T_Q)
 from ._blas import gemm_rm, scratch
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
 from ._jit import FASTMATH, LEAF
@@ -17,6 +17,7 @@ from .kv import KEY, VALUE, kv_tile_end, kv_tile_rows, kv_value_row, load_dequan
 from .rows import (_PF_ROWS, _all_finite, _load_row, _pack_kt, _prefetch_row, _rescale_rows,
                    _scale_row, _softmax_rows, _store_row, band_of, row_place)
 from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
+from .stream import stream_pv, stream_scores
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -67,16 +68,7 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
     jstart, jend = max(jstart, span[0]), min(jend, span[1])
     no_p3 = np.empty((1, 2, 1), np.uint16)        # the in-place softmax writes no bf16 parts
     if jstart < jend:
-        q2 = qb[:R * D].reshape(R, D)
-        for rr in range(R):
-            off = (boff[T_Q, b] + (g * G + rr % G) * strides[T_Q, 0]
-                   + (i0 + rr // G) * strides[T_Q, 1])
-            _load_row(q2, rr, q, off, strides[T_Q, 2], D, code, scales[F_SCALE])
-            if scales[F_SCALE2] != F32_ONE:      # a scale_value below float32's range
-                _scale_row(q2, rr, D, scales[F_SCALE2])
-            m[rr] = F32_NEG_INF
-            l[rr] = F32_ZERO
-        acc[:] = F32_ZERO
+        start_rows(q, geo, scales, item, R, qb, acc, state)
         j1 = jstart
         while j1 < jend:
             j0 = j1
@@ -146,6 +138,70 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
                                 acc, r0 * ldv, ldv, F32_ONE)
                 r0 = r1
     return i1, jstart < jend
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _block_stream(ins, extras, geo, scales, item, span, bufs, state):
+    """:func:`_block` for an item of at most params[P_STREAM] rows (decode): its products read
+    each K and V row once, straight from the cache (see :mod:`.stream`), instead of packing
+    tiles that few rows would then read."""
+    q, k, v = ins[0], ins[1], ins[2]
+    kp, vp, channel = ins[3], ins[4], ins[6]
+    cache = ins[3:]
+    strides, boff, lens, params = geo
+    b, g, i0 = item
+    qb, sb, tb, acc, kb, vb, kx, ro, rs = bufs
+    D, tk, kvcode = params[P_D], params[P_COLS], params[P_KVCODE]
+    dequant = params[P_DEQUANT] != 0
+    ldv = f32_widths(params)[0]
+    i1, R, jstart, jend = _item(params, lens, b, i0)
+    jstart, jend = max(jstart, span[0]), min(jend, span[1])
+    no_p3 = np.empty((1, 2, 1), np.uint16)        # the in-place softmax writes no bf16 parts
+    buf = tb[:D].reshape(1, D)
+    if jstart < jend:
+        start_rows(q, geo, scales, item, R, qb, acc, state)
+        q2 = qb[:R * D].reshape(R, D)
+        j1 = jstart
+        while j1 < jend:
+            j0 = j1
+            j1 = kv_tile_end(params, j0, tk, jend)
+            prefix, sdk, sdv = kv_tile_rows(cache, geo, b, g, j0, j1 - j0, ro, rs)
+            keys = (kp if prefix else k, ro[0], sdk, kvcode, dequant, channel[KEY],
+                    channel[KEY + 1], g * D, rs, KEY)
+            values = (vp if prefix else v, ro[1], sdv, kvcode, dequant, channel[VALUE],
+                      channel[VALUE + 1], g * D, rs, VALUE)
+            r0 = 0
+            while r0 < R:
+                r1, cl, ch, inside = _segment(params, lens, b, i0, i1, j0, j1, r0, R, 1)
+                ns, nrow = ch - cl, r1 - r0
+                if ns > 0:
+                    stream_scores(sb, ns, q2, r0, nrow, keys, cl - j0, ns, buf)
+                    _softmax_rows(sb[:nrow * ns].reshape(nrow, ns), no_p3, kx[:0],
+                                  (r0, r1, ns, cl, inside, False, False), item, extras, geo,
+                                  state, F32_ONE)
+                    _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, state[2][r0:])
+                    stream_pv(acc[r0 * ldv:], ldv, nrow, sb, ns, values, cl - j0, ns, buf)
+                r0 = r1
+    return i1, jstart < jend
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def start_rows(q, geo, scales, item, R, qb, acc, state):
+    """Load the item's R query rows into qb (scaled), and zero its sums and running state."""
+    strides, boff, _, params = geo
+    b, g, i0 = item
+    G, D = params[P_G], params[P_D]
+    m, l, _ = state
+    q2 = qb[:R * D].reshape(R, D)
+    for rr in range(R):
+        off = (boff[T_Q, b] + (g * G + rr % G) * strides[T_Q, 0]
+               + (i0 + rr // G) * strides[T_Q, 1])
+        _load_row(q2, rr, q, off, strides[T_Q, 2], D, params[P_CODE], scales[F_SCALE])
+        if scales[F_SCALE2] != F32_ONE:      # a scale_value below float32's range
+            _scale_row(q2, rr, D, scales[F_SCALE2])
+        m[rr] = F32_NEG_INF
+        l[rr] = F32_ZERO
+    acc[:] = F32_ZERO
 
 
 @njit(**LEAF)
@@ -241,8 +297,11 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
         bufs = (qb, sb, tb, acc, kb, vb, kx, ro, rs)
         while w < n_items:
             item = (work[w, W_B], work[w, W_G], work[w, W_I0])
-            i1, computed = _block(ins, extras, geo, scales, item, (work[w, W_JLO], work[w, W_JHI]),
-                                  bufs, state, blas)
+            span = (work[w, W_JLO], work[w, W_JHI])
+            if _item(params, lens, item[0], item[2])[1] <= params[P_STREAM]:
+                i1, computed = _block_stream(ins, extras, geo, scales, item, span, bufs, state)
+            else:
+                i1, computed = _block(ins, extras, geo, scales, item, span, bufs, state, blas)
             if work[w, W_SLOT] < 0:
                 _finish(outs, ins, geo, item, i1, acc, ldv, state, tb, computed)
             else:

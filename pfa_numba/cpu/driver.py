@@ -79,15 +79,19 @@ def run(p):
         if p.dtype != np.int8:                        # pieces run on the float32 kernel
             work, groups = split_work(p, work, rows_per_head, nthreads)
         nthreads = min(nthreads, work.shape[0])
-        # AMX reads contiguous key / value without a prefix
+        # AMX reads contiguous key / value without a prefix; items of few rows stream
         plain_kv = p.cache is None or (p.cache.block_table is None and not p.cache.P
                                        and p.cache.antiquant is None)
-        amx = p.dtype != np.int8 and not groups.shape[0] and plain_kv and use_amx(p)
+        stream_rows = max(0, int(config.CPU_STREAM_ROWS))
+        few_rows = p.G * min(rows_per_head, int(p.qlen.max(initial=0))) <= stream_rows
+        amx = (p.dtype != np.int8 and not groups.shape[0] and plain_kv and not few_rows
+               and use_amx(p))
         own = use_register_blocks()
         blas = p.dtype == np.int8 or not own          # the int8 kernel's products are BLAS
         a = kernel_args(p, out, lse, flags=int8_out,
                         rows=rows_per_head, cols=kv_cols, threads=nthreads, sub=sub_rows(),
-                        seg=seg_rows(amx), gemm=own, blas=sgemm_address() if blas else 0)
+                        seg=seg_rows(amx), gemm=own, blas=sgemm_address() if blas else 0,
+                        stream=stream_rows)
         flat_flags = flags.reshape(-1)
         args = (a.q, a.k, a.v, a.out, a.lse, flat_flags, a.mask8, a.mask16, a.pse, a.strides,
                 a.boff, a.lens, work, a.params, a.fparams)
