@@ -11,8 +11,8 @@ import numpy as np
 from numba import njit
 
 from .._core import F32_ONE, F32_ZERO
-from .._kernel_args import (P_BLOCK, P_D, P_DEQUANT, P_KTOK, P_PREFIX, P_VTOK, S_ELEM, S_HEAD,
-                            S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row)
+from .._kernel_args import (P_BLOCK, P_DEQUANT, P_KTOK, P_PREFIX, P_VTOK, S_BLOCK, S_ELEM,
+                            S_HEAD, S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row)
 from ._jit import LEAF
 from ._vector import wide_vectors
 
@@ -61,11 +61,24 @@ def kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs):
                 rs[VALUE, c], rs[VALUE + 1, c] = F32_ONE, F32_ZERO
         return True, strides[T_PK, S_ELEM], strides[T_PV, S_ELEM]
     block = params[P_BLOCK]
-    for c in range(nc):
-        j = j0 + c - P
-        ro[0, c] = kv_row(strides, boff, table, block, T_K, b, j) + g * strides[T_K, S_HEAD]
-        ro[1, c] = kv_row(strides, boff, table, block, T_V, b, j) + g * strides[T_V, S_HEAD]
-        if dequant:
+    kh, vh = g * strides[T_K, S_HEAD], g * strides[T_V, S_HEAD]
+    if block == 0:
+        for c in range(nc):
+            ro[0, c] = kv_row(strides, boff, table, 0, T_K, b, j0 + c - P) + kh
+            ro[1, c] = kv_row(strides, boff, table, 0, T_V, b, j0 + c - P) + vh
+    else:                        # kv_row's paged rows, walked block by block (no division a row)
+        blk, slot = (j0 - P) // block, (j0 - P) % block
+        for c in range(nc):
+            ro[0, c] = (boff[T_K, b] + table[b, blk] * strides[T_K, S_BLOCK]
+                        + slot * strides[T_K, S_ROW] + kh)
+            ro[1, c] = (boff[T_V, b] + table[b, blk] * strides[T_V, S_BLOCK]
+                        + slot * strides[T_V, S_ROW] + vh)
+            slot += 1
+            if slot == block:
+                blk, slot = blk + 1, 0
+    if dequant:
+        for c in range(nc):
+            j = j0 + c - P
             rs[KEY, c], rs[KEY + 1, c] = _token(ktok, geo, table, T_KT, params[P_KTOK], b, g, j)
             rs[VALUE, c], rs[VALUE + 1, c] = _token(vtok, geo, table, T_VT, params[P_VTOK], b,
                                                     g, j)
