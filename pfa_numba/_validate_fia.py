@@ -218,8 +218,7 @@ def _gathered(key_list, value_list, layout, batch):
                 raise TypeError(f"{name} dtype must be key[0]'s ({dtype_name(first.dtype)}), got "
                                 f"{dtype_name(x.dtype)}")
             V.check_rank(name, x, layout)
-            same = all(x.shape[a] == first.shape[a] for a in range(x.ndim) if a not in (0, axis))
-            if x.shape[0] != 1 or not same:
+            if x.shape[0] != 1 or not _same_heads(x, first, axis):
                 raise RuntimeError(f"{name} must be batch 1 with key[0]'s heads and head dim, "
                                    f"got shape {V.shape_str(x.shape)} (key[0]: "
                                    f"{V.shape_str(first.shape)})")
@@ -311,9 +310,7 @@ def _prefix(call, layout, key, prefix_k, prefix_v):
             raise TypeError(f"{name} dtype must be key's ({dtype_name(key.dtype)}), got "
                             f"{dtype_name(x.dtype)}")
         V.check_rank(name, x, layout)
-        other = tuple(s for i, s in enumerate(key.shape) if i not in (0, V.SEQ_AXIS[layout]))
-        mine = tuple(s for i, s in enumerate(x.shape) if i not in (0, V.SEQ_AXIS[layout]))
-        if x.shape[0] != 1 or mine != other:
+        if x.shape[0] != 1 or not _same_heads(x, key, V.SEQ_AXIS[layout]):
             raise RuntimeError(f"{name} must be key's shape with batch 1 and its own sequence "
                                f"length, got {V.shape_str(x.shape)} for key "
                                f"{V.shape_str(key.shape)}")
@@ -330,6 +327,11 @@ def _prefix(call, layout, key, prefix_k, prefix_v):
         raise ValueError(f"actual_shared_prefix_len must be one int in [0, {sp}], got "
                          f"{n.tolist()}")
     return int(n[0])
+
+
+def _same_heads(x, ref, seq_axis):
+    """Whether x has ref's shape but for the batch and sequence axes (heads, head dim)."""
+    return all(x.shape[a] == ref.shape[a] for a in range(x.ndim) if a not in (0, seq_axis))
 
 
 def _extended(x, layout, extra, dtype):

@@ -66,29 +66,29 @@ def test_first_call_runs_both_programs_in_fresh_processes():
     assert "pfa_numba" in text and "one-line cached Numba function" in text
 
 
+def _smoke_run(script, tmp_path, starts):
+    """Run benchmarks/<script> --quick once; the table rows of its output file that start
+    with ``starts``."""
+    import subprocess
+    import sys
+    out = tmp_path / "table.md"
+    res = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent.parent / "benchmarks"
+                                              / script), "--quick", "--repeats", "1", "--out",
+                          str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    return [line for line in out.read_text().splitlines() if line.startswith(starts)]
+
+
 def test_transformers_benchmark_runs_and_reports_both(tmp_path):
     """The model benchmark's smoke run: both implementations timed, every table row filled."""
     pytest.importorskip("transformers", reason="transformers comes with the [transformers] extra")
-    import subprocess
-    import sys
-    script = pathlib.Path(__file__).parent.parent / "benchmarks" / "transformers_llama.py"
-    out = tmp_path / "llama.md"
-    res = subprocess.run([sys.executable, str(script), "--quick", "--repeats", "1", "--out",
-                          str(out)], capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    rows = _smoke_run("transformers_llama.py", tmp_path, "| ")
     assert len(rows) == 2 + 2 + 4 and not any("nan" in r for r in rows)
 
 
 def test_decode_benchmark_runs(tmp_path):
-    """The decode benchmark's smoke run: contiguous, paged, torch and the streaming floor."""
+    """The decode benchmark's smoke run: contiguous, paged, int8, torch and the streaming
+    floor."""
     pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
-    import subprocess
-    import sys
-    script = pathlib.Path(__file__).parent.parent / "benchmarks" / "decode.py"
-    out = tmp_path / "decode.md"
-    res = subprocess.run([sys.executable, str(script), "--quick", "--repeats", "1", "--out",
-                          str(out)], capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| float16")]
+    rows = _smoke_run("decode.py", tmp_path, "| float16")
     assert len(rows) == 1 and "nan" not in rows[0]

@@ -14,14 +14,17 @@ from .._core import F32_ONE, F32_ZERO
 from ._jit import LEAF
 from ._vector import wide_vectors
 from .kv import load_dequant_row
-from .rows import _load_row
+from .rows import _PF_ROWS, _load_row, _prefetch_row
 
 
 @njit(**LEAF)
-def _row(buf, kv, c):
-    """Row c of the tile, as float32, into buf[0, :D]."""
+def _row(buf, kv, c, nc):
+    """Row c of the tile's nc, as float32, into buf[0, :D]; the row _PF_ROWS on is prefetched
+    (paged rows jump from block to block, where the hardware prefetcher starts over)."""
     src, offs, sd, code, dequant, cs, co, base, rs, which = kv
     D = buf.shape[1]
+    if c + _PF_ROWS < nc:
+        _prefetch_row(src, offs[c + _PF_ROWS], D * sd)
     if dequant:
         load_dequant_row(buf, 0, src, offs[c], sd, D, cs, co, base, rs[which, c],
                          rs[which + 1, c])
@@ -35,7 +38,7 @@ def stream_scores(s, lds, q2, r0, nrow, kv, c0, nc, buf):
     wide_vectors()
     D = buf.shape[1]
     for c in range(nc):
-        _row(buf, kv, c0 + c)
+        _row(buf, kv, c0 + c, c0 + nc)
         for r in range(nrow):
             acc = F32_ZERO
             for d in range(D):
@@ -50,7 +53,7 @@ def stream_pv(acc, ld, nrow, p, lds, kv, c0, nc, buf):
     wide_vectors()
     D = buf.shape[1]
     for c in range(nc):
-        _row(buf, kv, c0 + c)
+        _row(buf, kv, c0 + c, c0 + nc)
         for r in range(nrow):
             pv = p[r * lds + c]
             if pv != F32_ZERO:
