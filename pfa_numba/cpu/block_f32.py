@@ -269,8 +269,8 @@ def _f32_buffers(params):
     qb[:] = F32_ZERO                         # rows past a work item's stay finite
     return (qb, aligned_empty(rows * tkp, np.float32), aligned_empty(rows * ldv, np.float32),
             aligned_empty(tkp * D, np.float32), aligned_empty(tkp * ldv, np.float32),
-            aligned_empty(rows, np.int32), np.empty((2, tkp), np.int64),
-            np.empty((4, tkp), np.float32))
+            aligned_empty(rows, np.int32), aligned_empty(2 * tkp, np.int64).reshape(2, tkp),
+            aligned_empty(4 * tkp, np.float32).reshape(4, tkp))
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
