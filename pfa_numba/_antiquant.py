@@ -170,12 +170,7 @@ def _pair_rules(sname, s, oname, o):
         return
     if s is None:
         raise RuntimeError(f"{oname} needs {sname}, got no scale")
-    if o.dtype != s.dtype:
-        raise TypeError(f"{oname} dtype must be {sname}'s ({dtype_name(s.dtype)}), got "
-                        f"{dtype_name(o.dtype)}")
-    if o.shape != s.shape:
-        raise RuntimeError(f"{oname} shape must be {sname}'s ({V.shape_str(s.shape)}), got "
-                           f"{V.shape_str(o.shape)}")
+    V.check_offset_like(oname, o, sname, s)
 
 
 def _dtype(name, x, want):
@@ -199,8 +194,6 @@ def _planes(kind, s, o, Nkv, D):
     o = np.zeros((), np.float32) if o is None else o.astype(np.float32, copy=False)
     if kind in ("token", "paged-token"):              # one value for every kv head
         s, o = s[:, None, :], (o if o.ndim == 0 else o[:, None, :])
-    token = np.stack(np.broadcast_arrays(s, o)) if o.ndim else None
-    if token is None:
-        token = np.stack([s, np.zeros_like(s)])
+    token = np.stack(np.broadcast_arrays(s, o))       # scales, offsets (0 without any)
     full = (2, token.shape[1], Nkv, token.shape[3])
     return Planes(channel, np.broadcast_to(token, full), kind.startswith("paged"))

@@ -115,6 +115,16 @@ def check_range(name, value, lo, hi):
     return value
 
 
+def check_offset_like(oname, offset, sname, scale):
+    """An offset argument has its scale's dtype (TypeError) and shape (RuntimeError)."""
+    if offset.dtype != scale.dtype:
+        raise TypeError(f"{oname} dtype must equal {sname}'s ({dtype_name(scale.dtype)}), got "
+                        f"{dtype_name(offset.dtype)}")
+    if offset.shape != scale.shape:
+        raise RuntimeError(f"{oname} shape must equal {sname}'s {shape_str(scale.shape)}, got "
+                           f"{shape_str(offset.shape)}")
+
+
 def check_band_signs(pre_tokens, next_tokens, where, int8_out=False):
     """Sign rules of contract 'The band', applied only where pre/next are used (``where`` says
     which)."""
@@ -682,12 +692,7 @@ def _quant(dtype, quant, n, d):
         scale2 = s2.astype(np.float32).reshape(-1)
         if "quant_offset2" in given:
             o2 = given["quant_offset2"]
-            if o2.dtype != s2.dtype:
-                raise TypeError(f"quant_offset2 dtype must equal quant_scale2's "
-                                f"({dtype_name(s2.dtype)}), got {dtype_name(o2.dtype)}")
-            if o2.shape != s2.shape:
-                raise RuntimeError(f"quant_offset2 shape must equal quant_scale2's "
-                                   f"{shape_str(s2.shape)}, got {shape_str(o2.shape)}")
+            check_offset_like("quant_offset2", o2, "quant_scale2", s2)
             offset2 = o2.astype(np.float32).reshape(-1)
         else:
             offset2 = np.zeros_like(scale2)

@@ -16,6 +16,7 @@ import numpy as np
 from . import _antiquant as AQ
 from . import _validate as V
 from ._band import TOKENS_INF
+from ._plan import _to_bnsd
 from ._dtypes import I8, dtype_name
 
 #: FIA's tensor arguments besides query, key and value
@@ -120,7 +121,7 @@ def _kv_arrays(name, x):
     return V.check_array(name, x), None
 
 
-def validate(call, stage=None):
+def validate(call):
     """Check ``call`` (docs/fia.md, 'Errors') and return its :class:`ValidFia`."""
     lse_flag = V.check_bool("softmax_lse_flag", call.softmax_lse_flag)
     block_size = V.check_int("block_size", call.block_size)
@@ -159,7 +160,7 @@ def validate(call, stage=None):
     if prefixed:
         P = _prefix(call, layout, key, prefix_k, prefix_v)
     pfa_call = V.Call(
-        query, key, value, None if mask is None else _pfa_mask(mask, decode, query, layout),
+        query, key, value, None if mask is None else _pfa_mask(mask, decode),
         None if decode else call.actual_seq_lengths, call.actual_seq_lengths_kv, call.pse_shift,
         call.dequant_scale1, call.quant_scale1, call.dequant_scale2, call.quant_scale2,
         call.quant_offset2, num_heads=call.num_heads, scale_value=call.scale,
@@ -170,12 +171,12 @@ def validate(call, stage=None):
         inner_precise=call.inner_precise, device=call.device, return_softmax_lse=True)
     if table is not None:
         return _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
-                      lse_flag, stage, dequant)
+                      lse_flag, dequant)
     stand_in = pfa_call
     if P or dequant:           # shapes with the prefix's rows; the query's dtype for int8 kv
         stand_in = pfa_call.with_arrays({name: _extended(x, layout, P, query.dtype)
                                          for name, x in (("key", key), ("value", value))})
-    valid = V.validate(stand_in, stage)
+    valid = V.validate(stand_in)
     valid = _reanchor(valid, padded, mask, decode)
     B = valid.B
     if list_lens is not None:
@@ -187,13 +188,13 @@ def validate(call, stage=None):
     if q_pad is not None and call.actual_seq_lengths is not None:
         q_off = valid.Sq - q_pad - valid.qlen
     valid = _empty_windows(valid, q_off, k_off)
-    k4, v4 = (_bnsd(x, layout, valid.N, valid.Nkv) for x in (key, value))
+    k4, v4 = (_to_bnsd(x, layout, valid.Nkv) for x in (key, value))
     pk = pv = None
     if P:                      # kL counts own rows only; the band sees the P + kL columns
         own = key.shape[V.SEQ_AXIS[layout]]
         klen = V.check_seq_lengths("actual_seq_lengths_kv", call.actual_seq_lengths_kv, B, own)
         valid = dataclasses.replace(valid, klen=klen + P)
-        pk, pv = (_bnsd(x, layout, valid.N, valid.Nkv)[:, :, :P] for x in (prefix_k, prefix_v))
+        pk, pv = (_to_bnsd(x, layout, valid.Nkv)[:, :, :P] for x in (prefix_k, prefix_v))
     planes = AQ.plan(call, query.dtype, B, valid.Nkv, valid.D, k4.shape[2], False, 0, 0,
                      bool(P)) if dequant else None
     kv = KvCache(k4, v4, planes, None, 0, pk, pv, P, np.maximum(k_off, 0))
@@ -263,7 +264,7 @@ def _plain_mask(mask):
     return mask
 
 
-def _pfa_mask(mask, decode, query, layout):
+def _pfa_mask(mask, decode):
     """A decode mask ((B|1, C), (B|1, 1, C), (B|1, 1, 1, C)) as prompt_flash_attention's
     (B|1, 1, 1, C); prefill masks as they are."""
     if not decode or not isinstance(mask, np.ndarray):
@@ -358,17 +359,8 @@ def _empty_windows(valid, q_off, k_off):
                                klen=np.where(bad, 0, valid.klen))
 
 
-def _bnsd(x, layout, n, nkv):
-    if layout == "BSH":
-        b, s, h = x.shape
-        return x.reshape(b, s, nkv, h // nkv).transpose(0, 2, 1, 3)
-    if layout == "BSND":
-        return x.transpose(0, 2, 1, 3)
-    return x
-
-
 def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode, lse_flag,
-           stage, dequant):
+           dequant):
     """Paged KV: pools, block table, block size; the problem's kv extent is Smax."""
     if table.dtype not in (np.int32, np.int64):
         raise TypeError(f"block_table must be int32 or int64, got {dtype_name(table.dtype)}")
@@ -397,7 +389,7 @@ def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
         raise ValueError("paged KV (block_table) needs actual_seq_lengths_kv, got None")
     smax = table.shape[1] * block_size
     stand = _pool_stand_in(key, layout, B, smax, query, query.dtype if dequant else key.dtype)
-    valid = V.validate(pfa_call.with_arrays({"key": stand, "value": stand}), stage)
+    valid = V.validate(pfa_call.with_arrays({"key": stand, "value": stand}))
     used = -(-valid.klen // block_size)
     nb = key.shape[0]
     for b in range(B):

@@ -54,10 +54,8 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
     strides, boff, lens, params = geo
     b, g, i0 = item
     qb, sb, tb, acc, kb, vb, kx, ro, rs = bufs
-    m, l, alpha = state
-    G = params[P_G]
+    alpha = state[2]
     D = params[P_D]
-    code = params[P_CODE]
     kvcode = params[P_KVCODE]
     dequant = params[P_DEQUANT] != 0
     tk = params[P_COLS]

@@ -41,7 +41,8 @@ def split_work(p, work, rows_per_head, nthreads):
         if pieces < 2:
             rows.append(item)
             continue
-        step = -(-(-(-(hi - lo) // pieces)) // _PIECE_ALIGN) * _PIECE_ALIGN
+        per_piece = -(-(hi - lo) // pieces)
+        step = -(-per_piece // _PIECE_ALIGN) * _PIECE_ALIGN         # whole panels
         bounds = list(range(lo, hi, step)) + [hi]
         slot0 = sum(g[G_PIECES] for g in groups)
         groups.append((item[W_B], item[W_G], item[W_I0], slot0, len(bounds) - 1))
@@ -64,7 +65,7 @@ def _item_columns(p, item, rows_per_head):
 
 def partial_buffers(groups, rows, ld):
     """(acc, ml): per slot, ``rows`` rows of ``ld`` sums and (m, l); empty without groups."""
-    slots = int(groups[:, G_SLOT].max() + groups[:, G_PIECES].max()) if groups.shape[0] else 0
+    slots = int(groups[:, G_PIECES].sum())
     return (np.zeros((slots, rows * ld), np.float32),
             np.zeros((slots, rows, 2), np.float32))
 
