@@ -262,6 +262,14 @@ def widen(raw, code):
 
 
 @jit
+def antiquant(x, channel_scale, channel_offset, token_scale, token_offset):
+    """int8 key/value element ``x`` (as float32) dequantized: (x + offset) * scale with the
+    channel plane's and the token plane's pair, one of each the identity (docs/fia.md, 'KV
+    antiquant')."""
+    return (x + channel_offset + token_offset) * (channel_scale * token_scale)
+
+
+@jit
 def store(dst, idx, x, code):
     """Write float32 ``x`` to ``dst[idx]`` in the storage of ``code`` (rounded to nearest even)."""
     if code == CODE_F16:

@@ -88,14 +88,21 @@ def output_code(dtype):
 
 
 @jit
-def kv_row(strides, boff, table, block, t, b, j):
-    """Element offset of own kv row j (logical, after any prefix) of batch b in tensor t (T_K
-    or T_V), head 0: row j of the batch's contiguous rows, or slot j % block of block
-    table[b, j // block] of a paged pool (block > 0)."""
+def row_offset(base, row_stride, block_stride, block, block_id, j):
+    """Element offset of own kv row j from a batch's first element ``base``: row j of
+    contiguous rows (block 0), or slot j % block of pool block ``block_id`` (the block table's
+    entry j // block) of a paged pool. Scalars only, for both targets."""
     if block == 0:
-        return boff[t, b] + j * strides[t, S_ROW]
-    return (boff[t, b] + table[b, j // block] * strides[t, S_BLOCK]
-            + (j % block) * strides[t, S_ROW])
+        return base + j * row_stride
+    return base + block_id * block_stride + (j % block) * row_stride
+
+
+@jit
+def kv_row(strides, boff, table, block, t, b, j):
+    """Element offset of own kv row j (logical, after any prefix) of batch b in tensor t (T_K,
+    T_V or a token plane), head 0 (:func:`row_offset`; block 0: contiguous rows)."""
+    block_id = table[b, j // block] if block != 0 else 0
+    return row_offset(boff[t, b], strides[t, S_ROW], strides[t, S_BLOCK], block, block_id, j)
 
 
 def geometry(p, out, lse):

@@ -96,16 +96,16 @@ def check_device(value):
 
 def check_placement(call):
     """The device the call runs on ('cpu' or 'cuda'): ``device``, or where the query lives.
-    query, key, value, attn_mask and pse_shift must all be CUDA arrays or all host arrays."""
+    The call's tensors (query, key, value, attn_mask, pse_shift) all live on one device."""
     check_device(call.device)
     query_on_cuda = is_cuda_array(call.query)
     here = "a CUDA array" if query_on_cuda else "a host (NumPy) array"
-    for name, x in call.tensors().items():
+    tensors = call.tensors()
+    for name, x in tensors.items():
         if x is not None and is_cuda_array(x) != query_on_cuda:
             where = "a CUDA array" if not query_on_cuda else "a host (NumPy) array"
-            raise RuntimeError(f"{name} is {where} but query is {here}: query, key, value, "
-                               f"attn_mask and pse_shift must live on the same device (got "
-                               f"{type(x).__name__} for {name})")
+            raise RuntimeError(f"{name} is {where} but query is {here}: {', '.join(tensors)} "
+                               f"must live on the same device (got {type(x).__name__})")
     return call.device or ("cuda" if query_on_cuda else "cpu")
 
 

@@ -19,9 +19,10 @@ from ._band import TOKENS_INF
 from ._plan import _to_bnsd
 from ._dtypes import I8, dtype_name
 
-#: FIA's tensor arguments besides query, key and value
-FIA_TENSORS = ("pse_shift", "atten_mask", "block_table", "key_shared_prefix",
-               "value_shared_prefix")
+#: the tensors, which live on one device and which the kernels read in place (the other
+#: array arguments are small: lengths, scales, the block table; read on the host)
+TENSORS = ("query", "key", "value", "atten_mask", "pse_shift", "key_shared_prefix",
+           "value_shared_prefix")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,15 @@ class FiaCall:
     value_antiquant_mode: Any = 0
     softmax_lse_flag: Any = False
     device: Any = None
+
+    def tensors(self):
+        """{name: array or None} of the tensors (key / value lists not among them)."""
+        return {name: None if isinstance(x, (list, tuple)) else x
+                for name, x in ((n, getattr(self, n)) for n in TENSORS)}
+
+    def with_arrays(self, arrays):
+        """This call with some arguments replaced ({name: value})."""
+        return dataclasses.replace(self, **arrays)
 
 
 @dataclass

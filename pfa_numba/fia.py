@@ -18,6 +18,7 @@ from . import _validate_fia as FV
 from . import dispatch
 from ._band import TOKENS_INF
 from ._plan import plan
+from .gpu.arrays import Staged, checked, to_host, to_kind
 
 
 def fused_infer_attention_score(
@@ -57,7 +58,9 @@ def fused_infer_attention_score(
     offset) * scale`` per tensor, channel, head, token or paged slot (``antiquant_*``,
     ``key_antiquant_*``, ``value_antiquant_*``; docs/fia.md, 'KV antiquant').
 
-    Not yet supported (RuntimeError): CUDA arrays. Errors are those of docs/fia.md, 'Errors'.
+    ``device`` as prompt_flash_attention's: on CUDA (CUDA arrays, or ``device='cuda'``) the
+    portable CUDA kernel walks the same kv sequence; the tensors of a CUDA query are read in
+    place (lists are gathered on the host). Errors are those of docs/fia.md, 'Errors'.
     """
     call = FV.FiaCall(
         query, key, value, pse_shift, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
@@ -68,34 +71,51 @@ def fused_infer_attention_score(
         num_heads, scale, pre_tokens, next_tokens, input_layout, num_key_value_heads,
         sparse_mode, inner_precise, block_size, antiquant_mode, key_antiquant_mode,
         value_antiquant_mode, softmax_lse_flag, device)
-    tensors_out = _torch.is_tensor(query)
-    valid = FV.validate(_host(call))
-    if valid.pfa.device != "cpu":
-        raise RuntimeError("fused_infer_attention_score runs on the CPU only so far; got "
-                           f"device {valid.pfa.device!r}")
+    device = V.check_placement(call)
+    call = _host(call)
+    staged = Staged(call, device) if V.is_cuda_array(query) else None
+    valid = FV.validate(dataclasses.replace(staged.call if staged else call, device=device))
     kv = valid.kv
     problem = dataclasses.replace(plan(valid.pfa), k=kv.key, v=kv.value, cache=kv,
                                   q_off=valid.q_off)
-    out, lse = dispatch.choose(problem, "cpu").run(problem)
+    out, lse = dispatch.choose(problem, device).run(problem, staged)
     if not valid.lse_flag:
         lse = np.zeros(1, np.float32)
-    if tensors_out:
+        if staged is not None and not staged.copied:     # results computed in place
+            lse = to_kind(lse, query)
+    if staged is not None:
+        return staged.results(out, lse)
+    if _torch.is_tensor(query):
         return _torch.as_tensor(out), _torch.as_tensor(lse)
     return out, lse
 
 
 def _host(call):
-    """torch CPU tensors as the NumPy arrays over their memory; CUDA arrays are refused."""
+    """The call with its small array arguments (lengths, scales, the block table) and any
+    key / value list elements readable on the host (torch CPU tensors as NumPy arrays over their
+    memory, CUDA arrays copied), and its other torch CPU tensors as NumPy arrays; the tensors
+    of a CUDA query stay where they are (:class:`.gpu.arrays.Staged` makes them readable)."""
+    on_cuda = V.is_cuda_array(call.query)
     arrays = {}
     for field in dataclasses.fields(call):
-        x = getattr(call, field.name)
-        if isinstance(x, (list, tuple)) and field.name in ("key", "value"):
-            if any(_torch.is_cpu_tensor(e) for e in x):
-                arrays[field.name] = type(x)(_torch.as_numpy(field.name, e)
-                                             if _torch.is_cpu_tensor(e) else e for e in x)
+        name, x = field.name, getattr(call, field.name)
+        if isinstance(x, (list, tuple)) and name in ("key", "value"):
+            arrays[name] = type(x)(_host_element(f"{name}[{i}]", e, on_cuda)
+                                   for i, e in enumerate(x))
         elif _torch.is_cpu_tensor(x):
-            arrays[field.name] = _torch.as_numpy(field.name, x)
-        elif V.is_cuda_array(x):
-            raise RuntimeError(f"fused_infer_attention_score runs on the CPU only so far; "
-                               f"{field.name} is a CUDA array ({type(x).__name__})")
+            arrays[name] = _torch.as_numpy(name, x)
+        elif V.is_cuda_array(x) and name not in FV.TENSORS:
+            arrays[name] = checked(name, to_host, x)
     return dataclasses.replace(call, **arrays) if arrays else call
+
+
+def _host_element(name, x, on_cuda):
+    """One key / value list element on the host; it lives where the query does."""
+    if V.is_cuda_array(x) != on_cuda:
+        raise RuntimeError(f"{name} is {'a CUDA' if not on_cuda else 'a host (NumPy)'} array "
+                           f"but query is {'a CUDA' if on_cuda else 'a host (NumPy)'} array: "
+                           f"key / value list elements live on the query's device (got "
+                           f"{type(x).__name__})")
+    if on_cuda:
+        return checked(name, to_host, x)
+    return _torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x

@@ -192,10 +192,15 @@ def test_antiquant_rule(name):
         fia(q, k, v, **kw)
 
 
-def test_cuda_arrays_are_not_taken_yet():
+def test_tensors_live_on_the_querys_device():
     class FakeCuda:
         __cuda_array_interface__ = {}
         shape = (B, N, 1, D)
     (q, k, v), kw = _base()
-    with pytest.raises(RuntimeError, match="CPU only"):
+    with pytest.raises(RuntimeError, match="key is a host"):
         fia(FakeCuda(), k, v, **kw)
+    with pytest.raises(RuntimeError, match="key_shared_prefix is a CUDA array"):
+        fia(q, k, v, **kw, key_shared_prefix=FakeCuda(), value_shared_prefix=k[:1])
+    keys = [k[b:b + 1] for b in range(B)]
+    with pytest.raises(RuntimeError, match=r"value\[1\] is a CUDA array"):
+        fia(q, keys, [keys[0], FakeCuda()] + keys[2:], **kw)

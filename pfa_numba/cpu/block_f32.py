@@ -3,8 +3,8 @@ the softmax of ``rows``, the deferred division and contract 'Empty rows' in the 
 import numpy as np
 from numba import njit, prange
 from .._band import ROW_MEAN, ROW_SOFTMAX, row_outcome
-from .._core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, lse_value, order_key,
-                     store, widen)
+from .._core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, antiquant, lse_value,
+                     order_key, store, widen)
 from .._kernel_args import (F_SCALE, F_SCALE2, P_BLAS, P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_GEMM,
                             P_IP, P_KVCODE, P_DEQUANT, P_LSE, P_MASK, P_OCODE, P_PSE, P_ROWS,
                             P_SCALE_EXP, P_STREAM, T_Q)
@@ -249,8 +249,8 @@ def _finish(outs, ins, geo, item, i1, acc, ld, state, tb, computed):
                 for d in range(D):
                     x = widen(vs[off + d * sd], code)
                     if params[P_DEQUANT] != 0:
-                        x = (x + channel[VALUE + 1, g * D + d] + offset) * \
-                            (channel[VALUE, g * D + d] * scale)
+                        x = antiquant(x, channel[VALUE, g * D + d],
+                                      channel[VALUE + 1, g * D + d], scale, offset)
                     trow[d] += x
             for d in range(D):
                 store(out, o_off + d * osd, trow[d] / divisor, ocode)

@@ -10,7 +10,7 @@ planes and the token planes of the kernel arguments.
 import numpy as np
 from numba import njit
 
-from .._core import F32_ONE, F32_ZERO
+from .._core import F32_ONE, F32_ZERO, antiquant
 from .._kernel_args import (P_BLOCK, P_DEQUANT, P_KTOK, P_PREFIX, P_VTOK, S_BLOCK, S_ELEM,
                             S_HEAD, S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row)
 from ._jit import LEAF
@@ -97,12 +97,12 @@ def load_dequant_row(dst, r, src, off, sd, D, cs, co, base, scale, offset):
         s0 = np.uint64(off)
         for d in range(D):
             i = np.uint64(d)
-            dst[r, d] = (np.float32(src[s0 + i]) + co[b0 + i] + offset) * (cs[b0 + i] * scale)
+            dst[r, d] = antiquant(np.float32(src[s0 + i]), cs[b0 + i], co[b0 + i], scale, offset)
     else:
         for d in range(D):
             i = np.uint64(d)
-            dst[r, d] = (np.float32(src[off + d * sd]) + co[b0 + i] + offset) * \
-                (cs[b0 + i] * scale)
+            dst[r, d] = antiquant(np.float32(src[off + d * sd]), cs[b0 + i], co[b0 + i], scale,
+                                  offset)
 
 
 @njit(**LEAF)

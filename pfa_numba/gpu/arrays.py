@@ -93,6 +93,10 @@ class Meta:
             view = view.base
         return view
 
+    def holds(self, view):
+        """Whether ``view`` is a view of an array this Meta made (else it is host memory)."""
+        return id(self._root(view)) in self.roots
+
     def device_pointer(self, view):
         """(device pointer of ``view``'s first element, the CUDA array it lies in)."""
         _, meta_ptr, dev_ptr, owner = self.roots[id(self._root(view))]

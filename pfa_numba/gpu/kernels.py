@@ -4,24 +4,30 @@ One thread block computes ``CUDA_Q_ROWS`` query rows of one (batch, head); each 
 row (its scaled query and its float32 accumulator live in local memory). The block walks the kv
 tiles of its band only (tiles outside the band or past kL are skipped), staging each K and V
 tile in shared memory with coalesced loads (consecutive threads read consecutive elements of a
-row) widened to float32 by ``_core.widen``; then each thread runs the three online-softmax
+row) widened to float32 by ``_core.widen``; the float kernel's rows come through
+fused_infer_attention_score's kv sequence (:func:`_kv_source`: a shared prefix, contiguous or
+paged rows, int8 ones dequantized by ``_core.antiquant``). Then each thread runs the three online-softmax
 steps of the CPU kernel on its row: scores (band, user mask, pse, fp16 mask), update m and l,
 rescale acc and add P V. The band predicate and the row rule of contract 'Empty rows' (``_band``),
 the online update, exp, the int8 steps and every dtype conversion (``_core``) are the functions the
 CPU kernels use; the kernels read the arguments ``_kernel_args`` builds for both targets.
 """
 
+import numba
 from numba import cuda, float32, int64, njit, uint16
 
 from .. import config
 from .._band import ROW_MEAN, ROW_ZERO, block_kv_range, row_band, row_outcome
 from .._core import (CODE_BF16, CODE_F16, CODE_I8, F16_MASK_SCALE, F32_NAN, F32_NEG_INF, F32_ONE,
-                     F32_ZERO, MASK_ADD_F16, MASK_DISCARD, f16_to_f32, f32_to_bf16, f32_to_f16,
-                     int8_out_f16, int8_score, int8_score_pse, int8_weight, lse_value, max_nan,
-                     online_update, quantize_output, running_sum, softmax_weight, times_pow2, widen)
+                     F32_ZERO, MASK_ADD_F16, MASK_DISCARD, antiquant, f16_to_f32, f32_to_bf16,
+                     f32_to_f16, int8_out_f16, int8_score, int8_score_pse, int8_weight, lse_value,
+                     max_nan, online_update, quantize_output, running_sum, softmax_weight,
+                     times_pow2, widen)
 from .._kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE, F_SCALE16, F_SCALE2, L_KLEN, L_NEXT,
-                            L_PRE, L_QLEN, L_ROWS, P_CODE, P_D, P_G, P_IP, P_LSE, P_MASK, P_OCODE,
-                            P_PSE, P_SCALE_EXP, T_K, T_L, T_M, T_O, T_P, T_Q, T_V)
+                            L_PRE, L_QLEN, L_ROWS, P_BLOCK, P_CODE, P_D, P_DEQUANT, P_G, P_IP,
+                            P_KTOK, P_KVCODE, P_LSE, P_MASK, P_OCODE, P_PREFIX, P_PSE,
+                            P_SCALE_EXP, P_VTOK, S_BLOCK, S_ELEM, S_HEAD, S_ROW, T_K, T_KT, T_L,
+                            T_M, T_O, T_P, T_PK, T_PV, T_Q, T_V, T_VT, row_offset)
 
 
 def _pad_dim(d):
@@ -30,6 +36,15 @@ def _pad_dim(d):
     while p < d:
         p *= 2
     return p
+
+
+def array_function(fn):
+    """A kernel helper taking arrays: inlined compiled code on a GPU, and under the CUDA
+    simulator the Python function itself (the simulator's device arrays cannot enter compiled
+    code)."""
+    if numba.config.ENABLE_CUDASIM:
+        return fn
+    return njit(inline="always", cache=True)(fn)
 
 
 _KERNELS = {}
@@ -46,19 +61,49 @@ def kernel_for(dpad, bq, bkv, int8=False):
     return _KERNELS[key]
 
 
-def kernel_signature(storage, out_storage=None, int8=False):
-    """The argument types of a kernel: ``storage`` of q/k/v (numba.types.uint16, float32, or
-    int8 for the int8 kernel), ``out_storage`` of the output (default: ``storage``; int8 for
-    quantized outputs; uint16 for the int8 kernel's float16 output)."""
+def kernel_signature(storage, out_storage=None, int8=False, kv_storage=None):
+    """The argument types of a kernel: ``storage`` of the query (numba.types.uint16, float32,
+    or int8 for the int8 kernel), ``out_storage`` of the output (default: ``storage``; int8 for
+    quantized outputs; uint16 for the int8 kernel's float16 output), ``kv_storage`` of key and
+    value (default: ``storage``; int8 for a kv cache dequantized as it loads). The float kernel
+    takes the kv cache's arrays too (kp, vp, table, channel, ktok, vtok)."""
     from numba import types
     flat = lambda t: types.Array(t, 1, "C")  # noqa: E731
     grid = types.Array(types.int64, 2, "C")
     out_storage = out_storage or (types.uint16 if int8 else storage)
+    kv_storage = kv_storage or storage
     pse = types.uint16 if int8 else storage
-    return (flat(storage), flat(storage), flat(storage), flat(out_storage), flat(types.float32),
-            flat(types.uint8), flat(types.uint16), flat(pse), grid, grid, grid,
-            flat(types.int64), types.int64, flat(types.float32), flat(types.float32),
-            flat(types.float32))
+    common = (flat(storage), flat(kv_storage), flat(kv_storage), flat(out_storage),
+              flat(types.float32), flat(types.uint8), flat(types.uint16), flat(pse), grid, grid,
+              grid, flat(types.int64), types.int64, flat(types.float32), flat(types.float32),
+              flat(types.float32))
+    if int8:
+        return common
+    return common + (flat(kv_storage), flat(kv_storage), grid,
+                     types.Array(types.float32, 2, "C"), flat(types.float32), flat(types.float32))
+
+
+@array_function
+def _kv_source(strides, boff, table, params, t, t_prefix, t_token, mode, tok, b, g, j):
+    """Where kv row j (logical: a shared prefix's rows first) of kv head g of batch b lies in
+    tensor t (T_K or T_V): (whether in the prefix's array, the element offset of its first
+    value, its element stride, its token scale and offset, (1, 0) without a token plane of
+    ``mode`` 1 by row or 2 by paged slot). The CPU's cpu.kv walks the same rows."""
+    P = params[P_PREFIX]
+    if j < P:
+        return (True, boff[t_prefix, b] + g * strides[t_prefix, S_HEAD]
+                + j * strides[t_prefix, S_ROW], strides[t_prefix, S_ELEM], F32_ONE, F32_ZERO)
+    j -= P
+    block = params[P_BLOCK]
+    block_id = table[b, j // block] if block != 0 else 0
+    off = row_offset(boff[t, b], strides[t, S_ROW], strides[t, S_BLOCK], block, block_id,
+                     j) + g * strides[t, S_HEAD]
+    scale, offset = F32_ONE, F32_ZERO
+    if mode != 0:
+        toff = row_offset(boff[t_token, b], strides[t_token, S_ROW], strides[t_token, S_BLOCK],
+                          block if mode == 2 else 0, block_id, j) + g * strides[t_token, S_HEAD]
+        scale, offset = tok[toff], tok[toff + strides[t_token, S_ELEM]]
+    return False, off, strides[t, S_ELEM], scale, offset
 
 
 @njit(inline="always", cache=True)
@@ -101,18 +146,49 @@ def _tile_element(e, D, base, row_stride, sd):
     return c, d, base + c * row_stride + d * sd
 
 
+@array_function
+def _place_rows(places, tokens, strides, boff, table, params, ktok, vtok, b, g, j0, c):
+    """Stage where kv row j0 + c of the tile lies (:func:`_kv_source`), for K (r = 0) and V
+    (r = 1): places[3r] whether in the prefix, [3r + 1] offset, [3r + 2] element stride;
+    tokens[2r], [2r + 1] its token scale and offset."""
+    for r in range(2):
+        t, tp, tt = (T_K, T_PK, T_KT) if r == 0 else (T_V, T_PV, T_VT)
+        mode, tok = (params[P_KTOK], ktok) if r == 0 else (params[P_VTOK], vtok)
+        in_prefix, off, sd, scale, offset = _kv_source(strides, boff, table, params, t, tp, tt,
+                                                       mode, tok, b, g, j0 + c)
+        places[3 * r, c] = 1 if in_prefix else 0
+        places[3 * r + 1, c] = off
+        places[3 * r + 2, c] = sd
+        tokens[2 * r, c] = scale
+        tokens[2 * r + 1, c] = offset
+
+
+@array_function
+def _kv_element(own, prefix, in_prefix, x, code, dequant, channel, r, ch, scale, offset):
+    """Element x of a K (r = 0) or V (r = 1) row as float32: widened from ``own`` or the
+    prefix's array, int8 dequantized with channel ``ch`` and the row's token pair."""
+    value = widen(prefix[x] if in_prefix else own[x], code)
+    if dequant:
+        value = antiquant(value, channel[2 * r, ch], channel[2 * r + 1, ch], scale, offset)
+    return value
+
+
 def kernel_source(dpad, bq, bkv):
     """The float kernel's Python source for the given compile-time sizes (before cuda.jit).
 
     Arguments: q, k, v (flat storage), out, lse, mask8, mask16, pse, strides, boff, lens,
-    params, qtiles, fparams, scale2, offset2 (see _kernel_args.KernelArgs; scale2 and offset2 are
-    read only when the output code is CODE_I8)."""
+    params, qtiles, fparams, scale2, offset2, kp, vp, table, channel, ktok, vtok (see
+    _kernel_args.KernelArgs; scale2 and offset2 are read only when the output code is CODE_I8).
+    K/V rows come through the kv sequence (:func:`_kv_source`): a shared prefix, contiguous or
+    paged own rows, int8 ones dequantized as they load."""
     DP, BQ, BKV = dpad, bq, bkv
 
     def attention(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, qtiles,
-                  fparams, scale2, offset2):
+                  fparams, scale2, offset2, kp, vp, table, channel, ktok, vtok):
         ks = cuda.shared.array((BKV, DP), float32)
         vs = cuda.shared.array((BKV, DP), float32)
+        places = cuda.shared.array((6, BKV), int64)
+        tokens = cuda.shared.array((4, BKV), float32)
         qv = cuda.local.array(DP, float32)
         acc = cuda.local.array(DP, float32)
         sc = cuda.local.array(BKV, float32)
@@ -129,7 +205,7 @@ def kernel_source(dpad, bq, bkv):
         kl, pre_e, next_e, rows_b, active, jstart, jend, ntiles, lo, hi = _block_rows(
             lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b], lens[L_ROWS, b],
             i0, i, BQ, BKV)
-        k_base, v_base = boff[T_K, b] + g * strides[T_K, 0], boff[T_V, b] + g * strides[T_V, 0]
+        kv_code, dequant = params[P_KVCODE], params[P_DEQUANT] != 0
         m, l = F32_NEG_INF, F32_ZERO                 # the row's running max and sum
         if active:
             q_off = boff[T_Q, b] + n * strides[T_Q, 0] + i * strides[T_Q, 1]
@@ -138,11 +214,18 @@ def kernel_source(dpad, bq, bkv):
                 acc[d] = F32_ZERO
         for t in range(ntiles):
             j0, nc = _tile(t, jstart, jend, BKV)
+            for c in range(tid, nc, BQ):
+                _place_rows(places, tokens, strides, boff, table, params, ktok, vtok, b, g, j0, c)
+            cuda.syncthreads()   # the tile's row places are staged before its loads use them
             for e in range(tid, nc * D, BQ):
-                c, d, xk = _tile_element(e, D, k_base + j0 * strides[T_K, 1], strides[T_K, 1],
-                                         strides[T_K, 2])
-                ks[c, d] = widen(k[xk], code)
-                vs[c, d] = widen(v[v_base + (j0 + c) * strides[T_V, 1] + d * strides[T_V, 2]], code)
+                c = e // D       # consecutive threads read consecutive elements of a row
+                d = e - c * D
+                ks[c, d] = _kv_element(k, kp, places[0, c] != 0, places[1, c] + d * places[2, c],
+                                       kv_code, dequant, channel, 0, g * D + d, tokens[0, c],
+                                       tokens[1, c])
+                vs[c, d] = _kv_element(v, vp, places[3, c] != 0, places[4, c] + d * places[5, c],
+                                       kv_code, dequant, channel, 1, g * D + d, tokens[2, c],
+                                       tokens[3, c])
             cuda.syncthreads()   # the whole K/V tile is in shared memory before anyone reads it
             if active:
                 # step 1: scores of this row against the tile (dropped columns at -inf)
@@ -190,9 +273,12 @@ def kernel_source(dpad, bq, bkv):
                 for d in range(D):
                     acc[d] = F32_ZERO
                 for j in range(mlo, mhi + 1):
-                    off = v_base + j * strides[T_V, 1]
+                    in_prefix, off, sd, ts, to = _kv_source(
+                        strides, boff, table, params, T_V, T_PV, T_VT, params[P_VTOK], vtok, b,
+                        g, j)
                     for d in range(D):
-                        acc[d] += widen(v[off + d * strides[T_V, 2]], code)
+                        acc[d] += _kv_element(v, vp, in_prefix, off + d * sd, kv_code, dequant,
+                                              channel, 1, g * D + d, ts, to)
             for d in range(D):
                 x = acc[d] / denom if outcome != ROW_ZERO else F32_ZERO
                 # _core.store, spelled out: device arrays cannot enter an njit function

@@ -7,6 +7,8 @@ the result is copied out. CUDA arrays (Numba device arrays, CuPy, PyTorch; anyth
 library (zero-copy). Kernels launch on the default stream and the call synchronises before it
 returns; callers using other streams should synchronise their producers first.
 """
+import logging
+
 import numpy as np
 from numba import cuda
 
@@ -14,6 +16,9 @@ from .. import config
 from .._kernel_args import L_ROWS, kernel_args
 from .arrays import array_kind, to_kind
 from .kernels import kernel_for, launch_config
+
+#: the kernel a call gets and why (INFO: why not the tensor-core kernel)
+log = logging.getLogger("pfa_numba.cuda")
 
 
 class _DeviceSpan:
@@ -60,7 +65,9 @@ def run(p, meta=None, query=None):
     a = kernel_args(p, out_host, lse_host)
 
     def dev(flat, original):
-        if original is None or not on_device:
+        """The device array a kernel reads: CUDA memory in place, host memory copied in (also
+        a CUDA call's host-made arrays, such as gathered key/value lists)."""
+        if original is None or not on_device or not meta.holds(original):
             return cuda.to_device(np.ascontiguousarray(flat))
         ptr, owner = meta.device_pointer(flat)
         return cuda.as_cuda_array(_DeviceSpan(ptr, flat.size, flat.dtype, owner))
@@ -69,6 +76,11 @@ def run(p, meta=None, query=None):
     d_m8 = dev(a.mask8, p.mask if p.mask is not None and p.mask.dtype != np.float16 else None)
     d_m16 = dev(a.mask16, p.mask if p.mask is not None and p.mask.dtype == np.float16 else None)
     d_pse = dev(a.pse, p.pse)
+    cache = p.cache
+    prefixed = cache is not None and cache.P > 0
+    d_cache = (dev(a.kp, cache.prefix_key if prefixed else None),
+               dev(a.vp, cache.prefix_value if prefixed else None),
+               *map(cuda.to_device, (a.table, a.channel, a.ktok, a.vtok)))
 
     out_storage = a.out.dtype
     if on_device:
@@ -80,20 +92,29 @@ def run(p, meta=None, query=None):
     else:
         d_out = cuda.device_array(a.out.size, dtype=out_storage)
         d_lse = cuda.device_array(a.lse.size if p.want_lse else 1, dtype=np.float32)
+    if p.q_off is not None and p.q_off.any():   # left padding: the rows before the windows
+        d_out.copy_to_device(np.zeros(d_out.size, out_storage))
+        d_lse.copy_to_device(np.full(d_lse.size, -np.inf, np.float32))
 
     dpad, bq, bkv = launch_config(p)
     kern, threads = None, bq
     if config.CUDA_TENSOR_CORES:     # the tensor-core kernel where it applies (gpu.tc_kernel)
         from . import tc_kernel as tc
         cc = cuda.get_current_device().compute_capability
-        if tc.tensor_core_reason(p, cc) is None and tc.device_reason(p, d_q, d_k, d_v) is None:
+        why = tc.tensor_core_reason(p, cc) or tc.device_reason(p, d_q, d_k, d_v)
+        if why is None:
             kern, bq, threads = tc.tc_kernel_for(tc.kind_of(p.dtype), p.D), tc.ROWS, tc.THREADS
+        else:
+            log.info("the portable CUDA kernel runs this call, not the tensor-core one: %s", why)
     qtiles = max(1, -(-int(a.lens[L_ROWS].max()) // bq))
-    kern = kern or kernel_for(dpad, bq, bkv, int8=p.dtype == np.int8)
-    grid = (p.B * qtiles, p.N)
-    kern[grid, threads](d_q, d_k, d_v, d_out, d_lse, d_m8, d_m16, d_pse, *map(cuda.to_device, (
-        a.strides, a.boff, a.lens, a.params)), qtiles, *map(cuda.to_device, (
-            a.fparams, a.scale2, a.offset2)))
+    int8 = p.dtype == np.int8
+    args = (d_q, d_k, d_v, d_out, d_lse, d_m8, d_m16, d_pse,
+            *map(cuda.to_device, (a.strides, a.boff, a.lens, a.params)), qtiles,
+            *map(cuda.to_device, (a.fparams, a.scale2, a.offset2)))
+    if kern is None:                 # the portable kernels; the float one walks the kv cache
+        kern = kernel_for(dpad, bq, bkv, int8=int8)
+        args = args if int8 else args + d_cache
+    kern[(p.B * qtiles, p.N), threads](*args)
     cuda.synchronize()
     if on_device:
         return out_dev, (lse_dev if p.want_lse else None)

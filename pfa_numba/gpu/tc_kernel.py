@@ -30,7 +30,8 @@ mask / pse step (32 call sites written out, so accumulator indices stay constant
 halves with one ``cvt.f32.f16``.
 
 Not this kernel (:func:`tensor_core_reason` says why; the scalar kernel runs them): other
-dtypes and head dims, quantized outputs, scale_value needing a second factor or a power of two,
+dtypes and head dims, quantized outputs, fused_infer_attention_score's paged, prefixed and int8
+kv caches, scale_value needing a second factor or a power of two,
 rows or strides not 16-byte aligned, compute capability < 8.0, and a V holding inf or NaN (a
 dropped column would reach the rows through 0 * inf in P V, see the warp model; checked per call
 on the device by :func:`v_has_nonfinite`).
@@ -412,6 +413,10 @@ def tensor_core_reason(p, cc=None):
         return f"head dim {p.D}: the tensor-core kernel has D in {HEAD_DIMS}"
     if cc is not None and tuple(cc) < (8, 0):
         return f"compute capability {cc[0]}.{cc[1]}: mma.bf16 / cp.async need 8.0 or newer"
+    cache = p.cache
+    if cache is not None and (cache.block_table is not None or cache.P or cache.antiquant):
+        return ("a paged, prefixed or int8 kv cache: the tensor-core kernel reads contiguous "
+                "rows of the query's dtype")
     _, s2, e = scale_factors(p.scale)
     if s2 != np.float32(1.0) or e != 0:
         return f"scale_value {p.scale!r} is outside float32's plain range (two factors)"

@@ -57,29 +57,36 @@ def test_core_helpers_compile_without_fp64(cc):
 
 
 def _kernel_specialisations():
-    """Every (kernel, q/k/v storage, output storage) the backend launches, at every head-dim
-    capacity for the plain float kernels, and at the smallest and largest for the others."""
+    """Every (kernel, query storage, output storage, key/value storage) the backend launches,
+    at every head-dim capacity for the plain float kernels, at the smallest and largest for the
+    others, at the smallest for int8 key/value (fused_infer_attention_score's dequantized
+    caches)."""
     from pfa_numba import config
-    combos = [(False, types.uint16, types.uint16, (32, 64, 128, 256, 512)),
-              (False, types.float32, types.float32, (32, 64, 128, 256, 512)),
-              (False, types.uint16, types.int8, (32, 512)),
-              (False, types.float32, types.int8, (32, 512)),
-              (True, types.int8, types.uint16, (32, 512)),
-              (True, types.int8, types.int8, (32, 512))]
-    for int8, storage, out, dpads in combos:
+    i8 = types.int8
+    combos = [(False, types.uint16, types.uint16, None, (32, 64, 128, 256, 512)),
+              (False, types.float32, types.float32, None, (32, 64, 128, 256, 512)),
+              (False, types.uint16, types.int8, None, (32, 512)),
+              (False, types.float32, types.int8, None, (32, 512)),
+              (False, types.uint16, types.uint16, i8, (32,)),
+              (False, types.float32, types.float32, i8, (32,)),
+              (True, types.int8, types.uint16, None, (32, 512)),
+              (True, types.int8, types.int8, None, (32, 512))]
+    for int8, storage, out, kv, dpads in combos:
         for dpad in dpads:
             bkv = max(1, min(config.CUDA_KV_COLS, config.CUDA_TILE_ELEMS // dpad))
-            yield pytest.param(int8, storage, out, dpad, config.CUDA_Q_ROWS, bkv,
+            yield pytest.param(int8, storage, out, kv, dpad, config.CUDA_Q_ROWS, bkv,
                                id=f"{'int8-kernel' if int8 else 'float-kernel'}-{storage}-to-"
-                                  f"{out}-D{dpad}-BQ{config.CUDA_Q_ROWS}-BKV{bkv}")
+                                  f"{out}{'-kv-' + str(kv) if kv else ''}-D{dpad}-"
+                                  f"BQ{config.CUDA_Q_ROWS}-BKV{bkv}")
 
 
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)], ids=["sm_80", "sm_90"])
-@pytest.mark.parametrize("int8,storage,out,dpad,bq,bkv", list(_kernel_specialisations()))
-def test_attention_kernel_compiles_without_fp64(cc, int8, storage, out, dpad, bq, bkv):
+@pytest.mark.parametrize("int8,storage,out,kv,dpad,bq,bkv", list(_kernel_specialisations()))
+def test_attention_kernel_compiles_without_fp64(cc, int8, storage, out, kv, dpad, bq, bkv):
     from pfa_numba.gpu import kernels as gpu
     src = (gpu.kernel_source_int8 if int8 else gpu.kernel_source)(dpad, bq, bkv)
-    ptx, _ = cuda.compile_ptx(src, gpu.kernel_signature(storage, out, int8=int8), cc=cc)
+    ptx, _ = cuda.compile_ptx(src, gpu.kernel_signature(storage, out, int8=int8, kv_storage=kv),
+                              cc=cc)
     bad = [line.strip() for line in ptx.splitlines() if F64.search(line)]
     assert not bad, "fp64 instructions in the kernel's PTX:\n" + "\n".join(bad[:20])
     assert "bar.sync" in ptx               # the shared-memory tiles are synchronised
