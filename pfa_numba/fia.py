@@ -75,9 +75,7 @@ def fused_infer_attention_score(
     call = _host(call)
     staged = Staged(call, device) if V.is_cuda_array(query) else None
     valid = FV.validate(dataclasses.replace(staged.call if staged else call, device=device))
-    kv = valid.kv
-    problem = dataclasses.replace(plan(valid.pfa), k=kv.key, v=kv.value, cache=kv,
-                                  q_off=valid.q_off)
+    problem = planned(valid)
     out, lse = dispatch.choose(problem, device).run(problem, staged)
     if not valid.lse_flag:
         lse = np.zeros(1, np.float32)
@@ -88,6 +86,14 @@ def fused_infer_attention_score(
     if _torch.is_tensor(query):
         return _torch.as_tensor(out), _torch.as_tensor(lse)
     return out, lse
+
+
+def planned(valid):
+    """The planned problem of a :class:`._validate_fia.ValidFia`: its prompt_flash_attention
+    plan with the kv cache the kernels walk instead of the stand-in key and value."""
+    kv = valid.kv
+    return dataclasses.replace(plan(valid.pfa), k=kv.key, v=kv.value, cache=kv,
+                               q_off=valid.q_off)
 
 
 def _host(call):

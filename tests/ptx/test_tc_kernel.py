@@ -97,6 +97,26 @@ def test_tensor_core_reason_refuses_what_the_kernel_does_not_run():
     assert "value rows" in T.tensor_core_reason(p)
 
 
+def test_paged_prefixed_and_int8_kv_caches_get_the_portable_kernel():
+    """fused_infer_attention_score's caches the tensor-core kernel cannot read are refused with
+    the reason (the launch logs it and runs the portable kernel); a contiguous decode is not."""
+    from pfa_numba import _validate_fia as FV
+    from pfa_numba.fia import planned
+    q = np.zeros((1, 4, 1, 64), np.float16)
+    pool = np.zeros((3, 2, 16, 64), np.float16)
+    kw = dict(num_heads=4, num_key_value_heads=2, input_layout="BNSD")
+    calls = {"paged": FV.FiaCall(q, pool, pool, block_table=np.array([[2, 0]], np.int32),
+                                 block_size=16, actual_seq_lengths_kv=[20], **kw),
+             "prefix": FV.FiaCall(q, pool[:1], pool[:1], key_shared_prefix=pool[:1],
+                                  value_shared_prefix=pool[:1], **kw),
+             "int8": FV.FiaCall(q, pool[:1].astype(np.int8), pool[:1].astype(np.int8),
+                                antiquant_scale=np.ones(2, np.float16), **kw)}
+    for name, call in calls.items():
+        assert "kv cache" in T.tensor_core_reason(planned(FV.validate(call)), (9, 0)), name
+    assert T.tensor_core_reason(planned(FV.validate(FV.FiaCall(q, pool[:1], pool[:1], **kw))),
+                                (9, 0)) is None
+
+
 def test_the_tensor_core_kernel_is_off_by_default_and_info_says_so():
     assert config.CUDA_TENSOR_CORES is False
     assert "CUDA_TENSOR_CORES is False" in T.selection_note()
