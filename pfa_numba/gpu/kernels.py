@@ -61,12 +61,13 @@ def kernel_for(dpad, bq, bkv, int8=False):
     return _KERNELS[key]
 
 
-def kernel_signature(storage, out_storage=None, int8=False, kv_storage=None):
+def kernel_signature(storage, out_storage=None, int8=False, kv_storage=None, kv_cache=None):
     """The argument types of a kernel: ``storage`` of the query (numba.types.uint16, float32,
     or int8 for the int8 kernel), ``out_storage`` of the output (default: ``storage``; int8 for
     quantized outputs; uint16 for the int8 kernel's float16 output), ``kv_storage`` of key and
-    value (default: ``storage``; int8 for a kv cache dequantized as it loads). The float kernel
-    takes the kv cache's arrays too (kp, vp, table, channel, ktok, vtok)."""
+    value (default: ``storage``; int8 for a kv cache dequantized as it loads). ``kv_cache``
+    (default: the float kernel's) adds the kv cache's arrays (kp, vp, table, channel, ktok,
+    vtok); the int8 and tensor-core kernels take the common arguments only."""
     from numba import types
     flat = lambda t: types.Array(t, 1, "C")  # noqa: E731
     grid = types.Array(types.int64, 2, "C")
@@ -77,7 +78,9 @@ def kernel_signature(storage, out_storage=None, int8=False, kv_storage=None):
               flat(types.float32), flat(types.uint8), flat(types.uint16), flat(pse), grid, grid,
               grid, flat(types.int64), types.int64, flat(types.float32), flat(types.float32),
               flat(types.float32))
-    if int8:
+    if kv_cache is None:
+        kv_cache = not int8
+    if not kv_cache:
         return common
     return common + (flat(kv_storage), flat(kv_storage), grid,
                      types.Array(types.float32, 2, "C"), flat(types.float32), flat(types.float32))
