@@ -120,14 +120,18 @@ def _put4(s, at, x0, x1, x2, x3):
 
 
 @njit(**_INLINE)
-def _pv_block(acc, ld, nr, p, lds, pc, kv, c, buf):
+def _pv_block(acc, ld, nr, p, lds, pc, kv, c, buf, code, dequant):
     """acc[r * ld:][:D] += sum over t < 4 of p[r * lds + pc + t] * V[c + t] for r < nr (every
     weight nonzero): the four V rows converted once into buf[:4], then one pass over each
-    accumulator row."""
-    wide_vectors()
+    accumulator row (no calls: each row's conversion is one loop of ``code``)."""
+    src, offs, _, _, _, cs, co, base, rs, which = kv
     D = buf.shape[1]
+    b0 = np.uint64(base)
     for t in range(BLOCK):
-        _row(buf, t, kv, c + t, c + BLOCK)
+        o, scale, offset = np.uint64(offs[c + t]), rs[which, c + t], rs[which + 1, c + t]
+        for d in range(D):
+            i = np.uint64(d)
+            buf[t, d] = _at(src, o + i, code, dequant, cs, co, b0 + i, scale, offset)
     for r in range(nr):
         p0, p1, p2, p3 = _weights(p, r * lds + pc)
         at = np.uint64(r * ld)
@@ -141,7 +145,7 @@ def _weights(p, at):
     return p[at], p[at + 1], p[at + 2], p[at + 3]
 
 
-@njit(**LEAF)
+@njit(**_INLINE)
 def _nonzero(p, lds, nr, c):
     """Whether the weights of columns c .. c + 3 are nonzero in every row."""
     for r in range(nr):
@@ -151,7 +155,7 @@ def _nonzero(p, lds, nr, c):
     return True
 
 
-@njit(**LEAF)
+@njit(**_INLINE)
 def _prefetch_block(kv, c, nc, D):
     """Prefetch the rows _PF_ROWS ahead of block c (paged rows jump from block to block, where
     the hardware prefetcher starts over)."""
@@ -202,9 +206,16 @@ def stream_pv(acc, ld, nrow, p, lds, kv, c0, nc, buf):
     D = buf.shape[1]
     c = 0
     while c < nc:
-        if c + BLOCK <= nc and _nonzero(p, lds, nrow, c):
+        if kv[2] == 1 and c + BLOCK <= nc and _nonzero(p, lds, nrow, c):
             _prefetch_block(kv, c0 + c, c0 + nc, D)
-            _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf)
+            if dequant:
+                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf, CODE_F32, True)
+            elif code == CODE_F16:
+                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf, CODE_F16, False)
+            elif code == CODE_BF16:
+                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf, CODE_BF16, False)
+            else:
+                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf, CODE_F32, False)
             c += BLOCK
             continue
         _row(buf, 0, kv, c0 + c, c0 + nc)
