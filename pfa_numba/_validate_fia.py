@@ -225,17 +225,8 @@ def _gathered(key_list, value_list, layout, batch):
     first = key_list[0]
     for i, (k, v) in enumerate(zip(key_list, value_list)):
         for name, x in ((f"key[{i}]", k), (f"value[{i}]", v)):
-            if x.dtype != first.dtype:
-                raise TypeError(f"{name} dtype must be key[0]'s ({dtype_name(first.dtype)}), got "
-                                f"{dtype_name(x.dtype)}")
-            V.check_rank(name, x, layout)
-            if x.shape[0] != 1 or not _same_heads(x, first, axis):
-                raise RuntimeError(f"{name} must be batch 1 with key[0]'s heads and head dim, "
-                                   f"got shape {V.shape_str(x.shape)} (key[0]: "
-                                   f"{V.shape_str(first.shape)})")
-        if k.shape != v.shape:
-            raise RuntimeError(f"key[{i}] and value[{i}] shapes differ: {V.shape_str(k.shape)} "
-                               f"and {V.shape_str(v.shape)}")
+            _batch_one_like(name, x, "key[0]", first, layout)
+        _same_shapes(f"key[{i}]", k, f"value[{i}]", v)
     lens = [k.shape[axis] for k in key_list]
     shape = list(first.shape)
     shape[0], shape[axis] = batch, max(lens)
@@ -317,17 +308,8 @@ def _prefix(call, layout, key, prefix_k, prefix_v):
         raise RuntimeError(f"key_shared_prefix and value_shared_prefix come together, got "
                            f"only {given}")
     for name, x in (("key_shared_prefix", prefix_k), ("value_shared_prefix", prefix_v)):
-        if x.dtype != key.dtype:
-            raise TypeError(f"{name} dtype must be key's ({dtype_name(key.dtype)}), got "
-                            f"{dtype_name(x.dtype)}")
-        V.check_rank(name, x, layout)
-        if x.shape[0] != 1 or not _same_heads(x, key, V.SEQ_AXIS[layout]):
-            raise RuntimeError(f"{name} must be key's shape with batch 1 and its own sequence "
-                               f"length, got {V.shape_str(x.shape)} for key "
-                               f"{V.shape_str(key.shape)}")
-    if prefix_k.shape != prefix_v.shape:
-        raise RuntimeError(f"key_shared_prefix and value_shared_prefix shapes differ: "
-                           f"{V.shape_str(prefix_k.shape)} and {V.shape_str(prefix_v.shape)}")
+        _batch_one_like(name, x, "key", key, layout)
+    _same_shapes("key_shared_prefix", prefix_k, "value_shared_prefix", prefix_v)
     sp = prefix_k.shape[V.SEQ_AXIS[layout]]
     if call.actual_shared_prefix_len is None:
         return sp
@@ -338,6 +320,25 @@ def _prefix(call, layout, key, prefix_k, prefix_v):
         raise ValueError(f"actual_shared_prefix_len must be one int in [0, {sp}], got "
                          f"{n.tolist()}")
     return int(n[0])
+
+
+def _batch_one_like(name, x, ref_name, ref, layout):
+    """A batch-1 tensor of its own length beside ``ref`` (a list element, a shared prefix):
+    ref's dtype (TypeError), the layout's rank, ref's heads and head dim (RuntimeError)."""
+    if x.dtype != ref.dtype:
+        raise TypeError(f"{name} dtype must be {ref_name}'s ({dtype_name(ref.dtype)}), got "
+                        f"{dtype_name(x.dtype)}")
+    V.check_rank(name, x, layout)
+    if x.shape[0] != 1 or not _same_heads(x, ref, V.SEQ_AXIS[layout]):
+        raise RuntimeError(f"{name} must be batch 1 with {ref_name}'s heads and head dim and "
+                           f"its own sequence length, got shape {V.shape_str(x.shape)} "
+                           f"({ref_name}: {V.shape_str(ref.shape)})")
+
+
+def _same_shapes(a_name, a, b_name, b):
+    if a.shape != b.shape:
+        raise RuntimeError(f"{a_name} and {b_name} shapes differ: {V.shape_str(a.shape)} and "
+                           f"{V.shape_str(b.shape)}")
 
 
 def _same_heads(x, ref, seq_axis):

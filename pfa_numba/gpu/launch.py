@@ -76,11 +76,6 @@ def run(p, meta=None, query=None):
     d_m8 = dev(a.mask8, p.mask if p.mask is not None and p.mask.dtype != np.float16 else None)
     d_m16 = dev(a.mask16, p.mask if p.mask is not None and p.mask.dtype == np.float16 else None)
     d_pse = dev(a.pse, p.pse)
-    cache = p.cache
-    prefixed = cache is not None and cache.P > 0
-    d_cache = (dev(a.kp, cache.prefix_key if prefixed else None),
-               dev(a.vp, cache.prefix_value if prefixed else None),
-               *map(cuda.to_device, (a.table, a.channel, a.ktok, a.vtok)))
 
     out_storage = a.out.dtype
     if on_device:
@@ -113,7 +108,12 @@ def run(p, meta=None, query=None):
             *map(cuda.to_device, (a.fparams, a.scale2, a.offset2)))
     if kern is None:                 # the portable kernels; the float one walks the kv cache
         kern = kernel_for(dpad, bq, bkv, int8=int8)
-        args = args if int8 else args + d_cache
+        if not int8:
+            cache = p.cache
+            prefixed = cache is not None and cache.P > 0
+            args += (dev(a.kp, cache.prefix_key if prefixed else None),
+                     dev(a.vp, cache.prefix_value if prefixed else None),
+                     *map(cuda.to_device, (a.table, a.channel, a.ktok, a.vtok)))
     kern[(p.B * qtiles, p.N), threads](*args)
     cuda.synchronize()
     if on_device:
