@@ -17,7 +17,8 @@ from .kv import KEY, VALUE, kv_tile_end, kv_tile_rows, kv_value_row, load_dequan
 from .rows import (_PF_ROWS, _all_finite, _load_row, _pack_kt, _prefetch_row, _rescale_rows,
                    _scale_row, _softmax_rows, _store_row, band_of, row_place)
 from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
-from .stream import BLOCK, stream_pv, stream_scores
+from .stream import (BLOCK, fold_query, fold_weights, stream_pv, stream_scores, unfold_scores,
+                     unfold_values)
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -139,10 +140,12 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _block_stream(ins, extras, geo, scales, item, span, bufs, state):
+def _block_stream(ins, extras, geo, scales, item, span, bufs, state, fold):
     """:func:`_block` for an item of at most params[P_STREAM] rows (decode): its products read
     each K and V row once, straight from the cache (see :mod:`.stream`), instead of packing
-    tiles that few rows would then read."""
+    tiles that few rows would then read. int8 rows are read as integers, their dequantization
+    folded into the query rows, the scores, the weights and the final sums (fold: the rows'
+    sums, see :func:`.stream.fold_query`)."""
     q, k, v = ins[0], ins[1], ins[2]
     kp, vp, channel = ins[3], ins[4], ins[6]
     cache = ins[3:]
@@ -159,27 +162,33 @@ def _block_stream(ins, extras, geo, scales, item, span, bufs, state):
     if jstart < jend:
         start_rows(q, geo, scales, item, R, qb, acc, state)
         q2 = qb[:R * D].reshape(R, D)
+        if dequant:
+            fold_query(q2, R, channel[KEY], channel[KEY + 1], g * D, fold)
         j1 = jstart
         while j1 < jend:
             j0 = j1
             j1 = kv_tile_end(params, j0, tk, jend)
             prefix, sdk, sdv = kv_tile_rows(cache, geo, b, g, j0, j1 - j0, ro, rs)
-            keys = (kp if prefix else k, ro[0], sdk, kvcode, dequant, channel[KEY],
-                    channel[KEY + 1], g * D, rs, KEY)
-            values = (vp if prefix else v, ro[1], sdv, kvcode, dequant, channel[VALUE],
-                      channel[VALUE + 1], g * D, rs, VALUE)
+            keys = (kp if prefix else k, ro[0], sdk, kvcode)
+            values = (vp if prefix else v, ro[1], sdv, kvcode)
             r0 = 0
             while r0 < R:
                 r1, cl, ch, inside = _segment(params, lens, b, i0, i1, j0, j1, r0, R, 1)
                 ns, nrow = ch - cl, r1 - r0
                 if ns > 0:
                     stream_scores(sb, ns, q2, r0, nrow, keys, cl - j0, ns, buf)
+                    if dequant:
+                        unfold_scores(sb, ns, nrow, r0, rs, cl - j0, ns, fold)
                     _softmax_rows(sb[:nrow * ns].reshape(nrow, ns), no_p3, kx[:0],
                                   (r0, r1, ns, cl, inside, False, False), item, extras, geo,
                                   state, F32_ONE)
                     _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, state[2][r0:])
+                    if dequant:
+                        fold_weights(sb, ns, nrow, r0, rs, cl - j0, ns, state[2], fold)
                     stream_pv(acc[r0 * ldv:], ldv, nrow, sb, ns, values, cl - j0, ns, buf)
                 r0 = r1
+        if dequant:
+            unfold_values(acc, ldv, R, D, channel[VALUE], channel[VALUE + 1], g * D, fold)
     return i1, jstart < jend
 
 
@@ -288,6 +297,7 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
         alpha = np.empty(rows, np.float32)
+        fold = np.empty((4, rows), np.float32)      # _block_stream's int8 sums
         blas = scratch(params[P_BLAS])
         w = take_next(taken)
         ins, outs, extras = (q, k, v) + cache, (out, lse, flags), (mask8, mask16, pse)
@@ -297,7 +307,8 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
             item = (work[w, W_B], work[w, W_G], work[w, W_I0])
             span = (work[w, W_JLO], work[w, W_JHI])
             if _item(params, lens, item[0], item[2])[1] <= params[P_STREAM]:
-                i1, computed = _block_stream(ins, extras, geo, scales, item, span, bufs, state)
+                i1, computed = _block_stream(ins, extras, geo, scales, item, span, bufs, state,
+                                             fold)
             else:
                 i1, computed = _block(ins, extras, geo, scales, item, span, bufs, state, blas)
             if work[w, W_SLOT] < 0:

@@ -7,17 +7,18 @@ V rows converted into a row buffer and added to each accumulator row in one pass
 of the accumulator traffic of one row at a time). Other rows go one at a time through the row
 buffer, as do blocks holding a zero weight (a zero weight never meets V).
 
-``kv`` = (src, offs, sd, code, dequant, cs, co, base, rs, which): the rows' array, element
-offsets and element stride (see :mod:`.kv`), their storage code, and the dequantization of int8
-rows (channel scales and offsets from element ``base``, token scalars rs[which], rs[which + 1]).
+``kv`` = (src, offs, sd, code): the rows' array, element offsets and element stride (see
+:mod:`.kv`) and their storage code. int8 rows are read as their integer values: the caller folds
+their dequantization into the query rows and the weights (see
+:func:`.block_f32._block_stream`), so the products only convert.
 """
 import numpy as np
 from numba import njit
 
-from .._core import CODE_BF16, CODE_F16, CODE_F32, F32_ONE, F32_ZERO, antiquant, bf16_to_f32
+from .._core import CODE_BF16, CODE_F16, CODE_F32, F32_ONE, F32_ZERO, bf16_to_f32
 from ._jit import LEAF
 from ._vector import wide_vectors
-from .kv import load_dequant_row
+from .kv import KEY, VALUE
 from .rows import _PF_ROWS, _f16_to_f32, _load_row, _prefetch_row
 
 
@@ -25,15 +26,11 @@ from .rows import _PF_ROWS, _f16_to_f32, _load_row, _prefetch_row
 def _row(buf, t, kv, c, nc):
     """Row c of the tile's nc, as float32, into buf[t, :D]; the row _PF_ROWS on is prefetched
     (paged rows jump from block to block, where the hardware prefetcher starts over)."""
-    src, offs, sd, code, dequant, cs, co, base, rs, which = kv
+    src, offs, sd, code = kv
     D = buf.shape[1]
     if c + _PF_ROWS < nc:
         _prefetch_row(src, offs[c + _PF_ROWS], D * sd)
-    if dequant:
-        load_dequant_row(buf, t, src, offs[c], sd, D, cs, co, base, rs[which, c],
-                         rs[which + 1, c])
-    else:
-        _load_row(buf, t, src, offs[c], sd, D, code, F32_ONE)
+    _load_row(buf, t, src, offs[c], sd, D, code, F32_ONE)
 
 
 #: the register blocks: 4 K / V rows against 4 query rows (16 float32 vector accumulators)
@@ -42,33 +39,24 @@ _INLINE = dict(LEAF, inline="always")
 
 
 @njit(**_INLINE)
-def _at(src, i, code, dequant, cs, co, ch, scale, offset):
-    """Element i of a K / V row as float32 (int8 dequantized with channel ch's pair and the
-    row's token pair); the callers pass code and dequant as constants, so each loop below
-    compiles to one conversion."""
+def _at(src, i, code):
+    """Element i of a K / V row as float32; the callers pass code as a constant, so each loop
+    below compiles to one conversion."""
     if code == CODE_F16:
-        x = _f16_to_f32(src[i])
-    elif code == CODE_BF16:
-        x = bf16_to_f32(src[i])
-    else:
-        x = np.float32(src[i])
-    if dequant:
-        x = antiquant(x, cs[ch], co[ch], scale, offset)
-    return x
+        return _f16_to_f32(src[i])
+    if code == CODE_BF16:
+        return bf16_to_f32(src[i])
+    return np.float32(src[i])
 
 
 @njit(**_INLINE)
-def _scores_block(s, lds, sc, q2, r0, nr, kv, c, code, dequant):
+def _scores_block(s, lds, sc, q2, r0, nr, kv, c, code):
     """s[r * lds + sc + t] = q2[r0 + r] . K[c + t] for t < 4, r < nr: K rows read once from
     the cache (converted in the product, no row buffer), four query rows at a time."""
-    src, offs, _, _, _, cs, co, base, rs, which = kv
+    src, offs = kv[0], kv[1]
     D = q2.shape[1]
     o0, o1, o2, o3 = (np.uint64(offs[c]), np.uint64(offs[c + 1]), np.uint64(offs[c + 2]),
                       np.uint64(offs[c + 3]))
-    s0, s1, s2, s3 = rs[which, c], rs[which, c + 1], rs[which, c + 2], rs[which, c + 3]
-    f0, f1, f2, f3 = (rs[which + 1, c], rs[which + 1, c + 1], rs[which + 1, c + 2],
-                      rs[which + 1, c + 3])
-    b0 = np.uint64(base)
     r = 0
     while r < nr:
         q0, q1, q2_, q3 = r0 + r, r0 + min(r + 1, nr - 1), r0 + min(r + 2, nr - 1), \
@@ -77,10 +65,10 @@ def _scores_block(s, lds, sc, q2, r0, nr, kv, c, code, dequant):
         a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = F32_ZERO
         for d in range(D):
             i = np.uint64(d)
-            k0 = _at(src, o0 + i, code, dequant, cs, co, b0 + i, s0, f0)
-            k1 = _at(src, o1 + i, code, dequant, cs, co, b0 + i, s1, f1)
-            k2 = _at(src, o2 + i, code, dequant, cs, co, b0 + i, s2, f2)
-            k3 = _at(src, o3 + i, code, dequant, cs, co, b0 + i, s3, f3)
+            k0 = _at(src, o0 + i, code)
+            k1 = _at(src, o1 + i, code)
+            k2 = _at(src, o2 + i, code)
+            k3 = _at(src, o3 + i, code)
             x = q2[q0, d]
             a00 += x * k0
             a01 += x * k1
@@ -120,18 +108,16 @@ def _put4(s, at, x0, x1, x2, x3):
 
 
 @njit(**_INLINE)
-def _pv_block(acc, ld, nr, p, lds, pc, kv, c, buf, code, dequant):
+def _pv_block(acc, ld, nr, p, lds, pc, kv, c, buf, code):
     """acc[r * ld:][:D] += sum over t < 4 of p[r * lds + pc + t] * V[c + t] for r < nr (every
     weight nonzero): the four V rows converted once into buf[:4], then one pass over each
     accumulator row (no calls: each row's conversion is one loop of ``code``)."""
-    src, offs, _, _, _, cs, co, base, rs, which = kv
+    src, offs = kv[0], kv[1]
     D = buf.shape[1]
-    b0 = np.uint64(base)
     for t in range(BLOCK):
-        o, scale, offset = np.uint64(offs[c + t]), rs[which, c + t], rs[which + 1, c + t]
+        o = np.uint64(offs[c + t])
         for d in range(D):
-            i = np.uint64(d)
-            buf[t, d] = _at(src, o + i, code, dequant, cs, co, b0 + i, scale, offset)
+            buf[t, d] = _at(src, o + np.uint64(d), code)
     for r in range(nr):
         p0, p1, p2, p3 = _weights(p, r * lds + pc)
         at = np.uint64(r * ld)
@@ -170,20 +156,18 @@ def stream_scores(s, lds, q2, r0, nrow, kv, c0, nc, buf):
     """s[r * lds + c] = q2[r0 + r] . K[c0 + c] for r < nrow, c < nc: blocks of 4 K rows
     against 4 query rows where the rows are contiguous, one row at a time otherwise."""
     wide_vectors()
-    code, dequant = kv[3], kv[4]
+    code = kv[3]
     D = buf.shape[1]
     c = 0
     if kv[2] == 1:
         while c + BLOCK <= nc:
             _prefetch_block(kv, c0 + c, c0 + nc, D)
-            if dequant:
-                _scores_block(s, lds, c, q2, r0, nrow, kv, c0 + c, CODE_F32, True)
-            elif code == CODE_F16:
-                _scores_block(s, lds, c, q2, r0, nrow, kv, c0 + c, CODE_F16, False)
+            if code == CODE_F16:
+                _scores_block(s, lds, c, q2, r0, nrow, kv, c0 + c, CODE_F16)
             elif code == CODE_BF16:
-                _scores_block(s, lds, c, q2, r0, nrow, kv, c0 + c, CODE_BF16, False)
+                _scores_block(s, lds, c, q2, r0, nrow, kv, c0 + c, CODE_BF16)
             else:
-                _scores_block(s, lds, c, q2, r0, nrow, kv, c0 + c, CODE_F32, False)
+                _scores_block(s, lds, c, q2, r0, nrow, kv, c0 + c, CODE_F32)
             c += BLOCK
     while c < nc:
         _row(buf, 0, kv, c0 + c, c0 + nc)
@@ -202,20 +186,18 @@ def stream_pv(acc, ld, nrow, p, lds, kv, c0, nc, buf):
     4 V rows where the rows are contiguous and every weight is nonzero, one row at a time
     otherwise."""
     wide_vectors()
-    code, dequant = kv[3], kv[4]
+    code = kv[3]
     D = buf.shape[1]
     c = 0
     while c < nc:
         if kv[2] == 1 and c + BLOCK <= nc and _nonzero(p, lds, nrow, c):
             _prefetch_block(kv, c0 + c, c0 + nc, D)
-            if dequant:
-                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf, CODE_F32, True)
-            elif code == CODE_F16:
-                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf, CODE_F16, False)
+            if code == CODE_F16:
+                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf, CODE_F16)
             elif code == CODE_BF16:
-                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf, CODE_BF16, False)
+                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf, CODE_BF16)
             else:
-                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf, CODE_F32, False)
+                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf, CODE_F32)
             c += BLOCK
             continue
         _row(buf, 0, kv, c0 + c, c0 + nc)
@@ -226,3 +208,81 @@ def stream_pv(acc, ld, nrow, p, lds, kv, c0, nc, buf):
                 for d in range(D):
                     acc[base + np.uint64(d)] += pv * buf[0, d]
         c += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# int8 rows: dequantization folded out of the products
+# ---------------------------------------------------------------------------------------------
+# An int8 element x dequantizes to (x + co[d] + to) * cs[d] * ts (channel pair (cs, co) of
+# element d, token pair (ts, to) of the row, :func:`.._core.antiquant`). So, with q' = q * cs,
+#     q . dequant(K row) = ts * (q' . x + q' . co + to * sum(q')),
+# and, with weights w = p * ts,
+#     sum over rows of p * dequant(V row) = cs * (sum of w * x + co * sum(w) + sum(w * to)):
+# the products read the int8 values as they are, the query rows are scaled once per item, each
+# score and weight once, and the accumulator rows once at the item's end. fold[.., r] holds
+# row r's sums: FOLD_QCO = q' . co, FOLD_QSUM = sum(q'), FOLD_W = sum(w), FOLD_WTO =
+# sum(w * to) (the last two rescaled with the accumulator rows).
+FOLD_QCO, FOLD_QSUM, FOLD_W, FOLD_WTO = range(4)
+
+
+@njit(**LEAF)
+def fold_query(q2, R, cs, co, base, fold):
+    """q2[r] *= the key channel scales cs[base:base + D], and row r's sums in fold, r < R."""
+    wide_vectors()
+    D = q2.shape[1]
+    b0 = np.uint64(base)
+    for r in range(R):
+        qco = qsum = F32_ZERO
+        for d in range(D):
+            i = b0 + np.uint64(d)
+            x = q2[r, d] * cs[i]
+            q2[r, d] = x
+            qco += x * co[i]
+            qsum += x
+        fold[FOLD_QCO, r], fold[FOLD_QSUM, r] = qco, qsum
+        fold[FOLD_W, r] = fold[FOLD_WTO, r] = F32_ZERO
+
+
+@njit(**LEAF)
+def unfold_scores(s, lds, nrow, r0, rs, c0, nc, fold):
+    """s[r * lds + c], the products of the folded query rows r0 + r with int8 K rows c0 + c, to
+    scores of the dequantized rows (token pairs rs[KEY], rs[KEY + 1])."""
+    wide_vectors()
+    for r in range(nrow):
+        qco, qsum = fold[FOLD_QCO, r0 + r], fold[FOLD_QSUM, r0 + r]
+        for c in range(nc):
+            at = r * lds + c
+            s[at] = rs[KEY, c0 + c] * (s[at] + qco + rs[KEY + 1, c0 + c] * qsum)
+
+
+@njit(**LEAF)
+def fold_weights(p, lds, nrow, r0, rs, c0, nc, alpha, fold):
+    """p[r * lds + c] *= the token scale of V row c0 + c (a zero weight stays zero), and the
+    weight sums of rows r0 + r, rescaled by alpha like the accumulator rows, gain the tile's."""
+    wide_vectors()
+    for r in range(nrow):
+        a = alpha[r0 + r]
+        wsum, wto = fold[FOLD_W, r0 + r], fold[FOLD_WTO, r0 + r]
+        if a != F32_ONE:
+            wsum, wto = wsum * a, wto * a
+        for c in range(nc):
+            at = r * lds + c
+            w = p[at] * rs[VALUE, c0 + c] if p[at] != F32_ZERO else F32_ZERO
+            p[at] = w
+            wsum += w
+            wto += w * rs[VALUE + 1, c0 + c]
+        fold[FOLD_W, r0 + r], fold[FOLD_WTO, r0 + r] = wsum, wto
+
+
+@njit(**LEAF)
+def unfold_values(acc, ld, R, D, cs, co, base, fold):
+    """acc[r * ld:][:D], sums of weights times int8 V rows, to sums of the dequantized rows
+    (value channel pair cs, co from element base), r < R."""
+    wide_vectors()
+    b0 = np.uint64(base)
+    for r in range(R):
+        wsum, wto = fold[FOLD_W, r], fold[FOLD_WTO, r]
+        at = np.uint64(r * ld)
+        for d in range(D):
+            i = b0 + np.uint64(d)
+            acc[at + np.uint64(d)] = cs[i] * (acc[at + np.uint64(d)] + co[i] * wsum + wto)
