@@ -129,7 +129,7 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
         alpha = np.empty(rows, np.float32)
         qb = sb2 = acc2 = kb = vb = np.empty(0, np.float32)
         kx = np.empty(0, np.int32)
-        ro = np.empty((2, 0), np.int64)
+        ro = np.empty((3, 0), np.int64)
         rs = np.empty((4, 0), np.float32)
         blas = scratch(params[P_BLAS])
         w = take_next(taken)

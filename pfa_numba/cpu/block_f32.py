@@ -17,7 +17,7 @@ from .kv import KEY, VALUE, kv_tile_end, kv_tile_rows, kv_value_row, load_dequan
 from .rows import (_PF_ROWS, _all_finite, _load_row, _pack_kt, _prefetch_row, _rescale_rows,
                    _scale_row, _softmax_rows, _store_row, band_of, row_place)
 from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
-from .stream import (BLOCK, fold_query, fold_weights, stream_pv, stream_scores, unfold_scores,
+from .stream import (fold_query, fold_weights, stream_pv, stream_scores, unfold_scores,
                      unfold_values)
 
 
@@ -158,7 +158,7 @@ def _block_stream(ins, extras, geo, scales, item, span, bufs, state, fold):
     i1, R, jstart, jend = _item(params, lens, b, i0)
     jstart, jend = max(jstart, span[0]), min(jend, span[1])
     no_p3 = np.empty((1, 2, 1), np.uint16)        # the in-place softmax writes no bf16 parts
-    buf = kb[:BLOCK * D].reshape(BLOCK, D)        # the K / V rows of a block (stream)
+    buf = kb[:D].reshape(1, D)                    # a K / V row the products take one at a time
     if jstart < jend:
         start_rows(q, geo, scales, item, R, qb, acc, state)
         q2 = qb[:R * D].reshape(R, D)
@@ -275,8 +275,8 @@ def _f32_buffers(params):
     qb = aligned_empty(rows * D, np.float32)
     qb[:] = F32_ZERO                         # rows past a work item's stay finite
     return (qb, aligned_empty(rows * tkp, np.float32), aligned_empty(rows * ldv, np.float32),
-            aligned_empty(max(tkp, BLOCK) * D, np.float32), aligned_empty(tkp * ldv, np.float32),
-            aligned_empty(rows, np.int32), aligned_empty(2 * tkp, np.int64).reshape(2, tkp),
+            aligned_empty(tkp * D, np.float32), aligned_empty(tkp * ldv, np.float32),
+            aligned_empty(rows, np.int32), aligned_empty(3 * tkp, np.int64).reshape(3, tkp),
             aligned_empty(4 * tkp, np.float32).reshape(4, tkp))
 
 

@@ -12,7 +12,8 @@ from numba import njit
 
 from .._core import F32_ONE, F32_ZERO, antiquant
 from .._kernel_args import (P_BLOCK, P_DEQUANT, P_KTOK, P_PREFIX, P_VTOK, S_BLOCK, S_ELEM,
-                            S_HEAD, S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row)
+                            S_HEAD, S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row,
+                            row_offset)
 from ._jit import LEAF
 from ._vector import wide_vectors
 
@@ -46,8 +47,8 @@ def _token(plane, geo, table, t, mode, b, g, j):
 def kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs):
     """The element offsets of kv rows j0 .. j0 + nc of kv head g of batch b: ro[0, c] in the
     key's array, ro[1, c] in the value's; with dequantization, the rows' token scales and
-    offsets in rs[KEY:KEY + 2, c] and rs[VALUE:VALUE + 2, c]. Returns (whether the rows are the
-    prefix's, the key's and the value's element strides)."""
+    offsets in rs[KEY:KEY + 2, c] and rs[VALUE:VALUE + 2, c] (ro[2]: scratch). Returns
+    (whether the rows are the prefix's, the key's and the value's element strides)."""
     strides, boff, _, params = geo
     table, ktok, vtok = cache[2], cache[4], cache[5]
     P = params[P_PREFIX]
@@ -61,28 +62,47 @@ def kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs):
                 rs[VALUE, c], rs[VALUE + 1, c] = F32_ONE, F32_ZERO
         return True, strides[T_PK, S_ELEM], strides[T_PV, S_ELEM]
     block = params[P_BLOCK]
-    kh, vh = g * strides[T_K, S_HEAD], g * strides[T_V, S_HEAD]
-    if block == 0:
-        for c in range(nc):
-            ro[0, c] = kv_row(strides, boff, table, 0, T_K, b, j0 + c - P) + kh
-            ro[1, c] = kv_row(strides, boff, table, 0, T_V, b, j0 + c - P) + vh
-    else:                        # kv_row's paged rows, walked block by block (no division a row)
-        blk, slot = (j0 - P) // block, (j0 - P) % block
-        for c in range(nc):
-            ro[0, c] = (boff[T_K, b] + table[b, blk] * strides[T_K, S_BLOCK]
-                        + slot * strides[T_K, S_ROW] + kh)
-            ro[1, c] = (boff[T_V, b] + table[b, blk] * strides[T_V, S_BLOCK]
-                        + slot * strides[T_V, S_ROW] + vh)
-            slot += 1
-            if slot == block:
-                blk, slot = blk + 1, 0
+    _own_rows(ro[0], geo, table, block, T_K, b, j0 - P, nc, g * strides[T_K, S_HEAD])
+    _own_rows(ro[1], geo, table, block, T_V, b, j0 - P, nc, g * strides[T_V, S_HEAD])
     if dequant:
-        for c in range(nc):
-            j = j0 + c - P
-            rs[KEY, c], rs[KEY + 1, c] = _token(ktok, geo, table, T_KT, params[P_KTOK], b, g, j)
-            rs[VALUE, c], rs[VALUE + 1, c] = _token(vtok, geo, table, T_VT, params[P_VTOK], b,
-                                                    g, j)
+        _token_rows(ktok, geo, table, T_KT, params[P_KTOK], b, g, j0 - P, nc, ro[2], rs, KEY)
+        _token_rows(vtok, geo, table, T_VT, params[P_VTOK], b, g, j0 - P, nc, ro[2], rs, VALUE)
     return False, strides[T_K, S_ELEM], strides[T_V, S_ELEM]
+
+
+@njit(**LEAF)
+def _own_rows(out, geo, table, block, t, b, j0, nc, head):
+    """out[c] = the element offset of own row j0 + c of batch b in tensor t, plus ``head``
+    (kv_row's rows; paged ones walked block by block, no division a row)."""
+    strides, boff = geo[0], geo[1]
+    if block == 0:
+        first = kv_row(strides, boff, table, 0, t, b, j0) + head
+        for c in range(nc):
+            out[c] = first + c * strides[t, S_ROW]
+        return
+    blk, slot = j0 // block, j0 % block
+    for c in range(nc):
+        out[c] = row_offset(boff[t, b], strides[t, S_ROW], strides[t, S_BLOCK], block,
+                            table[b, blk], slot) + head
+        slot += 1
+        if slot == block:
+            blk, slot = blk + 1, 0
+
+
+@njit(**LEAF)
+def _token_rows(plane, geo, table, t, mode, b, g, j0, nc, offs, rs, row):
+    """rs[row, c], rs[row + 1, c] = (scale, offset) of own row j0 + c of kv head g in token
+    plane t (mode 1: by row, 2: by paged slot), or (1, 0) without one; offs: scratch."""
+    if mode == 0:
+        for c in range(nc):
+            rs[row, c], rs[row + 1, c] = F32_ONE, F32_ZERO
+        return
+    strides, params = geo[0], geo[3]
+    _own_rows(offs, geo, table, params[P_BLOCK] if mode == 2 else 0, t, b, j0, nc,
+              g * strides[t, S_HEAD])
+    elem = strides[t, S_ELEM]
+    for c in range(nc):
+        rs[row, c], rs[row + 1, c] = plane[offs[c]], plane[offs[c] + elem]
 
 
 @njit(**LEAF)

@@ -3,9 +3,10 @@ each K and V row is read once from the cache and used by every row of the item a
 instead of being packed into tiles that few rows would then read. Contiguous rows go four at
 a time: scores as 4 x 4 register blocks (four K rows converted inside the product against four
 query rows: sixteen vector accumulators, each K value loaded once for four rows), P V as four
-V rows converted into a row buffer and added to each accumulator row in one pass (a quarter
-of the accumulator traffic of one row at a time). Other rows go one at a time through the row
-buffer, as do blocks holding a zero weight (a zero weight never meets V).
+V rows converted inside the product and added to four accumulator rows in one pass (each V
+value loaded once for four rows, each accumulator value once for four V rows). Other rows go
+one at a time through a row buffer, as do blocks holding a zero weight (a zero weight never
+meets V).
 
 ``kv`` = (src, offs, sd, code): the rows' array, element offsets and element stride (see
 :mod:`.kv`) and their storage code. int8 rows are read as their integer values: the caller folds
@@ -108,22 +109,38 @@ def _put4(s, at, x0, x1, x2, x3):
 
 
 @njit(**_INLINE)
-def _pv_block(acc, ld, nr, p, lds, pc, kv, c, buf, code):
+def _pv_block(acc, ld, nr, p, lds, pc, kv, c, D, code):
     """acc[r * ld:][:D] += sum over t < 4 of p[r * lds + pc + t] * V[c + t] for r < nr (every
-    weight nonzero): the four V rows converted once into buf[:4], then one pass over each
-    accumulator row (no calls: each row's conversion is one loop of ``code``)."""
+    weight nonzero): four accumulator rows at a time take the four V rows in one pass over d,
+    each V element converted once for the four (their sixteen weights held in registers)."""
     src, offs = kv[0], kv[1]
-    D = buf.shape[1]
-    for t in range(BLOCK):
-        o = np.uint64(offs[c + t])
+    o0, o1, o2, o3 = (np.uint64(offs[c]), np.uint64(offs[c + 1]), np.uint64(offs[c + 2]),
+                      np.uint64(offs[c + 3]))
+    r = 0
+    while r + BLOCK <= nr:
+        w00, w01, w02, w03 = _weights(p, r * lds + pc)
+        w10, w11, w12, w13 = _weights(p, (r + 1) * lds + pc)
+        w20, w21, w22, w23 = _weights(p, (r + 2) * lds + pc)
+        w30, w31, w32, w33 = _weights(p, (r + 3) * lds + pc)
+        a0, a1, a2, a3 = (np.uint64(r * ld), np.uint64((r + 1) * ld), np.uint64((r + 2) * ld),
+                          np.uint64((r + 3) * ld))
         for d in range(D):
-            buf[t, d] = _at(src, o + np.uint64(d), code)
-    for r in range(nr):
-        p0, p1, p2, p3 = _weights(p, r * lds + pc)
-        at = np.uint64(r * ld)
+            i = np.uint64(d)
+            v0, v1, v2, v3 = (_at(src, o0 + i, code), _at(src, o1 + i, code),
+                              _at(src, o2 + i, code), _at(src, o3 + i, code))
+            acc[a0 + i] += w00 * v0 + w01 * v1 + w02 * v2 + w03 * v3
+            acc[a1 + i] += w10 * v0 + w11 * v1 + w12 * v2 + w13 * v3
+            acc[a2 + i] += w20 * v0 + w21 * v1 + w22 * v2 + w23 * v3
+            acc[a3 + i] += w30 * v0 + w31 * v1 + w32 * v2 + w33 * v3
+        r += BLOCK
+    while r < nr:
+        w0, w1, w2, w3 = _weights(p, r * lds + pc)
+        a0 = np.uint64(r * ld)
         for d in range(D):
-            acc[at + np.uint64(d)] += (p0 * buf[0, d] + p1 * buf[1, d] + p2 * buf[2, d]
-                                       + p3 * buf[3, d])
+            i = np.uint64(d)
+            acc[a0 + i] += (w0 * _at(src, o0 + i, code) + w1 * _at(src, o1 + i, code)
+                            + w2 * _at(src, o2 + i, code) + w3 * _at(src, o3 + i, code))
+        r += 1
 
 
 @njit(**_INLINE)
@@ -193,11 +210,11 @@ def stream_pv(acc, ld, nrow, p, lds, kv, c0, nc, buf):
         if kv[2] == 1 and c + BLOCK <= nc and _nonzero(p, lds, nrow, c):
             _prefetch_block(kv, c0 + c, c0 + nc, D)
             if code == CODE_F16:
-                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf, CODE_F16)
+                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, D, CODE_F16)
             elif code == CODE_BF16:
-                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf, CODE_BF16)
+                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, D, CODE_BF16)
             else:
-                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, buf, CODE_F32)
+                _pv_block(acc, ld, nrow, p, lds, c, kv, c0 + c, D, CODE_F32)
             c += BLOCK
             continue
         _row(buf, 0, kv, c0 + c, c0 + nc)
@@ -251,8 +268,8 @@ def unfold_scores(s, lds, nrow, r0, rs, c0, nc, fold):
     for r in range(nrow):
         qco, qsum = fold[FOLD_QCO, r0 + r], fold[FOLD_QSUM, r0 + r]
         for c in range(nc):
-            at = r * lds + c
-            s[at] = rs[KEY, c0 + c] * (s[at] + qco + rs[KEY + 1, c0 + c] * qsum)
+            at, j = np.uint64(r * lds + c), np.uint64(c0 + c)
+            s[at] = rs[KEY, j] * (s[at] + qco + rs[KEY + 1, j] * qsum)
 
 
 @njit(**LEAF)
@@ -266,11 +283,11 @@ def fold_weights(p, lds, nrow, r0, rs, c0, nc, alpha, fold):
         if a != F32_ONE:
             wsum, wto = wsum * a, wto * a
         for c in range(nc):
-            at = r * lds + c
-            w = p[at] * rs[VALUE, c0 + c] if p[at] != F32_ZERO else F32_ZERO
+            at, j = np.uint64(r * lds + c), np.uint64(c0 + c)
+            w = p[at] * rs[VALUE, j] if p[at] != F32_ZERO else F32_ZERO
             p[at] = w
             wsum += w
-            wto += w * rs[VALUE + 1, c0 + c]
+            wto += w * rs[VALUE + 1, j]
         fold[FOLD_W, r0 + r], fold[FOLD_WTO, r0 + r] = wsum, wto
 
 
