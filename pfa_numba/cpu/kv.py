@@ -12,8 +12,7 @@ from numba import njit
 
 from .._core import F32_ONE, F32_ZERO, antiquant
 from .._kernel_args import (P_BLOCK, P_DEQUANT, P_KTOK, P_PREFIX, P_VTOK, S_BLOCK, S_ELEM,
-                            S_HEAD, S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row,
-                            row_offset)
+                            S_HEAD, S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row)
 from ._jit import LEAF
 from ._vector import wide_vectors
 
@@ -73,20 +72,18 @@ def kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs):
 @njit(**LEAF)
 def _own_rows(out, geo, table, block, t, b, j0, nc, head):
     """out[c] = the element offset of own row j0 + c of batch b in tensor t, plus ``head``
-    (kv_row's rows; paged ones walked block by block, no division a row)."""
+    (kv_row's rows): one run of consecutive rows a paged block (all of them without paging),
+    each run one vectorised loop."""
     strides, boff = geo[0], geo[1]
-    if block == 0:
-        first = kv_row(strides, boff, table, 0, t, b, j0) + head
-        for c in range(nc):
-            out[c] = first + c * strides[t, S_ROW]
-        return
-    blk, slot = j0 // block, j0 % block
-    for c in range(nc):
-        out[c] = row_offset(boff[t, b], strides[t, S_ROW], strides[t, S_BLOCK], block,
-                            table[b, blk], slot) + head
-        slot += 1
-        if slot == block:
-            blk, slot = blk + 1, 0
+    step = strides[t, S_ROW]
+    c = 0
+    while c < nc:
+        j = j0 + c
+        n = nc - c if block == 0 else min(nc - c, block - j % block)
+        first = kv_row(strides, boff, table, block, t, b, j) + head
+        for i in range(n):
+            out[np.uint64(c + i)] = first + i * step
+        c += n
 
 
 @njit(**LEAF)
