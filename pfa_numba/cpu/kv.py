@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit
 
 from .._core import F32_ONE, F32_ZERO, antiquant
-from .._kernel_args import (P_BLOCK, P_DEQUANT, P_KTOK, P_PREFIX, P_VTOK, S_BLOCK, S_ELEM,
+from .._kernel_args import (P_BLOCK, P_DEQUANT, P_KTOK, P_PREFIX, P_VTOK, S_ELEM,
                             S_HEAD, S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row)
 from ._jit import LEAF
 from ._vector import wide_vectors
