@@ -37,9 +37,15 @@ def _token(plane, geo, table, t, mode, b, g, j):
     strides, boff, _, params = geo
     if mode == 0:
         return F32_ONE, F32_ZERO
-    off = kv_row(strides, boff, table, params[P_BLOCK] if mode == 2 else 0, t, b, j) \
-        + g * strides[t, S_HEAD]
+    off = kv_row(strides, boff, table, _plane_block(params, mode), t, b, j) + g * strides[t, S_HEAD]
     return plane[off], plane[off + strides[t, S_ELEM]]
+
+
+@njit(**LEAF)
+def _plane_block(params, mode):
+    """The block size kv_row walks a token plane's rows by: the pool's for a plane by paged
+    slot (mode 2), 0 (contiguous rows) for one by row."""
+    return params[P_BLOCK] if mode == 2 else 0
 
 
 @njit(**LEAF)
@@ -95,8 +101,7 @@ def _token_rows(plane, geo, table, t, mode, b, g, j0, nc, offs, rs, row):
             rs[row, c], rs[row + 1, c] = F32_ONE, F32_ZERO
         return
     strides, params = geo[0], geo[3]
-    _own_rows(offs, geo, table, params[P_BLOCK] if mode == 2 else 0, t, b, j0, nc,
-              g * strides[t, S_HEAD])
+    _own_rows(offs, geo, table, _plane_block(params, mode), t, b, j0, nc, g * strides[t, S_HEAD])
     elem = strides[t, S_ELEM]
     for c in range(nc):
         rs[row, c], rs[row + 1, c] = plane[offs[c]], plane[offs[c] + elem]

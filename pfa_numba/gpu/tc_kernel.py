@@ -2,10 +2,11 @@
 
 :func:`tc_kernel_source` returns the ``@cuda.jit`` source for a 16-bit type and a head dim D
 (64 or 128, compile-time); its arguments are the scalar kernels' common ones
-(``kernels.kernel_signature(..., kv_cache=False)``, built by ``_kernel_args.kernel_args``), so every layout (padded or TND), GQA, the masks, pse,
-the lengths and the band reach it through the same ``T_*`` offsets, ``L_*`` lengths and ``P_*``
-/ ``F_*`` slots. Its specification is the NumPy warp model :func:`.warp_model.fa2_block`: the
-loop, the masking order and every lane map (:mod:`.fragments`) are the model's.
+(``kernels.kernel_signature(..., kv_cache=False)``, built by ``_kernel_args.kernel_args``), so
+every layout (padded or TND), GQA, the masks, pse, the lengths and the band reach it through
+the same ``T_*`` offsets, ``L_*`` lengths and ``P_*`` / ``F_*`` slots. Its specification is the
+NumPy warp model :func:`.warp_model.fa2_block`: the loop, the masking order and every lane map
+(:mod:`.fragments`) are the model's.
 
 One block: 4 warps x 16 query rows (64 rows) of one (batch, query head), 128 threads; the grid
 is today's (B x query-row blocks, N). The block's kv columns [jstart, jend) (``block_kv_range``:
@@ -360,8 +361,9 @@ def tc_ptx(kind, d, cc):
     (compiled without a GPU)."""
     from numba import types
     from .kernels import kernel_signature
-    ptx, _ = cuda.compile_ptx(tc_kernel_source(kind, d), kernel_signature(types.uint16, kv_cache=False), cc=cc,
-                              fastmath=False, launch_bounds=(THREADS,))
+    signature = kernel_signature(types.uint16, kv_cache=False)
+    ptx, _ = cuda.compile_ptx(tc_kernel_source(kind, d), signature, cc=cc, fastmath=False,
+                              launch_bounds=(THREADS,))
     return ptx
 
 
