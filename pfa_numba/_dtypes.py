@@ -11,7 +11,7 @@ def is_bf16(dt):
     name (whoever made a bfloat16 array has imported it already), which keeps its import out
     of a fresh process's first call on other dtypes."""
     dt = np.dtype(dt)
-    if dt.name != "bfloat16":
+    if dt.kind != "V" or dt.name != "bfloat16":      # ml_dtypes' types are kind 'V'
         return False
     import ml_dtypes
     return dt == np.dtype(ml_dtypes.bfloat16)

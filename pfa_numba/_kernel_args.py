@@ -7,6 +7,7 @@ per-batch lengths and band edges in ``lens`` (rows ``L_*``), the integer ``param
 ``P_*``; the CPU's tiling slots are 0 on CUDA), the float32 ``fparams`` (slots ``F_*``) and the
 float16-rounded output quantization scales. The CPU and CUDA kernels index them by these names.
 """
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,9 @@ L_QLEN, L_KLEN, L_PRE, L_NEXT, L_ROWS = range(5)
 F_SCALE, F_SCALE2, F_DEQ1, F_SCALE16, F_QS1, F_DEQ2 = range(6)
 
 
+@functools.cache
 def readonly_dummy(dtype):
+    """One read-only zero of ``dtype``, shared: the argument of a tensor a problem lacks."""
     a = np.zeros(1, dtype=dtype)
     a.flags.writeable = False
     return a
@@ -51,11 +54,11 @@ def flat_view(x, storage):
     if x.size == 0:
         return readonly_dummy(storage), 0, (0,) * x.ndim
     it = x.itemsize
-    if any(s % it for s in x.strides) or not x.flags.aligned:
+    if not x.flags.aligned or (not x.flags.c_contiguous and any(s % it for s in x.strides)):
         x = np.ascontiguousarray(x)  # exotic byte strides only; ordinary views never copy
     elements = tuple(s // it for s in x.strides)
     if x.flags.c_contiguous:         # the common case, without as_strided's cost
-        flat = x.reshape(-1).view()
+        flat = x.reshape(-1)
         flat.flags.writeable = False
         return flat, 0, elements
     lo = sum((n - 1) * s for n, s in zip(x.shape, x.strides) if s < 0)
@@ -189,15 +192,26 @@ def _put_token_plane(strides, boff, row, planes, B):
     return flat
 
 
+def _window_steps():
+    """(11, 3) int64: per tensor row T_*, how many of a batch's q_off rows, kv_off rows and
+    kv_off elements its window starts after (see :func:`_shift_windows`)."""
+    steps = np.zeros((11, 3), np.int64)
+    steps[[T_Q, T_O, T_L], 0] = 1
+    steps[[T_K, T_V, T_KT, T_VT], 1] = 1
+    steps[[T_M, T_P], 0] = steps[[T_M, T_P], 2] = 1
+    return steps
+
+
+_WINDOW_STEPS = _window_steps()
+
+
 def _shift_windows(strides, boff, B, q_off, kv_off):
     """Left padding: batch b's query, output and lse rows start at q_off[b], its contiguous kv
     rows at kv_off[b]; its mask and pse are read at the same physical rows and columns."""
-    for t in (T_Q, T_O, T_L):
-        boff[t, :B] += q_off * strides[t, S_ROW]
-    for t in (T_K, T_V, T_KT, T_VT):
-        boff[t, :B] += kv_off * strides[t, S_ROW]
-    for t in (T_M, T_P):
-        boff[t, :B] += q_off * strides[t, S_ROW] + kv_off * strides[t, S_ELEM]
+    if not (q_off.any() or kv_off.any()):
+        return
+    steps = _WINDOW_STEPS * strides[:, [S_ROW, S_ROW, S_ELEM]]
+    boff[:, :B] += steps @ np.stack([q_off, kv_off, kv_off])
 
 
 def scale_factors(scale):
@@ -277,7 +291,7 @@ def kernel_args(p, out, lse, flags=False, rows=0, cols=0, threads=0, sub=0, seg=
     rows_b = np.full(p.B, p.Sq, np.int64) if not p.packed else p.qlen
     if cache is not None:
         rows_b = rows_b - p.q_off                    # the frame's rows from the window on
-    lens = np.stack([p.qlen, p.klen, p.pre_e, p.next_e, rows_b]).astype(np.int64)
+    lens = np.array([p.qlen, p.klen, p.pre_e, p.next_e, rows_b], np.int64)
     s1, s2, post = scale_factors(p.scale)
     params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None, p.inner_precise,
                        p.want_lse, rows, cols, threads,

@@ -1,5 +1,4 @@
-"""Every user-facing error of prompt_flash_attention (docs/contract.md, section 10), and
-nothing else.
+"""Every user-facing error of prompt_flash_attention (docs/contract.md, section 10), only those.
 
 One entry point, :func:`validate`, takes a :class:`Call` (the arguments by name) and returns a
 :class:`ValidCall` or raises. Each check names the argument and the value received, and raises
@@ -9,8 +8,8 @@ RuntimeError for the shape and argument rules the Ascend kernel enforces. Checks
 ``assert`` (it vanishes under -O).
 """
 import dataclasses
+import math
 import numbers
-import operator
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -50,18 +49,18 @@ def shape_str(shape):
 
 def check_int(name, value):
     """A Python int or NumPy integer (never bool), within int64; returned as a Python int."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
+    if type(value) is not int and (isinstance(value, (bool, np.bool_))    # ints skip the ABCs
+                                   or not isinstance(value, (numbers.Integral, np.integer))):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
-    value = operator.index(value)
+    value = int(value)            # exact: value is an Integral
     if not INT64_MIN <= value <= INT64_MAX:
         raise ValueError(f"{name} must fit in int64, got {value}")
     return value
 
 
 def check_scale_value(value, name="scale_value"):
-    if (isinstance(value, (bool, np.bool_))
-            or not isinstance(value, (numbers.Real, np.integer, np.floating))
-            or isinstance(value, (complex, np.complexfloating))):
+    if type(value) is not float and (isinstance(value, (bool, np.bool_))  # floats skip the ABCs
+                                     or not isinstance(value, numbers.Real)):  # NumPy's too
         raise TypeError(f"{name} must be a real number (int or float), got "
                         f"{type(value).__name__}: {value!r}")
     try:
@@ -69,7 +68,7 @@ def check_scale_value(value, name="scale_value"):
     except OverflowError:
         raise ValueError(f"{name} must be finite, got an int beyond the float range: "
                          f"{value}") from None
-    if not np.isfinite(value):
+    if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
 
@@ -174,11 +173,13 @@ def _plain(name, x):
     """An ndarray subclass as a plain ndarray over the same memory (np.matrix, np.memmap, ...:
     their own indexing rules must not reach the kernels); a masked array is refused (its mask
     would be silently dropped: pass attn_mask instead). Anything else is returned as it is."""
+    if x is None or type(x) is np.ndarray:           # the common cases, quickly
+        return x
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(f"{name} must be a plain NumPy array, got a masked array "
                         f"(np.ma.MaskedArray of shape {shape_str(x.shape)}); pass the positions "
                         f"to drop as attn_mask")
-    if isinstance(x, np.ndarray) and type(x) is not np.ndarray:
+    if isinstance(x, np.ndarray):
         return x.view(np.ndarray)
     return x
 
@@ -203,8 +204,7 @@ def check_rank(name, x, layout):
 
 
 def check_seq_lengths(name, value, batch, max_len):
-    """actual_seq_lengths(_kv) for the padded layouts (contract 'Lengths'): an int64 array of length
-    B."""
+    """actual_seq_lengths(_kv) of the padded layouts (contract 'Lengths'): int64, length B."""
     if value is None:
         return np.full(batch, max_len, dtype=np.int64)
     arr = _int_vector(name, value)

@@ -103,8 +103,9 @@ def _host(call):
     of a CUDA query stay where they are (:class:`.gpu.arrays.Staged` makes them readable)."""
     on_cuda = V.is_cuda_array(call.query)
     arrays = {}
-    for field in dataclasses.fields(call):
-        name, x = field.name, getattr(call, field.name)
+    for name, x in vars(call).items():
+        if x is None or isinstance(x, (int, float, str)):       # most arguments, quickly
+            continue
         if isinstance(x, (list, tuple)) and name in ("key", "value"):
             arrays[name] = type(x)(_host_element(f"{name}[{i}]", e, on_cuda)
                                    for i, e in enumerate(x))

@@ -13,6 +13,9 @@ from ._jit import LEAF
 #: [lo, hi) it computes (all of its band: 0, BAND_INF); the slot of its partial result when
 #: it is one piece of a split item (see :mod:`.split_kv`), else -1.
 W_B, W_G, W_I0, W_JLO, W_JHI, W_SLOT = range(6)
+#: A tile cut to a short kv sequence keeps a multiple of this many columns (whole 64-column
+#: register-block panels).
+_COLS_STEP = 64
 
 
 @njit(cache=True)
@@ -59,25 +62,33 @@ def _segment(params, lens, b, i0, i1, j0, j1, r0, R, align):
 def _work_items(p, rows_per_head):
     """The work array (columns W_*) of whole items, one for every (b, kv head, i0) block with
     rows to compute, most expensive first."""
-    tiles = -(-p.qlen // rows_per_head)
-    b = np.repeat(np.arange(p.B, dtype=np.int64), tiles)
-    first = np.repeat(np.cumsum(tiles) - tiles, tiles)
-    i0 = (np.arange(b.size, dtype=np.int64) - first) * rows_per_head
-    # estimated cost: band columns of the block
-    i1 = np.minimum(i0 + rows_per_head, p.qlen[b])
-    lo = np.maximum(i0 - p.pre_e[b], 0)
-    hi = np.minimum(i1 - 1 + p.next_e[b] + 1, p.klen[b])
-    cost = np.maximum(hi - lo, 0) * (i1 - i0)
-    order = np.argsort(-cost, kind="stable")
-    b, i0 = b[order], i0[order]
-    g = np.arange(p.Nkv, dtype=np.int64)
-    work = np.empty((b.size * p.Nkv, 6), np.int64)
-    work[:, W_B] = np.repeat(b, p.Nkv)
-    work[:, W_G] = np.tile(g, b.size)
-    work[:, W_I0] = np.repeat(i0, p.Nkv)
-    work[:, W_JLO] = 0
-    work[:, W_JHI] = BAND_INF
-    work[:, W_SLOT] = -1
+    return _items_by_cost(p.qlen, p.klen, p.pre_e, p.next_e, rows_per_head, p.Nkv)
+
+
+@njit(cache=True)
+def _items_by_cost(qlen, klen, pre_e, next_e, rows_per_head, nkv):
+    """:func:`_work_items` of the int64 per-batch lengths and band edges; a block's estimated
+    cost is its band columns times its rows, ties in (b, i0) order."""
+    n = 0
+    for b in range(qlen.shape[0]):
+        n += -(-qlen[b] // rows_per_head)
+    blocks = np.empty((n, 2), np.int64)
+    cost = np.empty(n, np.int64)
+    x = 0
+    for b in range(qlen.shape[0]):
+        for i0 in range(0, qlen[b], rows_per_head):
+            i1 = min(i0 + rows_per_head, qlen[b])
+            lo = max(i0 - pre_e[b], 0)
+            hi = min(i1 + next_e[b], klen[b])
+            blocks[x, 0], blocks[x, 1] = b, i0
+            cost[x] = -max(hi - lo, 0) * (i1 - i0)
+            x += 1
+    work = np.empty((n * nkv, 6), np.int64)
+    for r, x in enumerate(np.argsort(cost, kind="mergesort")):
+        for g in range(nkv):
+            row = work[r * nkv + g]
+            row[W_B], row[W_G], row[W_I0] = blocks[x, 0], g, blocks[x, 1]
+            row[W_JLO], row[W_JHI], row[W_SLOT] = 0, BAND_INF, -1
     return work
 
 
@@ -93,6 +104,11 @@ def tile_shape(p):
         band_tile = max(int(config.CPU_BAND_TILE_MIN), width // int(config.CPU_BAND_TILE_DIV))
         q_rows = min(q_rows, band_tile * max(1, int(config.CPU_BAND_Q_TILES)))
         kv_cols = min(kv_cols, band_tile)
+    # no larger than the problem: the kernels' buffers are sized by the tiles, and a decode
+    # step (one query row) would otherwise fill a prefill-sized buffer every call
+    if p.B:
+        q_rows = min(q_rows, p.G * max(1, int(p.qlen.max())))
+        kv_cols = min(kv_cols, -(-max(1, int(p.klen.max())) // _COLS_STEP) * _COLS_STEP)
     return q_rows, kv_cols
 
 
