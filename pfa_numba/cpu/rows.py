@@ -12,7 +12,7 @@ from .._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, 
 from .._kernel_args import (L_KLEN, L_NEXT, L_PRE, P_CODE, P_G, P_MASK, P_PSE, P_SCALE_EXP,
                             T_L, T_M, T_O, T_P)
 from ._gemm import PANEL
-from ._jit import LEAF
+from ._jit import LEAF, LEAF_INLINE
 from ._vector import (bf16_bits_hw, f16_bits_to_f32_hw, f32_to_f16_bits_hw, host_has, prefetch,
                       wide_vectors)
 from .kv import KEY, load_dequant_row
@@ -288,7 +288,7 @@ def _softmax_rows(s2, p3, keys, seg, item, extras, geo, state, scale):
 _PF_ROWS = 8          # K / V rows are prefetched this many rows ahead of their load
 
 
-@njit(**LEAF)
+@njit(**LEAF_INLINE)
 def _prefetch_row(src, off, n):
     """Prefetch the cache lines of src[off:off + n] (a K or V row: rows of one head lie N * D
     apart in BSH / BSND inputs, too far for the hardware prefetcher)."""

@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit
 
 from .._core import CODE_BF16, CODE_F16, CODE_F32, F32_ONE, F32_ZERO, bf16_to_f32
-from ._jit import LEAF
+from ._jit import LEAF, LEAF_INLINE
 from ._vector import wide_vectors
 from .kv import KEY, VALUE
 from .rows import _PF_ROWS, _f16_to_f32, _load_row, _prefetch_row
@@ -36,10 +36,9 @@ def _row(buf, t, kv, c, nc):
 
 #: the register blocks: 4 K / V rows against 4 query rows (16 float32 vector accumulators)
 BLOCK = 4
-_INLINE = dict(LEAF, inline="always")
 
 
-@njit(**_INLINE)
+@njit(**LEAF_INLINE)
 def _at(src, i, code):
     """Element i of a K / V row as float32; the callers pass code as a constant, so each loop
     below compiles to one conversion."""
@@ -50,7 +49,7 @@ def _at(src, i, code):
     return np.float32(src[i])
 
 
-@njit(**_INLINE)
+@njit(**LEAF_INLINE)
 def _scores_block(s, lds, sc, q2, r0, nr, kv, c, code):
     """s[r * lds + sc + t] = q2[r0 + r] . K[c + t] for t < 4, r < nr: K rows read once from
     the cache (converted in the product, no row buffer), four query rows at a time."""
@@ -100,7 +99,7 @@ def _scores_block(s, lds, sc, q2, r0, nr, kv, c, code):
         r += BLOCK
 
 
-@njit(**_INLINE)
+@njit(**LEAF_INLINE)
 def _put4(s, at, x0, x1, x2, x3):
     s[at] = x0
     s[at + 1] = x1
@@ -108,7 +107,7 @@ def _put4(s, at, x0, x1, x2, x3):
     s[at + 3] = x3
 
 
-@njit(**_INLINE)
+@njit(**LEAF_INLINE)
 def _pv_block(acc, ld, nr, p, lds, pc, kv, c, D, code):
     """acc[r * ld:][:D] += sum over t < 4 of p[r * lds + pc + t] * V[c + t] for r < nr (every
     weight nonzero): four accumulator rows at a time take the four V rows in one pass over d,
@@ -143,12 +142,12 @@ def _pv_block(acc, ld, nr, p, lds, pc, kv, c, D, code):
         r += 1
 
 
-@njit(**_INLINE)
+@njit(**LEAF_INLINE)
 def _weights(p, at):
     return p[at], p[at + 1], p[at + 2], p[at + 3]
 
 
-@njit(**_INLINE)
+@njit(**LEAF_INLINE)
 def _nonzero(p, lds, nr, c):
     """Whether the weights of columns c .. c + 3 are nonzero in every row."""
     for r in range(nr):
@@ -158,7 +157,7 @@ def _nonzero(p, lds, nr, c):
     return True
 
 
-@njit(**_INLINE)
+@njit(**LEAF_INLINE)
 def _prefetch_block(kv, c, nc, D):
     """Prefetch the rows _PF_ROWS ahead of block c (paged rows jump from block to block, where
     the hardware prefetcher starts over)."""
