@@ -1,0 +1,59 @@
+"""Work items of the CPU kernels: every (batch, kv head, query block) once, most expensive
+first; tiles no larger than the problem."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from pfa_numba import config
+from pfa_numba._band import BAND_INF
+from pfa_numba.cpu.items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, _work_items, tile_shape
+
+
+def _problem(rng, B, Nkv=2, G=4):
+    edge = lambda: np.where(rng.random(B) < 0.5, BAND_INF,
+                            rng.integers(-3, 60, B)).astype(np.int64)
+    return SimpleNamespace(B=B, Nkv=Nkv, G=G, qlen=rng.integers(0, 90, B).astype(np.int64),
+                           klen=rng.integers(0, 200, B).astype(np.int64), pre_e=edge(),
+                           next_e=edge())
+
+
+def _expected_blocks(p, rows):
+    """[(cost, b, i0)] of every query block, cost = kept band columns x rows, in (b, i0) order."""
+    blocks = []
+    for b in range(p.B):
+        for i0 in range(0, int(p.qlen[b]), rows):
+            i1 = min(i0 + rows, int(p.qlen[b]))
+            lo = max(i0 - int(p.pre_e[b]), 0)
+            hi = min(i1 - 1 + int(p.next_e[b]) + 1, int(p.klen[b]))
+            blocks.append((max(hi - lo, 0) * (i1 - i0), b, i0))
+    return blocks
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_block_once_most_expensive_first(seed):
+    rng = np.random.default_rng(seed)
+    p = _problem(rng, int(rng.integers(0, 6)), Nkv=int(rng.integers(1, 4)))
+    rows = int(rng.integers(1, 40))
+    work = _work_items(p, rows)
+    blocks = _expected_blocks(p, rows)
+    order = sorted(range(len(blocks)), key=lambda x: -blocks[x][0])    # stable: ties in order
+    want = [(blocks[x][1], g, blocks[x][2]) for x in order for g in range(p.Nkv)]
+    assert work.dtype == np.int64 and work.shape == (len(want), 6)
+    assert [tuple(r) for r in work[:, [W_B, W_G, W_I0]].tolist()] == want
+    assert (work[:, W_JLO] == 0).all() and (work[:, W_JHI] == BAND_INF).all()
+    assert (work[:, W_SLOT] == -1).all()
+
+
+def test_tiles_are_cut_to_a_short_problem(monkeypatch):
+    monkeypatch.setattr(config, "CPU_Q_ROWS", 1024)
+    monkeypatch.setattr(config, "CPU_KV_COLS", 512)
+    inf = np.full(2, BAND_INF, np.int64)
+    decode = SimpleNamespace(B=2, G=4, qlen=np.array([1, 1]), klen=np.array([16, 100]),
+                             pre_e=inf, next_e=inf)
+    assert tile_shape(decode) == (4, 128)           # G rows of one position; 100 -> 128 columns
+    long = SimpleNamespace(B=1, G=4, qlen=np.array([3000]), klen=np.array([9000]), pre_e=inf[:1],
+                           next_e=inf[:1])
+    assert tile_shape(long) == (1024, 512)
+    monkeypatch.setattr(config, "CPU_KV_COLS", 7)    # an odd configured tile is kept
+    assert tile_shape(decode) == (4, 7)
