@@ -192,26 +192,17 @@ def _put_token_plane(strides, boff, row, planes, B):
     return flat
 
 
-def _window_steps():
-    """(11, 3) int64: per tensor row T_*, how many of a batch's q_off rows, kv_off rows and
-    kv_off elements its window starts after (see :func:`_shift_windows`)."""
-    steps = np.zeros((11, 3), np.int64)
-    steps[[T_Q, T_O, T_L], 0] = 1
-    steps[[T_K, T_V, T_KT, T_VT], 1] = 1
-    steps[[T_M, T_P], 0] = steps[[T_M, T_P], 2] = 1
-    return steps
-
-
-_WINDOW_STEPS = _window_steps()
-
-
 def _shift_windows(strides, boff, B, q_off, kv_off):
     """Left padding: batch b's query, output and lse rows start at q_off[b], its contiguous kv
     rows at kv_off[b]; its mask and pse are read at the same physical rows and columns."""
     if not (q_off.any() or kv_off.any()):
         return
-    steps = _WINDOW_STEPS * strides[:, [S_ROW, S_ROW, S_ELEM]]
-    boff[:, :B] += steps @ np.stack([q_off, kv_off, kv_off])
+    for t in (T_Q, T_O, T_L):
+        boff[t, :B] += q_off * strides[t, S_ROW]
+    for t in (T_K, T_V, T_KT, T_VT):
+        boff[t, :B] += kv_off * strides[t, S_ROW]
+    for t in (T_M, T_P):
+        boff[t, :B] += q_off * strides[t, S_ROW] + kv_off * strides[t, S_ELEM]
 
 
 def scale_factors(scale):

@@ -7,15 +7,13 @@ from .._band import BAND_INF, block_kv_range, tile_inside_band
 from .._kernel_args import (L_KLEN, L_NEXT, L_PRE, L_QLEN, P_COLS, P_D, P_G, P_ROWS, P_SEG, P_SUB,
                             P_THREADS)
 from ._amx import BLOCK
+from ._gemm import PANEL
 from ._jit import LEAF
 
 #: Columns of a row of the work array: batch, kv head, first query position; the kv columns
 #: [lo, hi) it computes (all of its band: 0, BAND_INF); the slot of its partial result when
 #: it is one piece of a split item (see :mod:`.split_kv`), else -1.
 W_B, W_G, W_I0, W_JLO, W_JHI, W_SLOT = range(6)
-#: A tile cut to a short kv sequence keeps a multiple of this many columns (whole 64-column
-#: register-block panels).
-_COLS_STEP = 64
 
 
 @njit(cache=True)
@@ -78,8 +76,7 @@ def _items_by_cost(qlen, klen, pre_e, next_e, rows_per_head, nkv):
     for b in range(qlen.shape[0]):
         for i0 in range(0, qlen[b], rows_per_head):
             i1 = min(i0 + rows_per_head, qlen[b])
-            lo = max(i0 - pre_e[b], 0)
-            hi = min(i1 + next_e[b], klen[b])
+            lo, hi = block_kv_range(i0, i1, pre_e[b], next_e[b], klen[b])
             blocks[x, 0], blocks[x, 1] = b, i0
             cost[x] = -max(hi - lo, 0) * (i1 - i0)
             x += 1
@@ -104,11 +101,12 @@ def tile_shape(p):
         band_tile = max(int(config.CPU_BAND_TILE_MIN), width // int(config.CPU_BAND_TILE_DIV))
         q_rows = min(q_rows, band_tile * max(1, int(config.CPU_BAND_Q_TILES)))
         kv_cols = min(kv_cols, band_tile)
-    # no larger than the problem: the kernels' buffers are sized by the tiles, and a decode
-    # step (one query row) would otherwise fill a prefill-sized buffer every call
+    # no larger than the problem (kv columns in whole register-block panels): the kernels'
+    # buffers are sized by the tiles, and a decode step (one query row) would otherwise fill a
+    # prefill-sized buffer every call
     if p.B:
         q_rows = min(q_rows, p.G * max(1, int(p.qlen.max())))
-        kv_cols = min(kv_cols, -(-max(1, int(p.klen.max())) // _COLS_STEP) * _COLS_STEP)
+        kv_cols = min(kv_cols, -(-max(1, int(p.klen.max())) // PANEL) * PANEL)
     return q_rows, kv_cols
 
 
