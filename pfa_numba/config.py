@@ -43,13 +43,15 @@ CPU_AVX512_GEMM = True
 
 #: Split-kv: a call with fewer work items than this many per thread (decode at a small batch)
 #: cuts each item's kv range into pieces computed in parallel, then merged exactly. More than 1
-#: merges work that equal items already balance (docs/tuning.md).
+#: merges work that equal items already balance (docs/tuning.md). Streaming items run their kv
+#: heads together in as many runs as this asks for (0: every kv head of a block in one run).
 CPU_SPLIT_KV_ITEMS = 1
 #: Fewest kv columns of a split-kv piece: a shorter one costs more in merging than it saves.
 CPU_SPLIT_KV_MIN_COLS = 256
 
 #: Work items of at most this many rows (decode: the G query heads of one position) stream each
-#: K and V row once from the cache instead of packing tiles (cpu/stream.py; docs/tuning.md).
+#: K and V row once from the cache instead of packing tiles, several kv heads a tile at once
+#: (cpu/stream.py, cpu/items.kv_head_runs; docs/tuning.md).
 CPU_STREAM_ROWS = 16
 
 #: Numba threads used by one call (None: numba.get_num_threads() at call time).

@@ -52,11 +52,14 @@ def _qkv(rng, layout, dtype, sq, skv, b=B):
     return _x(rng, shapes[0], dtype), _x(rng, shapes[1], dtype), _x(rng, shapes[1], dtype)
 
 
-@pytest.fixture(params=["default tiles", "small tiles"])
+@pytest.fixture(params=["default tiles", "small tiles", "kv heads in one run"])
 def tiles(request, monkeypatch):
     if request.param == "small tiles":
         monkeypatch.setattr(config, "CPU_Q_ROWS", 12)
         monkeypatch.setattr(config, "CPU_KV_COLS", 7)
+    if request.param == "kv heads in one run":     # decode items: every kv head together
+        monkeypatch.setattr(config, "CPU_SPLIT_KV_ITEMS", 0)
+        monkeypatch.setattr(config, "CPU_KV_COLS", 24)
     return request.param
 
 

@@ -7,7 +7,8 @@ import pytest
 
 from pfa_numba import config
 from pfa_numba._band import BAND_INF
-from pfa_numba.cpu.items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, _work_items, tile_shape
+from pfa_numba.cpu.items import (W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, _work_items, kv_head_runs,
+                                 tile_shape)
 
 
 def _problem(rng, B, Nkv=2, G=4):
@@ -57,3 +58,22 @@ def test_tiles_are_cut_to_a_short_problem(monkeypatch):
     assert tile_shape(long) == (1024, 512)
     monkeypatch.setattr(config, "CPU_KV_COLS", 7)    # an odd configured tile is kept
     assert tile_shape(decode) == (4, 7)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_streaming_items_run_their_kv_heads_together(seed):
+    """A run is up to ``most`` kv heads of one block of at most stream_rows rows (in order);
+    every other item is a run of its own."""
+    rng = np.random.default_rng(seed)
+    p = _problem(rng, int(rng.integers(1, 6)), Nkv=int(rng.integers(1, 4)))
+    rows, stream_rows = int(rng.integers(1, 12)), int(rng.integers(0, 20))
+    most = int(rng.integers(1, 5))
+    work = _work_items(p, rows)
+    runs = kv_head_runs(work, p.qlen, p.G, rows, stream_rows, most)
+    want = [0]
+    for x in range(0, work.shape[0], p.Nkv):
+        b, i0 = work[x, W_B], work[x, W_I0]
+        streams = p.G * (min(i0 + rows, p.qlen[b]) - i0) <= stream_rows
+        ends = range(x + most, x + p.Nkv, most) if streams else range(x + 1, x + p.Nkv)
+        want += list(ends) + [x + p.Nkv]
+    assert runs.dtype == np.int64 and runs.tolist() == want

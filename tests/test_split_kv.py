@@ -15,9 +15,9 @@ def _record_splits(monkeypatch):
     seen = []
 
     def recording(*args):
-        work, groups = split_kv.split_work(*args)
+        work, groups, runs = split_kv.split_work(*args)
         seen.append((work.shape[0], groups.shape[0]))
-        return work, groups
+        return work, groups, runs
     monkeypatch.setattr(driver, "split_work", recording)
     return seen
 
@@ -89,7 +89,9 @@ def test_pieces_tile_each_items_band_exactly(monkeypatch):
     inf = 1 << 62
     p = _Problem(qlen=[1, 1, 1], klen=[1000, 150, 5000], pre_e=[inf] * 3, next_e=[inf, inf, 700])
     work = np.array([[b, 0, 0, 0, inf, -1] for b in range(3)], np.int64)
-    out, groups = split_kv.split_work(p, work, 1, 2)
+    runs = np.arange(4)
+    out, groups, out_runs = split_kv.split_work(p, work, runs, 1, 2)
+    assert out_runs.tolist() == list(range(out.shape[0] + 1))      # one item a run
     assert groups.shape[0] == 2                       # batch 1: 150 columns, too short to cut
     assert out[out[:, 0] == 1, W_SLOT].tolist() == [-1]
     for (b, _, _, slot0, n), (lo, hi) in zip(groups, [(0, 1000), (0, 701)]):
@@ -100,5 +102,28 @@ def test_pieces_tile_each_items_band_exactly(monkeypatch):
         assert n == 3 and (mine[:, W_JHI] > mine[:, W_JLO]).all()
     # enough items per thread (3 >= 1 x 2): nothing is cut
     monkeypatch.setattr(config, "CPU_SPLIT_KV_ITEMS", 1)
-    same, none = split_kv.split_work(p, work, 1, 2)
-    assert none.shape[0] == 0 and same is work
+    same, none, same_runs = split_kv.split_work(p, work, runs, 1, 2)
+    assert none.shape[0] == 0 and same is work and same_runs is runs
+
+
+def test_a_run_of_kv_heads_is_cut_into_runs_of_the_same_pieces(monkeypatch):
+    """Both kv heads of one decode block run together: each piece is one run of the two
+    heads' pieces over the same columns; each head's pieces take consecutive slots."""
+    monkeypatch.setattr(config, "CPU_SPLIT_KV_ITEMS", 3)
+    monkeypatch.setattr(config, "CPU_SPLIT_KV_MIN_COLS", 100)
+    inf = 1 << 62
+    p = _Problem(qlen=[1], klen=[1000], pre_e=[inf], next_e=[inf])
+    work = np.array([[0, g, 0, 0, inf, -1] for g in range(2)], np.int64)
+    out, groups, runs = split_kv.split_work(p, work, np.array([0, 2]), 1, 2)
+    assert groups.tolist() == [[0, 0, 0, 0, 6], [0, 1, 0, 6, 6]]
+    assert runs.tolist() == list(range(0, 13, 2))
+    for a, z in zip(runs[:-1], runs[1:]):
+        piece = out[a:z]
+        assert piece[:, 1].tolist() == [0, 1]
+        assert (piece[:, W_JLO] == piece[0, W_JLO]).all()
+        assert (piece[:, W_JHI] == piece[0, W_JHI]).all()
+    for g, (_, _, _, slot0, n) in enumerate(groups):
+        mine = out[out[:, 1] == g]
+        assert mine[:, W_SLOT].tolist() == list(range(slot0, slot0 + n))
+        assert mine[0, W_JLO] == 0 and mine[-1, W_JHI] == 1000
+        assert (mine[1:, W_JLO] == mine[:-1, W_JHI]).all()

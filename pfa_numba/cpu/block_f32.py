@@ -140,56 +140,90 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _block_stream(ins, extras, geo, scales, item, span, bufs, state, fold):
-    """:func:`_block` for an item of at most params[P_STREAM] rows (decode): its products read
-    each K and V row once, straight from the cache (see :mod:`.stream`), instead of packing
-    tiles that few rows would then read. int8 rows are read as integers, their dequantization
-    folded into the query rows, the scores, the weights and the final sums (fold: the rows'
-    sums, see :func:`.stream.fold_query`)."""
-    q, k, v = ins[0], ins[1], ins[2]
-    kp, vp, channel = ins[3], ins[4], ins[6]
-    cache = ins[3:]
-    strides, boff, lens, params = geo
-    b, g, i0 = item
-    qb, sb, tb, acc, kb, vb, kx, ro, rs = bufs
-    D, tk, kvcode = params[P_D], params[P_COLS], params[P_KVCODE]
-    dequant = params[P_DEQUANT] != 0
+def _block_stream(ins, extras, geo, scales, run, span, heads, bufs):
+    """:func:`_block` for the items of a run (run = (b, g0, i0, nh): kv heads g0 .. g0 + nh - 1
+    of one block, see items.kv_head_runs) of at most params[P_STREAM] rows each (decode): each
+    kv tile is taken for every head in turn, its products reading each K and V row once,
+    straight from the cache (see :mod:`.stream`), instead of packing tiles that few rows would
+    then read. int8 rows are read as integers, their dequantization folded into the query
+    rows, the scores, the weights and the final sums (see :func:`.stream.fold_query`). Each
+    head's rows, sums and state are its part of ``heads`` (:func:`_head`); returns (i1,
+    whether any kv column was visited)."""
+    q, channel = ins[0], ins[6]
+    lens, params = geo[2], geo[3]
+    b, g0, i0, nh = run
+    D = params[P_D]
     ldv = f32_widths(params)[0]
+    dequant = params[P_DEQUANT] != 0
     i1, R, jstart, jend = _item(params, lens, b, i0)
     jstart, jend = max(jstart, span[0]), min(jend, span[1])
+    if jstart >= jend:
+        return i1, False
+    for hh in range(nh):
+        q2, acc, state, fold = _head(heads, hh, R, D, ldv)
+        start_rows(q, geo, scales, (b, g0 + hh, i0), R, q2.reshape(-1), acc, state)
+        if dequant:
+            fold_query(q2, R, channel[KEY], channel[KEY + 1], (g0 + hh) * D, fold)
     no_p3 = np.empty((1, 2, 1), np.uint16)        # the in-place softmax writes no bf16 parts
+    j1 = jstart
+    while j1 < jend:
+        j0 = j1
+        j1 = kv_tile_end(params, j0, params[P_COLS], jend)
+        for hh in range(nh):
+            _stream_tile(ins, extras, geo, (b, g0 + hh, i0), (i1, R, j0, j1),
+                         _head(heads, hh, R, D, ldv), bufs, no_p3)
+    if dequant:
+        for hh in range(nh):
+            _, acc, _, fold = _head(heads, hh, R, D, ldv)
+            unfold_values(acc, ldv, R, D, channel[VALUE], channel[VALUE + 1], (g0 + hh) * D,
+                          fold)
+    return i1, True
+
+
+@njit(cache=True)
+def _head(heads, hh, R, D, ldv):
+    """Head hh's part of a run's buffers heads = (q, acc, m, l, alpha, fold) for items of R
+    rows: (query rows (R, D), sums (R rows of ldv), state (m, l, alpha), int8 sums (4, R))."""
+    q, acc, m, l, alpha, fold = heads
+    r = hh * R
+    return (q[r * D:(r + R) * D].reshape(R, D), acc[r * ldv:(r + R) * ldv],
+            (m[r:r + R], l[r:r + R], alpha[r:r + R]), fold[:, r:r + R])
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _stream_tile(ins, extras, geo, item, tile, head, bufs, no_p3):
+    """Kv tile tile = (i1, R, j0, j1) of streaming item ``item`` (b, g, i0) on its part of the
+    run's buffers, head = (query rows, sums, state, int8 sums): scores, softmax, P V (no_p3:
+    the bf16 parts the in-place softmax does not write)."""
+    k, v, kp, vp = ins[1], ins[2], ins[3], ins[4]
+    params = geo[3]
+    b, g, i0 = item
+    i1, R, j0, j1 = tile
+    q2, acc, state, fold = head
+    sb, kb, kx, ro, rs = bufs[1], bufs[4], bufs[6], bufs[7], bufs[8]
+    D, kvcode = params[P_D], params[P_KVCODE]
+    dequant = params[P_DEQUANT] != 0
+    ldv = f32_widths(params)[0]
     buf = kb[:D].reshape(1, D)                    # a K / V row the products take one at a time
-    if jstart < jend:
-        start_rows(q, geo, scales, item, R, qb, acc, state)
-        q2 = qb[:R * D].reshape(R, D)
-        if dequant:
-            fold_query(q2, R, channel[KEY], channel[KEY + 1], g * D, fold)
-        j1 = jstart
-        while j1 < jend:
-            j0 = j1
-            j1 = kv_tile_end(params, j0, tk, jend)
-            prefix, sdk, sdv = kv_tile_rows(cache, geo, b, g, j0, j1 - j0, ro, rs)
-            keys = (kp if prefix else k, ro[0], sdk, kvcode)
-            values = (vp if prefix else v, ro[1], sdv, kvcode)
-            r0 = 0
-            while r0 < R:
-                r1, cl, ch, inside = _segment(params, lens, b, i0, i1, j0, j1, r0, R, 1)
-                ns, nrow = ch - cl, r1 - r0
-                if ns > 0:
-                    stream_scores(sb, ns, q2, r0, nrow, keys, cl - j0, ns, buf)
-                    if dequant:
-                        unfold_scores(sb, ns, nrow, r0, rs, cl - j0, ns, fold)
-                    _softmax_rows(sb[:nrow * ns].reshape(nrow, ns), no_p3, kx[:0],
-                                  (r0, r1, ns, cl, inside, False, False), item, extras, geo,
-                                  state, F32_ONE)
-                    _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, state[2][r0:])
-                    if dequant:
-                        fold_weights(sb, ns, nrow, r0, rs, cl - j0, ns, state[2], fold)
-                    stream_pv(acc[r0 * ldv:], ldv, nrow, sb, ns, values, cl - j0, ns, buf)
-                r0 = r1
-        if dequant:
-            unfold_values(acc, ldv, R, D, channel[VALUE], channel[VALUE + 1], g * D, fold)
-    return i1, jstart < jend
+    prefix, sdk, sdv = kv_tile_rows(ins[3:], geo, b, g, j0, j1 - j0, ro, rs)
+    keys = (kp if prefix else k, ro[0], sdk, kvcode)
+    values = (vp if prefix else v, ro[1], sdv, kvcode)
+    r0 = 0
+    while r0 < R:
+        r1, cl, ch, inside = _segment(params, geo[2], b, i0, i1, j0, j1, r0, R, 1)
+        ns, nrow = ch - cl, r1 - r0
+        if ns > 0:
+            stream_scores(sb, ns, q2, r0, nrow, keys, cl - j0, ns, buf)
+            if dequant:
+                unfold_scores(sb, ns, nrow, r0, rs, cl - j0, ns, fold)
+            _softmax_rows(sb[:nrow * ns].reshape(nrow, ns), no_p3, kx[:0],
+                          (r0, r1, ns, cl, inside, False, False), item, extras, geo, state,
+                          F32_ONE)
+            _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, state[2][r0:])
+            if dequant:
+                fold_weights(sb, ns, nrow, r0, rs, cl - j0, ns, state[2], fold)
+            stream_pv(acc[r0 * ldv:], ldv, nrow, sb, ns, values, cl - j0, ns, buf)
+        r0 = r1
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -282,41 +316,69 @@ def _f32_buffers(params):
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work, params,
-               scales, parts, cache):
-    """Run every work item. Each of the nthr threads takes the next item not yet taken whenever
-    it is free (items are sorted by cost, most expensive first), so a thread that runs slower,
-    on a core shared with other work, takes fewer items instead of holding the call up.
-    Pieces of split items (see split_kv) leave their state in ``parts`` for
-    :func:`_merge_split`; cache = (kp, vp, table, channel, ktok, vtok), see :mod:`.kv`."""
-    D, rows, tk, nthr, n_items = _sizes(params, work)
+               scales, parts, cache, runs):
+    """Run every work item. Each of the nthr threads takes the next run of items
+    (items.kv_head_runs) not yet taken whenever it is free (runs are sorted by cost, most
+    expensive first), so a thread that runs slower, on a core shared with other work, takes
+    fewer runs instead of holding the call up. Pieces of split items (see split_kv) leave their
+    state in ``parts`` for :func:`_merge_split`; cache = (kp, vp, table, channel, ktok, vtok),
+    see :mod:`.kv`."""
+    D, rows, tk, nthr, _ = _sizes(params, work)
     ldv = f32_widths(params)[0]
+    n_runs = runs.shape[0] - 1
     taken = np.zeros(1, np.int64)
     for t in prange(nthr):
         qb, sb, acc, kb, vb, kx, ro, rs = _f32_buffers(params)
+        heads = _run_buffers(params, runs)
         tb = aligned_empty(16 * D, np.float32)   # _pack_kt's 16 rows, _finish's one
-        m = np.empty(rows, np.float32)
-        l = np.empty(rows, np.float32)
-        alpha = np.empty(rows, np.float32)
-        fold = np.empty((4, rows), np.float32)      # _block_stream's int8 sums
+        state = (np.empty(rows, np.float32), np.empty(rows, np.float32),
+                 np.empty(rows, np.float32))
         blas = scratch(params[P_BLAS])
-        w = take_next(taken)
         ins, outs, extras = (q, k, v) + cache, (out, lse, flags), (mask8, mask16, pse)
-        geo, state = (strides, boff, lens, params), (m, l, alpha)
+        geo = (strides, boff, lens, params)
         bufs = (qb, sb, tb, acc, kb, vb, kx, ro, rs)
-        while w < n_items:
-            item = (work[w, W_B], work[w, W_G], work[w, W_I0])
+        x = take_next(taken)
+        while x < n_runs:
+            w, nh = runs[x], runs[x + 1] - runs[x]
+            b, g, i0 = work[w, W_B], work[w, W_G], work[w, W_I0]
             span = (work[w, W_JLO], work[w, W_JHI])
-            if _item(params, lens, item[0], item[2])[1] <= params[P_STREAM]:
-                i1, computed = _block_stream(ins, extras, geo, scales, item, span, bufs, state,
-                                             fold)
+            R = _item(params, lens, b, i0)[1]
+            if R <= params[P_STREAM]:
+                i1, computed = _block_stream(ins, extras, geo, scales, (b, g, i0, nh), span,
+                                             heads, bufs)
+                for hh in range(nh):
+                    _, hacc, hstate, _ = _head(heads, hh, R, D, ldv)
+                    _done(outs, ins, geo, parts, work[w + hh], i1, hacc, ldv, hstate, tb,
+                          computed)
             else:
-                i1, computed = _block(ins, extras, geo, scales, item, span, bufs, state, blas)
-            if work[w, W_SLOT] < 0:
-                _finish(outs, ins, geo, item, i1, acc, ldv, state, tb, computed)
-            else:
-                keep_piece(parts, work[w, W_SLOT], acc, ldv, state, params[P_G] * (i1 - item[2]),
-                           computed)
-            w = take_next(taken)
+                i1, computed = _block(ins, extras, geo, scales, (b, g, i0), span, bufs, state,
+                                      blas)
+                _done(outs, ins, geo, parts, work[w], i1, acc, ldv, state, tb, computed)
+            x = take_next(taken)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _done(outs, ins, geo, parts, row, i1, acc, ldv, state, tb, computed):
+    """A computed work item (``row`` of the work array): finished, or its piece kept."""
+    item = (row[W_B], row[W_G], row[W_I0])
+    if row[W_SLOT] < 0:
+        _finish(outs, ins, geo, item, i1, acc, ldv, state, tb, computed)
+    else:
+        keep_piece(parts, row[W_SLOT], acc, ldv, state, geo[3][P_G] * (i1 - item[2]), computed)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _run_buffers(params, runs):
+    """Per-thread buffers of :func:`_block_stream` for the longest run: (query rows, sums, m,
+    l, alpha, int8 sums), each head's part of at most params[P_STREAM] rows."""
+    longest = 1
+    for x in range(runs.shape[0] - 1):
+        longest = max(longest, runs[x + 1] - runs[x])
+    rows = longest * max(1, min(params[P_STREAM], params[P_G] * params[P_ROWS]))
+    return (aligned_empty(rows * params[P_D], np.float32),
+            aligned_empty(rows * f32_widths(params)[0], np.float32),
+            np.empty(rows, np.float32), np.empty(rows, np.float32), np.empty(rows, np.float32),
+            np.empty((4, rows), np.float32))
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)

@@ -13,7 +13,7 @@ from .amx_pack import AMX_MAX_SCALE
 from .block_amx import _attention_amx
 from .block_f32 import _attention, _merge_split, f32_widths
 from .block_int8 import INT8_MAX_KV_COLS, _attention_int8
-from .items import _work_items, seg_rows, sub_rows, tile_shape
+from .items import _work_items, kv_head_runs, seg_rows, sub_rows, tile_shape
 from .split_kv import partial_buffers, split_work
 
 
@@ -76,16 +76,21 @@ def run(p):
     if work.shape[0]:
         nthreads = max(1, int(config.CPU_THREADS or numba.get_num_threads()))
         groups = np.zeros((0, 5), np.int64)
-        if p.dtype != np.int8:                        # pieces run on the float32 kernel
-            work, groups = split_work(p, work, rows_per_head, nthreads)
-        nthreads = min(nthreads, work.shape[0])
+        stream_rows = max(0, int(config.CPU_STREAM_ROWS))
+        # pieces and runs of several items are the float32 kernel's; runs of kv heads come
+        # first (as many as split-kv wants), pieces of kv columns only where they are too few
+        want = int(config.CPU_SPLIT_KV_ITEMS) * nthreads
+        runs = kv_head_runs(work, p.qlen, p.G, rows_per_head,
+                            stream_rows if p.dtype != np.int8 else 0, work.shape[0] // max(1, want))
+        if p.dtype != np.int8:
+            work, groups, runs = split_work(p, work, runs, rows_per_head, nthreads)
         # AMX reads contiguous key / value without a prefix; items of few rows stream
         plain_kv = p.cache is None or (p.cache.block_table is None and not p.cache.P
                                        and p.cache.antiquant is None)
-        stream_rows = max(0, int(config.CPU_STREAM_ROWS))
         few_rows = p.G * min(rows_per_head, int(p.qlen.max(initial=0))) <= stream_rows
         amx = (p.dtype != np.int8 and not groups.shape[0] and plain_kv and not few_rows
                and use_amx(p))
+        nthreads = min(nthreads, work.shape[0] if amx else runs.shape[0] - 1)
         own = use_register_blocks()
         blas = p.dtype == np.int8 or not own          # the int8 kernel's products are BLAS
         a = kernel_args(p, out, lse, flags=int8_out,
@@ -103,7 +108,7 @@ def run(p):
                 _attention_amx(*args, cache)
             else:
                 parts = partial_buffers(groups, p.G * rows_per_head, f32_widths(a.params)[0])
-                _attention(*args, parts, cache)
+                _attention(*args, parts, cache, runs)
                 if groups.shape[0]:
                     _merge_split((a.q, a.k, a.v) + cache, a.out, a.lse, flat_flags, a.strides,
                                  a.boff, a.lens, a.params, groups, parts)

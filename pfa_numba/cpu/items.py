@@ -89,6 +89,25 @@ def _items_by_cost(qlen, klen, pre_e, next_e, rows_per_head, nkv):
     return work
 
 
+def kv_head_runs(work, qlen, G, rows_per_head, stream_rows, max_heads):
+    """The runs of the work array: int64 starts of consecutive items taken together, and its
+    length at the end. Streaming items (at most ``stream_rows`` rows: decode) of one block and
+    kv span run their kv heads together, up to ``max_heads`` a run, so that a kv tile's rows
+    are read for several heads at once: the heads of a row lie side by side in BSH / BSND and
+    paged caches, and one head at a time would read them in short runs far apart. Every other
+    item is a run of its own."""
+    n = work.shape[0]
+    b, i0 = work[:, W_B], work[:, W_I0]
+    stream = G * (np.minimum(i0 + rows_per_head, qlen[b]) - i0) <= stream_rows
+    key = work[:, [W_B, W_I0, W_JLO, W_JHI]]
+    starts = np.ones(n, bool)
+    starts[1:] = ~(stream[1:] & stream[:-1] & (key[1:] == key[:-1]).all(axis=1))
+    at = np.arange(n)
+    first = np.maximum.accumulate(np.where(starts, at, 0))
+    starts |= (at - first) % max(1, max_heads) == 0
+    return np.append(np.flatnonzero(starts), n).astype(np.int64)
+
+
 def tile_shape(p):
     """(query rows per work item, kv columns per tile) for problem ``p``.
 

@@ -1,6 +1,6 @@
-"""Split-kv: a problem with fewer work items than threads to keep busy (decode: one query row
-per head against a long kv cache, at a small batch) has each item's kv range cut into pieces,
-computed in parallel as separate work items, then merged exactly.
+"""Split-kv: a problem with fewer runs of work items (:func:`.items.kv_head_runs`) than threads
+to keep busy (decode: one query row per head against a long kv cache, at a small batch) has
+each run's kv range cut into pieces, computed in parallel as separate runs, then merged exactly.
 
 A piece leaves the online-softmax state of its rows, (unnormalised sums acc, running max m,
 running sum l) over its kv columns, in a slot of the partial buffers; :func:`merge_pieces`
@@ -24,35 +24,44 @@ G_B, G_G, G_I0, G_SLOT, G_PIECES = range(5)
 _PIECE_ALIGN = 64
 
 
-def split_work(p, work, rows_per_head, nthreads):
-    """(work, groups): ``work`` with each item cut into pieces where it has fewer than
-    config.CPU_SPLIT_KV_ITEMS items per thread and a long enough kv range (pieces of at least
-    config.CPU_SPLIT_KV_MIN_COLS columns), and the groups of pieces to merge (none: no split)."""
+def split_work(p, work, runs, rows_per_head, nthreads):
+    """(work, groups, runs): ``work`` with each run of items (:func:`.items.kv_head_runs`) cut
+    into pieces where it has fewer than config.CPU_SPLIT_KV_ITEMS runs per thread and a long
+    enough kv range (pieces of at least config.CPU_SPLIT_KV_MIN_COLS columns), the groups of
+    pieces to merge (none: no split) and the runs of the result: one run a piece, of the
+    pieces of the run's items over the same kv columns."""
     want = int(config.CPU_SPLIT_KV_ITEMS) * nthreads
-    n = work.shape[0]
+    n = runs.shape[0] - 1
     no_groups = np.zeros((0, 5), np.int64)
     if n == 0 or n >= want:
-        return work, no_groups
+        return work, no_groups, runs
     min_cols = max(1, int(config.CPU_SPLIT_KV_MIN_COLS))
-    rows, groups = [], []
-    for item in work:
-        lo, hi = _item_columns(p, item, rows_per_head)
+    rows, groups, starts = [], [], [0]
+    slots = 0
+    for a, z in zip(runs[:-1], runs[1:]):
+        items = work[a:z]
+        lo, hi = _item_columns(p, items[0], rows_per_head)
         pieces = min(-(-want // n), (hi - lo) // min_cols)
         if pieces < 2:
-            rows.append(item)
+            rows.extend(items)
+            starts.append(len(rows))
             continue
         per_piece = -(-(hi - lo) // pieces)
         step = -(-per_piece // _PIECE_ALIGN) * _PIECE_ALIGN         # whole panels
         bounds = list(range(lo, hi, step)) + [hi]
-        slot0 = sum(g[G_PIECES] for g in groups)
-        groups.append((item[W_B], item[W_G], item[W_I0], slot0, len(bounds) - 1))
-        for k, (a, z) in enumerate(zip(bounds[:-1], bounds[1:])):
-            piece = item.copy()
-            piece[W_JLO], piece[W_JHI], piece[W_SLOT] = a, z, slot0 + k
-            rows.append(piece)
+        count = len(bounds) - 1
+        for h, item in enumerate(items):
+            groups.append((item[W_B], item[W_G], item[W_I0], slots + h * count, count))
+        for k, (j0, j1) in enumerate(zip(bounds[:-1], bounds[1:])):
+            for h, item in enumerate(items):
+                piece = item.copy()
+                piece[W_JLO], piece[W_JHI], piece[W_SLOT] = j0, j1, slots + h * count + k
+                rows.append(piece)
+            starts.append(len(rows))
+        slots += len(items) * count
     if not groups:
-        return work, no_groups
-    return np.array(rows, np.int64), np.array(groups, np.int64)
+        return work, no_groups, runs
+    return np.array(rows, np.int64), np.array(groups, np.int64), np.array(starts, np.int64)
 
 
 def _item_columns(p, item, rows_per_head):
