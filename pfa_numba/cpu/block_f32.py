@@ -10,7 +10,7 @@ from .._kernel_args import (F_SCALE, F_SCALE2, P_BLAS, P_CODE, P_COLS, P_D, P_FL
                             P_SCALE_EXP, P_STREAM, T_Q)
 from ._blas import gemm_rm, scratch
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
-from ._jit import FASTMATH, LEAF
+from ._jit import FASTMATH, LEAF, LEAF_INLINE
 from ._vector import aligned_empty, take_next, wide_vectors
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, _item, _segment, _sizes
 from .kv import KEY, VALUE, kv_tile_end, kv_tile_rows, kv_value_row, load_dequant_row
@@ -170,8 +170,8 @@ def _block_stream(ins, extras, geo, scales, run, span, heads, bufs):
         j0 = j1
         j1 = kv_tile_end(params, j0, params[P_COLS], jend)
         for hh in range(nh):
-            _stream_tile(ins, extras, geo, (b, g0 + hh, i0), (i1, R, j0, j1),
-                         _head(heads, hh, R, D, ldv), bufs, no_p3)
+            _stream_tile(ins, extras, geo, (b, g0 + hh, i0), (i1, R, j0, j1), heads, hh, bufs,
+                         no_p3)
     if dequant:
         for hh in range(nh):
             _, acc, _, fold = _head(heads, hh, R, D, ldv)
@@ -180,7 +180,7 @@ def _block_stream(ins, extras, geo, scales, run, span, heads, bufs):
     return i1, True
 
 
-@njit(cache=True)
+@njit(**LEAF_INLINE)
 def _head(heads, hh, R, D, ldv):
     """Head hh's part of a run's buffers heads = (q, acc, m, l, alpha, fold) for items of R
     rows: (query rows (R, D), sums (R rows of ldv), state (m, l, alpha), int8 sums (4, R))."""
@@ -190,20 +190,20 @@ def _head(heads, hh, R, D, ldv):
             (m[r:r + R], l[r:r + R], alpha[r:r + R]), fold[:, r:r + R])
 
 
-@njit(fastmath=FASTMATH, cache=True)
-def _stream_tile(ins, extras, geo, item, tile, head, bufs, no_p3):
-    """Kv tile tile = (i1, R, j0, j1) of streaming item ``item`` (b, g, i0) on its part of the
-    run's buffers, head = (query rows, sums, state, int8 sums): scores, softmax, P V (no_p3:
-    the bf16 parts the in-place softmax does not write)."""
+@njit(**LEAF)
+def _stream_tile(ins, extras, geo, item, tile, heads, hh, bufs, no_p3):
+    """Kv tile tile = (i1, R, j0, j1) of streaming item ``item`` (b, g, i0), head hh of the
+    run's buffers: scores, softmax, P V (no_p3: the bf16 parts the in-place softmax does not
+    write). Without reference counting: it runs once a tile and head."""
     k, v, kp, vp = ins[1], ins[2], ins[3], ins[4]
     params = geo[3]
     b, g, i0 = item
     i1, R, j0, j1 = tile
-    q2, acc, state, fold = head
     sb, kb, kx, ro, rs = bufs[1], bufs[4], bufs[6], bufs[7], bufs[8]
     D, kvcode = params[P_D], params[P_KVCODE]
     dequant = params[P_DEQUANT] != 0
     ldv = f32_widths(params)[0]
+    q2, acc, state, fold = _head(heads, hh, R, D, ldv)
     buf = kb[:D].reshape(1, D)                    # a K / V row the products take one at a time
     prefix, sdk, sdv = kv_tile_rows(ins[3:], geo, b, g, j0, j1 - j0, ro, rs)
     keys = (kp if prefix else k, ro[0], sdk, kvcode)
