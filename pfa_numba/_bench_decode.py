@@ -5,11 +5,12 @@ with torch SDPA on the same contiguous cache and with the time to read the cache
     (or python benchmarks/decode.py)
 
 Cases: B in {1, 8}, N = 32, Nkv = 8, D = 128, float16 and bfloat16 caches of 1k to 32k tokens,
-contiguous and paged (block_size 128, a shuffled block table), and the same cache in int8 (keys
-per channel, values per token, dequantized as they load). Repeats alternate between the
-implementations; the table gives medians. "stream" is the time to read the same K and V bytes
-once (a sum over them as uint64 on the kernels' threads), measured in the same repeats: the
-memory-bound floor.
+contiguous and paged (block_size 128, a shuffled block table) in two layouts: BNSD (a head's
+rows together, torch's layout) and BSH (a row's heads together: FIA's default, and the paged
+pools of serving stacks), and the BNSD cache in int8 (keys per channel, values per token,
+dequantized as they load). Repeats alternate between the implementations; the table gives
+medians. "stream" is the time to read the same K and V bytes once (a sum over them as uint64 on
+the kernels' threads), measured in the same repeats: the memory-bound floor.
 """
 import statistics
 import time
@@ -34,48 +35,68 @@ def _read_once(words):
 
 
 def _case(B, S, dtype, rng):
+    """(q, k, v) in BNSD, the same in BSH, and the shuffled block table."""
     q = rng.standard_normal((B, N, 1, D)).astype(np.float32).astype(dtype)
     k = rng.standard_normal((B, NKV, S, D)).astype(np.float32).astype(dtype)
     v = rng.standard_normal((B, NKV, S, D)).astype(np.float32).astype(dtype)
-    blocks = B * (S // BLOCK)
-    ids = rng.permutation(blocks).reshape(B, S // BLOCK).astype(np.int32)
-    pools = [np.empty((blocks, NKV, BLOCK, D), dtype) for _ in range(2)]
+    bsh = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(B, x.shape[2], -1)
+           for x in (q, k, v)]
+    table = rng.permutation(B * (S // BLOCK)).reshape(B, S // BLOCK).astype(np.int32)
+    return (q, k, v), bsh, table
+
+
+def _pool(x, table, layout):
+    """The block pool of cache ``x`` (B, Nkv, S, D) in BNSD or (B, S, H) in BSH under the
+    block table: (blocks, Nkv, block_size, D) or (blocks, block_size, H)."""
+    B = x.shape[0]
+    blocks = table.size
+    pool = np.empty((blocks,) + ((NKV, BLOCK, D) if layout == "BNSD" else (BLOCK, NKV * D)),
+                    x.dtype)
     for b in range(B):
-        for i, blk in enumerate(ids[b]):
-            for pool, x in zip(pools, (k, v)):
-                pool[blk] = x[b, :, i * BLOCK:(i + 1) * BLOCK]
-    return q, k, v, pools, ids
+        for i, blk in enumerate(table[b]):
+            pool[blk] = (x[b, :, i * BLOCK:(i + 1) * BLOCK] if layout == "BNSD"
+                         else x[b, i * BLOCK:(i + 1) * BLOCK])
+    return pool
+
+
+def _calls(bnsd, bsh, table):
+    """The timed calls of one case, by column."""
+    import torch
+    (q, k, v), (qh, kh, vh) = bnsd, bsh
+    B, S = k.shape[0], k.shape[2]
+    kw = dict(num_heads=N, num_key_value_heads=NKV, scale=D ** -0.5)
+    paged = dict(block_table=table, block_size=BLOCK, actual_seq_lengths_kv=[S] * B)
+    kp, vp, khp, vhp = (_pool(x, table, lay) for x, lay in
+                        ((k, "BNSD"), (v, "BNSD"), (kh, "BSH"), (vh, "BSH")))
+    tq, tk, tv = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+                  if x.dtype == ml_dtypes.bfloat16 else torch.from_numpy(x) for x in (q, k, v))
+    raw = [x.reshape(-1).view(np.uint64) for x in (k, v)]
+    k8, v8 = (np.clip(np.round(x.astype(np.float32) * 40), -127, 127).astype(np.int8)
+              for x in (k, v))
+    aq = dict(key_antiquant_scale=np.full((NKV, D), 1 / 40, q.dtype),
+              value_antiquant_scale=np.full((B, S), 1 / 40, np.float32),
+              key_antiquant_mode=0, value_antiquant_mode=1)
+    fia = fused_infer_attention_score
+    return {
+        "BNSD": lambda: fia(q, k, v, input_layout="BNSD", **kw),
+        "BNSD paged": lambda: fia(q, kp, vp, input_layout="BNSD", **paged, **kw),
+        "BSH": lambda: fia(qh, kh, vh, input_layout="BSH", **kw),
+        "BSH paged": lambda: fia(qh, khp, vhp, input_layout="BSH", **paged, **kw),
+        "int8": lambda: fia(q, k8, v8, input_layout="BNSD", **kw, **aq),
+        "torch": lambda: torch.nn.functional.scaled_dot_product_attention(
+            tq, tk, tv, enable_gqa=True),
+        "stream": lambda: [_read_once(x) for x in raw],
+    }
 
 
 def run(batches, lengths, dtypes, repeats):
-    import torch
     rows = []
     rng = np.random.default_rng(0)
     for dtype in dtypes:
         for B in batches:
             for S in lengths:
-                q, k, v, (kp, vp), table = _case(B, S, dtype, rng)
-                kw = dict(num_heads=N, num_key_value_heads=NKV, input_layout="BNSD",
-                          scale=D ** -0.5)
-                tq, tk, tv = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
-                              if x.dtype == ml_dtypes.bfloat16 else torch.from_numpy(x)
-                              for x in (q, k, v))
-                raw = [x.reshape(-1).view(np.uint64) for x in (k, v)]
-                k8, v8 = (np.clip(np.round(x.astype(np.float32) * 40), -127, 127)
-                          .astype(np.int8) for x in (k, v))
-                aq = dict(key_antiquant_scale=np.full((NKV, D), 1 / 40, q.dtype),
-                          value_antiquant_scale=np.full((B, S), 1 / 40, np.float32),
-                          key_antiquant_mode=0, value_antiquant_mode=1)
-                calls = {
-                    "contiguous": lambda: fused_infer_attention_score(q, k, v, **kw),
-                    "paged": lambda: fused_infer_attention_score(
-                        q, kp, vp, block_table=table, block_size=BLOCK,
-                        actual_seq_lengths_kv=[S] * B, **kw),
-                    "int8": lambda: fused_infer_attention_score(q, k8, v8, **kw, **aq),
-                    "torch": lambda: torch.nn.functional.scaled_dot_product_attention(
-                        tq, tk, tv, enable_gqa=True),
-                    "stream": lambda: [_read_once(x) for x in raw],
-                }
+                bnsd, bsh, table = _case(B, S, dtype, rng)
+                calls = _calls(bnsd, bsh, table)
                 times = {name: [] for name in calls}
                 for r in range(repeats + 1):
                     for name, call in calls.items():
@@ -84,22 +105,29 @@ def run(batches, lengths, dtypes, repeats):
                         if r:
                             times[name].append(time.perf_counter() - t0)
                 med = {name: statistics.median(t) for name, t in times.items()}
-                rows.append((np.dtype(dtype).name, B, S, 2 * k.nbytes, med))
+                rows.append((np.dtype(dtype).name, B, S, 2 * bnsd[1].nbytes, med))
+                del calls
     return rows
 
 
+#: the table's time columns (call, heading) and ratio columns (numerator, denominator)
+_TIMES = (("BNSD", "BNSD"), ("BNSD paged", "BNSD paged"), ("BSH", "BSH"),
+          ("BSH paged", "BSH paged"), ("int8", "int8 cache (BNSD)"),
+          ("torch", "torch SDPA (BNSD)"), ("stream", "stream"))
+_RATIOS = (("torch", "BNSD"), ("BNSD paged", "BNSD"), ("BSH paged", "BSH"), ("BNSD", "stream"),
+           ("BSH", "stream"), ("BNSD", "int8"))
+
+
 def markdown(rows, repeats):
+    head = [h for _, h in _TIMES] + [f"{a} / {b}" for a, b in _RATIOS]
     lines = [f"Decode, N = {N}, Nkv = {NKV}, D = {D}, paged block_size {BLOCK}; medians of "
              f"{repeats} alternating repeats, ms. {environment()}.", "",
-             "| cache | B | kv tokens | K+V MiB | contiguous | paged | int8 cache | torch SDPA | "
-             "stream | torch / contiguous | paged / contiguous | contiguous / stream | "
-             "contiguous / int8 |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| cache | B | kv tokens | K+V MiB | " + " | ".join(head) + " |",
+             "|---" * (4 + len(head)) + "|"]
     for dt, B, S, nbytes, t in rows:
-        c = t["contiguous"]
-        lines.append(f"| {dt} | {B} | {S} | {nbytes / 2**20:.0f} | {c * 1e3:.2f} | "
-                     f"{t['paged'] * 1e3:.2f} | {t['int8'] * 1e3:.2f} | {t['torch'] * 1e3:.2f} | "
-                     f"{t['stream'] * 1e3:.2f} | {t['torch'] / c:.2f} | {t['paged'] / c:.2f} | "
-                     f"{c / t['stream']:.2f} | {c / t['int8']:.2f} |")
+        cells = ([f"{t[c] * 1e3:.2f}" for c, _ in _TIMES]
+                 + [f"{t[a] / t[b]:.2f}" for a, b in _RATIOS])
+        lines.append(f"| {dt} | {B} | {S} | {nbytes / 2**20:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -87,8 +87,8 @@ def test_transformers_benchmark_runs_and_reports_both(tmp_path):
 
 
 def test_decode_benchmark_runs(tmp_path):
-    """The decode benchmark's smoke run: contiguous, paged, int8, torch and the streaming
-    floor."""
+    """The decode benchmark's smoke run: contiguous and paged in BNSD and BSH, int8, torch and
+    the streaming floor."""
     pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
     rows = _smoke_run("decode.py", tmp_path, "| float16")
     assert len(rows) == 1 and "nan" not in rows[0]
