@@ -351,9 +351,11 @@ def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens
                     _done(outs, ins, geo, parts, work[w + hh], i1, hacc, ldv, hstate, tb,
                           computed)
             else:
-                i1, computed = _block(ins, extras, geo, scales, (b, g, i0), span, bufs, state,
-                                      blas)
-                _done(outs, ins, geo, parts, work[w], i1, acc, ldv, state, tb, computed)
+                for y in range(w, w + nh):        # items of many rows: one after another
+                    row = work[y]
+                    i1, computed = _block(ins, extras, geo, scales, (b, row[W_G], i0),
+                                          (row[W_JLO], row[W_JHI]), bufs, state, blas)
+                    _done(outs, ins, geo, parts, row, i1, acc, ldv, state, tb, computed)
             x = take_next(taken)
 
 

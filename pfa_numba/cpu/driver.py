@@ -14,7 +14,7 @@ from .block_amx import _attention_amx
 from .block_f32 import _attention, _merge_split, f32_widths
 from .block_int8 import INT8_MAX_KV_COLS, _attention_int8
 from .items import _work_items, kv_head_runs, seg_rows, sub_rows, tile_shape
-from .split_kv import partial_buffers, split_work
+from .split_kv import partial_buffers, runs_wanted, split_work
 
 
 class _OneCallAtATime:
@@ -79,10 +79,10 @@ def run(p):
         stream_rows = max(0, int(config.CPU_STREAM_ROWS))
         # pieces and runs of several items are the float32 kernel's; runs of kv heads come
         # first (as many as split-kv wants), pieces of kv columns only where they are too few
-        want = int(config.CPU_SPLIT_KV_ITEMS) * nthreads
-        runs = kv_head_runs(work, p.qlen, p.G, rows_per_head,
-                            stream_rows if p.dtype != np.int8 else 0, work.shape[0] // max(1, want))
-        if p.dtype != np.int8:
+        f32 = p.dtype != np.int8
+        runs = kv_head_runs(work, p.qlen, p.G, rows_per_head, stream_rows if f32 else 0,
+                            work.shape[0] // max(1, runs_wanted(nthreads)))
+        if f32:
             work, groups, runs = split_work(p, work, runs, rows_per_head, nthreads)
         # AMX reads contiguous key / value without a prefix; items of few rows stream
         plain_kv = p.cache is None or (p.cache.block_table is None and not p.cache.P

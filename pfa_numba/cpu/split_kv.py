@@ -24,13 +24,19 @@ G_B, G_G, G_I0, G_SLOT, G_PIECES = range(5)
 _PIECE_ALIGN = 64
 
 
+def runs_wanted(nthreads):
+    """The fewest runs that keep ``nthreads`` threads busy without a split
+    (config.CPU_SPLIT_KV_ITEMS a thread; 0: never split)."""
+    return int(config.CPU_SPLIT_KV_ITEMS) * nthreads
+
+
 def split_work(p, work, runs, rows_per_head, nthreads):
     """(work, groups, runs): ``work`` with each run of items (:func:`.items.kv_head_runs`) cut
     into pieces where it has fewer than config.CPU_SPLIT_KV_ITEMS runs per thread and a long
     enough kv range (pieces of at least config.CPU_SPLIT_KV_MIN_COLS columns), the groups of
     pieces to merge (none: no split) and the runs of the result: one run a piece, of the
     pieces of the run's items over the same kv columns."""
-    want = int(config.CPU_SPLIT_KV_ITEMS) * nthreads
+    want = runs_wanted(nthreads)
     n = runs.shape[0] - 1
     no_groups = np.zeros((0, 5), np.int64)
     if n == 0 or n >= want:
