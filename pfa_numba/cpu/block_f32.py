@@ -213,7 +213,7 @@ def _stream_tile(ins, extras, geo, item, tile, heads, hh, bufs, no_p3):
         r1, cl, ch, inside = _segment(params, geo[2], b, i0, i1, j0, j1, r0, R, 1)
         ns, nrow = ch - cl, r1 - r0
         if ns > 0:
-            stream_scores(sb, ns, q2, r0, nrow, keys, cl - j0, ns, buf)
+            stream_scores(sb, ns, q2, r0, nrow, keys, cl - j0, ns, buf, values)
             if dequant:
                 unfold_scores(sb, ns, nrow, r0, rs, cl - j0, ns, fold)
             _softmax_rows(sb[:nrow * ns].reshape(nrow, ns), no_p3, kx[:0],
