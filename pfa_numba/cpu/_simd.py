@@ -31,20 +31,20 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._vector import host_has, llvm_function
+from ._vector import PREFETCH_L1 as _L1
+from ._vector import PREFETCH_L2 as _L2
+from ._vector import emit_prefetch, host_has, llvm_function
 
 LANES = 16 if host_has("avx512f") else 8
 #: K / V rows are prefetched this many rows ahead of their use
 PF_ROWS = 8
-_L1, _L2 = 3, 2                       # the locality hints of llvm.prefetch: into L1, into L2
 _BLOCK = 4                            # K rows of a scores block, query rows of a block / slice
 _SLICE = 4                            # vectors of an accumulator row held in registers
 
-_I1, _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
+_I1, _I32, _I64 = (ir.IntType(n) for n in (1, 32, 64))
 _F32 = ir.FloatType()
 _VF = ir.VectorType(_F32, LANES)
 _VMASK = ir.VectorType(_I1, LANES)
-_I8P = _I8.as_pointer()
 
 
 def _i64(context, builder, value, ty):
@@ -103,12 +103,10 @@ class _Rows:
     def prefetch(self, offset, nlines, level):
         """Prefetch the nlines cache lines from element ``offset`` (level: _L1 or _L2)."""
         b = self.builder
-        fn = llvm_function(b, "llvm.prefetch.p0", ir.VoidType(), [_I8P, _I32, _I32, _I32])
         per_line = _c64(64 // self.size)
         with cgutils.for_range(b, nlines) as loop:
-            at = b.add(offset, b.mul(loop.index, per_line))
-            b.call(fn, [b.bitcast(b.gep(self.data, [at]), _I8P), ir.Constant(_I32, 0),
-                        ir.Constant(_I32, level), ir.Constant(_I32, 1)])
+            emit_prefetch(b, b.gep(self.data, [b.add(offset, b.mul(loop.index, per_line))]),
+                          level)
 
 
 def _suffix(elem):

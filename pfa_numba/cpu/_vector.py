@@ -57,13 +57,21 @@ def prefetch(typingctx, arr, idx):
 
     def codegen(context, builder, sig, args):
         ary = context.make_array(sig.args[0])(context, builder, args[0])
-        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), _I8P)
-        fn = llvm_function(builder, "llvm.prefetch.p0", ir.VoidType(), [_I8P, _I32, _I32, _I32])
-        # read, highest temporal locality, data cache
-        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        emit_prefetch(builder, builder.gep(ary.data, [args[1]]), PREFETCH_L1)
         return context.get_dummy_value()
 
     return types.none(arr, idx), codegen
+
+
+#: the locality hints of llvm.prefetch: into L1 (the highest), into L2
+PREFETCH_L1, PREFETCH_L2 = 3, 2
+
+
+def emit_prefetch(builder, ptr, locality):
+    """A read prefetch of the cache line at ``ptr`` into the data cache (llvm.prefetch)."""
+    fn = llvm_function(builder, "llvm.prefetch.p0", ir.VoidType(), [_I8P, _I32, _I32, _I32])
+    builder.call(fn, [builder.bitcast(ptr, _I8P), ir.Constant(_I32, 0),
+                      ir.Constant(_I32, locality), ir.Constant(_I32, 1)])
 
 
 @intrinsic
