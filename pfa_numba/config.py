@@ -53,6 +53,9 @@ CPU_SPLIT_KV_MIN_COLS = 256
 #: K and V row once from the cache instead of packing tiles, several kv heads a tile at once
 #: (cpu/stream.py, cpu/items.kv_head_runs; docs/tuning.md).
 CPU_STREAM_ROWS = 16
+#: K + V bytes of a streaming tile whose cache rows hold every kv head (BSH, BSND, TND, their
+#: paged pools): wider tiles, which BNSD caches want (CPU_KV_COLS), ran slower there.
+CPU_STREAM_TILE_BYTES = 1 << 19
 
 #: Numba threads used by one call (None: numba.get_num_threads() at call time).
 CPU_THREADS = None

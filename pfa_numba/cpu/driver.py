@@ -13,7 +13,7 @@ from .amx_pack import AMX_MAX_SCALE
 from .block_amx import _attention_amx
 from .block_f32 import _attention, _merge_split, f32_widths
 from .block_int8 import INT8_MAX_KV_COLS, _attention_int8
-from .items import _work_items, kv_head_runs, seg_rows, sub_rows, tile_shape
+from .items import _work_items, kv_head_runs, seg_rows, streams, sub_rows, tile_shape
 from .split_kv import partial_buffers, runs_wanted, split_work
 
 
@@ -87,9 +87,8 @@ def run(p):
         # AMX reads contiguous key / value without a prefix; items of few rows stream
         plain_kv = p.cache is None or (p.cache.block_table is None and not p.cache.P
                                        and p.cache.antiquant is None)
-        few_rows = p.G * min(rows_per_head, int(p.qlen.max(initial=0))) <= stream_rows
-        amx = (p.dtype != np.int8 and not groups.shape[0] and plain_kv and not few_rows
-               and use_amx(p))
+        amx = (p.dtype != np.int8 and not groups.shape[0] and plain_kv
+               and not streams(p, rows_per_head) and use_amx(p))
         nthreads = min(nthreads, work.shape[0] if amx else runs.shape[0] - 1)
         own = use_register_blocks()
         blas = p.dtype == np.int8 or not own          # the int8 kernel's products are BLAS

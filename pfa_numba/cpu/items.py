@@ -126,7 +126,30 @@ def tile_shape(p):
     if p.B:
         q_rows = min(q_rows, p.G * max(1, int(p.qlen.max())))
         kv_cols = min(kv_cols, -(-max(1, int(p.klen.max())) // PANEL) * PANEL)
+        if streams(p, max(1, q_rows // p.G)) and _heads_share_rows(p.k):
+            kv_cols = min(kv_cols, _interleaved_stream_cols(p))
     return q_rows, kv_cols
+
+
+def streams(p, rows_per_head):
+    """Whether the items of ``p`` (``rows_per_head`` query positions) stream their K / V rows:
+    at most CPU_STREAM_ROWS rows over the G heads of a kv head."""
+    rows = p.G * min(rows_per_head, int(p.qlen.max(initial=0)))
+    return rows <= max(0, int(config.CPU_STREAM_ROWS))
+
+
+def _heads_share_rows(k):
+    """Whether the kv heads of a row lie side by side in ``k`` (B | blocks, Nkv, S, D) or
+    (T, Nkv, D): BSH, BSND, TND and their paged pools."""
+    return k.ndim >= 3 and k.strides[1] == k.shape[-1] * k.itemsize and k.strides[-1] == k.itemsize
+
+
+def _interleaved_stream_cols(p):
+    """Kv columns of a streaming tile whose rows hold every kv head: the heads of a run take a
+    tile in turn, and a tile of CPU_STREAM_TILE_BYTES keeps in L2 the lines that one head's
+    reads bring in for the next (whole panels, at least one)."""
+    row_bytes = 2 * p.Nkv * p.D * p.k.itemsize             # a K and a V row of every head
+    return max(1, int(config.CPU_STREAM_TILE_BYTES) // row_bytes // PANEL) * PANEL
 
 
 def sub_rows():
