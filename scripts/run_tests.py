@@ -1,52 +1,77 @@
-"""Run the whole pfa_numba test suite: every pytest process, in order.
+"""Run the whole pfa_numba test suite: every pytest process, in two lanes at once.
 
-* CPU tests (tests/, one process);
-* PTX checks (tests/ptx: ``cuda.compile_ptx`` needs the real numba.cuda);
-* CUDA-simulator tests (tests/cudasim, when present: NUMBA_ENABLE_CUDASIM=1 must be set before
-  Numba is imported, so they get a process of their own);
-* notebooks (executed with nbmake);
-* the docs site (Sphinx, warnings as errors, into a fresh folder, so the notebooks run again).
+* lane "cpu": the CPU tests (tests/, one process), then the notebooks (executed with nbmake),
+  then the docs site (Sphinx, warnings as errors, into a fresh folder, so the notebooks run
+  again). These share the CPU kernels' Numba cache, which the CPU tests fill.
+* lane "cuda": the PTX checks (tests/ptx: ``cuda.compile_ptx`` needs the real numba.cuda), then
+  the CUDA-simulator tests (tests/cudasim, when present: NUMBA_ENABLE_CUDASIM=1 must be set
+  before Numba is imported, so they get a process of their own). They compile CUDA kernels,
+  one core's work that the CPU lane does not wait for.
 
 Each process must pass and each pytest process must run at least one test (pytest's exit code
-5, "no tests ran", counts as a failure). Extra arguments are passed to every pytest call.
+5, "no tests ran", counts as a failure). A step's output is printed whole when it ends. Extra
+arguments are passed to every pytest call.
 """
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def steps(site):
-    """(name, command, environment, takes the extra pytest arguments) of each part in order."""
+def lanes(site):
+    """{lane: [(name, command, environment, takes the extra pytest arguments)]}, each lane's
+    steps in order."""
     py = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    yield "cpu", py + ["tests", "--ignore=tests/ptx", "--ignore=tests/cudasim"], {}, True
-    yield "ptx", py + ["tests/ptx"], {}, True
+    cuda = [("ptx", py + ["tests/ptx"], {}, True)]
     if os.path.isdir(os.path.join(ROOT, "tests", "cudasim")):
-        yield "cudasim", py + ["tests/cudasim"], {"NUMBA_ENABLE_CUDASIM": "1"}, True
-    yield "notebooks", py + ["--nbmake", "--nbmake-timeout=600", "notebooks"], {}, True
-    yield "docs", [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-                   "docs", site], {}, False
+        cuda.append(("cudasim", py + ["tests/cudasim"], {"NUMBA_ENABLE_CUDASIM": "1"}, True))
+    return {
+        "cpu": [("cpu", py + ["tests", "--ignore=tests/ptx", "--ignore=tests/cudasim"], {}, True),
+                ("notebooks", py + ["--nbmake", "--nbmake-timeout=600", "notebooks"], {}, True),
+                ("docs", [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b",
+                          "html", "docs", site], {}, False)],
+        "cuda": cuda,
+    }
+
+
+def run_lane(steps, extra, results, printing):
+    """Run ``steps`` in order, each to the end whatever the others did; (name, rc, seconds) of
+    each into ``results``."""
+    for name, cmd, env, takes_extra in steps:
+        cmd = cmd + extra if takes_extra else cmd
+        t0 = time.time()
+        with tempfile.TemporaryFile("w+") as log:
+            rc = subprocess.call(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log,
+                                 stderr=subprocess.STDOUT)
+            log.seek(0)
+            with printing:
+                print(f"\n=== {name}: {' '.join(cmd[1:])}\n{log.read()}", end="", flush=True)
+        results.append((name, rc, time.time() - t0))
 
 
 def main(extra):
-    results = []
+    results, printing = [], threading.Lock()
+    t0 = time.time()
     with tempfile.TemporaryDirectory() as site:
-        for name, cmd, env, takes_extra in steps(site):
-            cmd = cmd + extra if takes_extra else cmd
-            print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
-            t0 = time.time()
-            rc = subprocess.call(cmd, cwd=ROOT, env={**os.environ, **env})
-            results.append((name, rc, time.time() - t0))
+        threads = [threading.Thread(target=run_lane, args=(steps, extra, results, printing))
+                   for steps in lanes(site).values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     print("\n=== summary")
     failed = 0
     for name, rc, dt in results:
         status = "ok" if rc == 0 else ("NO TESTS RAN" if rc == 5 else f"FAILED (exit {rc})")
         failed += rc != 0
         print(f"  {name:10s} {status:22s} {dt:7.1f} s")
-    return 1 if failed else 0
+    print(f"  {'all':10s} {'':22s} {time.time() - t0:7.1f} s")
+    expected = sum(len(steps) for steps in lanes("").values())
+    return 1 if failed or len(results) != expected else 0
 
 
 if __name__ == "__main__":
