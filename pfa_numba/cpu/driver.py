@@ -13,7 +13,8 @@ from .amx_pack import AMX_MAX_SCALE
 from .block_amx import _attention_amx
 from .block_f32 import _attention, _merge_split, f32_widths
 from .block_int8 import INT8_MAX_KV_COLS, _attention_int8
-from .items import _work_items, kv_head_runs, seg_rows, streams, sub_rows, tile_shape
+from .items import (_work_items, kv_head_runs, seg_rows, stream_rows, streams, sub_rows,
+                    tile_shape)
 from .split_kv import partial_buffers, runs_wanted, split_work
 
 
@@ -76,11 +77,10 @@ def run(p):
     if work.shape[0]:
         nthreads = max(1, int(config.CPU_THREADS or numba.get_num_threads()))
         groups = np.zeros((0, 5), np.int64)
-        stream_rows = max(0, int(config.CPU_STREAM_ROWS))
         # pieces and runs of several items are the float32 kernel's; runs of kv heads come
         # first (as many as split-kv wants), pieces of kv columns only where they are too few
         f32 = p.dtype != np.int8
-        runs = kv_head_runs(work, p.qlen, p.G, rows_per_head, stream_rows if f32 else 0,
+        runs = kv_head_runs(work, p.qlen, p.G, rows_per_head, stream_rows() if f32 else 0,
                             work.shape[0] // max(1, runs_wanted(nthreads)))
         if f32:
             work, groups, runs = split_work(p, work, runs, rows_per_head, nthreads)
@@ -95,7 +95,7 @@ def run(p):
         a = kernel_args(p, out, lse, flags=int8_out,
                         rows=rows_per_head, cols=kv_cols, threads=nthreads, sub=sub_rows(),
                         seg=seg_rows(amx), gemm=own, blas=sgemm_address() if blas else 0,
-                        stream=stream_rows)
+                        stream=stream_rows())
         flat_flags = flags.reshape(-1)
         args = (a.q, a.k, a.v, a.out, a.lse, flat_flags, a.mask8, a.mask16, a.pse, a.strides,
                 a.boff, a.lens, work, a.params, a.fparams)

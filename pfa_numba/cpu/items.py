@@ -131,11 +131,15 @@ def tile_shape(p):
     return q_rows, kv_cols
 
 
+def stream_rows():
+    """Rows of the largest work item that streams its K / V rows (config.CPU_STREAM_ROWS)."""
+    return max(0, int(config.CPU_STREAM_ROWS))
+
+
 def streams(p, rows_per_head):
     """Whether the items of ``p`` (``rows_per_head`` query positions) stream their K / V rows:
-    at most CPU_STREAM_ROWS rows over the G heads of a kv head."""
-    rows = p.G * min(rows_per_head, int(p.qlen.max(initial=0)))
-    return rows <= max(0, int(config.CPU_STREAM_ROWS))
+    at most stream_rows() rows over the G heads of a kv head."""
+    return p.G * min(rows_per_head, int(p.qlen.max(initial=0))) <= stream_rows()
 
 
 def _heads_share_rows(k):
