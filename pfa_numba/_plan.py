@@ -100,8 +100,10 @@ def _to_bnsd(x, layout, heads):
     return x  # BNSD, BNSD_BSND
 
 
-def plan(valid):
-    """The :class:`Problem` of a :class:`~._validate.ValidCall`."""
+def plan(valid, cache=None, q_off=None):
+    """The :class:`Problem` of a :class:`~._validate.ValidCall`; with fused_infer_attention_score's
+    kv ``cache`` (and its first query rows ``q_off``), the cache's key and value are the ones
+    the kernels walk."""
     c = valid
     if c.layout == "TND":
         q4, k4, v4 = c.query, c.key, c.value
@@ -109,6 +111,8 @@ def plan(valid):
         q4 = _to_bnsd(c.query, c.layout, c.N)
         k4 = _to_bnsd(c.key, c.layout, c.Nkv)
         v4 = _to_bnsd(c.value, c.layout, c.Nkv)
+    if cache is not None:
+        k4, v4 = cache.key, cache.value
     pre_e, next_e = band_edges(c.sparse_mode, c.has_mask, c.pre_tokens, c.next_tokens, c.qlen,
                                c.klen)
     return Problem(layout=c.layout, B=c.B, N=c.N, Nkv=c.Nkv, G=c.G, Sq=c.Sq, Skv=c.Skv, D=c.D,
@@ -116,4 +120,5 @@ def plan(valid):
                    code=storage_code(c.dtype), q=q4, k=k4, v=v4, q_start=c.q_start,
                    kv_start=c.kv_start, qlen=c.qlen, klen=c.klen, pre_e=pre_e, next_e=next_e,
                    mask_kind=c.mask_kind, mask=c.mask, pse=c.pse, scale=c.scale,
-                   inner_precise=c.inner_precise, want_lse=c.want_lse, quant=c.quant)
+                   inner_precise=c.inner_precise, want_lse=c.want_lse, quant=c.quant,
+                   cache=cache, q_off=q_off)

@@ -131,8 +131,9 @@ def _kv_arrays(name, x):
     return V.check_array(name, x), None
 
 
-def validate(call):
-    """Check ``call`` (docs/fia.md, 'Errors') and return its :class:`ValidFia`."""
+def validate(call, device=None):
+    """Check ``call`` (docs/fia.md, 'Errors') and return its :class:`ValidFia`; ``device``: the
+    one it runs on, where the caller has placed it (else the call's own ``device``)."""
     lse_flag = V.check_bool("softmax_lse_flag", call.softmax_lse_flag)
     block_size = V.check_int("block_size", call.block_size)
     for name in ("antiquant_mode", "key_antiquant_mode", "value_antiquant_mode"):
@@ -178,7 +179,7 @@ def validate(call):
         next_tokens=TOKENS_INF if decode else call.next_tokens, input_layout=layout,
         num_key_value_heads=call.num_key_value_heads,
         sparse_mode=(1 if mask is not None else 0) if decode else call.sparse_mode,
-        inner_precise=call.inner_precise, device=call.device, return_softmax_lse=True)
+        inner_precise=call.inner_precise, device=device or call.device, return_softmax_lse=True)
     if table is not None:
         return _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
                       lse_flag, dequant)

@@ -74,7 +74,7 @@ def fused_infer_attention_score(
     device = V.check_placement(call)
     call = _host(call)
     staged = Staged(call, device) if V.is_cuda_array(query) else None
-    valid = FV.validate(dataclasses.replace(staged.call if staged else call, device=device))
+    valid = FV.validate(staged.call if staged else call, device)
     problem = planned(valid)
     out, lse = dispatch.choose(problem, device).run(problem, staged)
     if not valid.lse_flag:
@@ -91,9 +91,7 @@ def fused_infer_attention_score(
 def planned(valid):
     """The planned problem of a :class:`._validate_fia.ValidFia`: its prompt_flash_attention
     plan with the kv cache the kernels walk instead of the stand-in key and value."""
-    kv = valid.kv
-    return dataclasses.replace(plan(valid.pfa), k=kv.key, v=kv.value, cache=kv,
-                               q_off=valid.q_off)
+    return plan(valid.pfa, valid.kv, valid.q_off)
 
 
 def _host(call):

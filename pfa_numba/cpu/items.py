@@ -89,6 +89,7 @@ def _items_by_cost(qlen, klen, pre_e, next_e, rows_per_head, nkv):
     return work
 
 
+@njit(cache=True)
 def kv_head_runs(work, qlen, G, rows_per_head, stream_rows, max_heads):
     """The runs of the work array: int64 starts of consecutive items taken together, and its
     length at the end. Streaming items (at most ``stream_rows`` rows: decode) of one block and
@@ -97,15 +98,34 @@ def kv_head_runs(work, qlen, G, rows_per_head, stream_rows, max_heads):
     paged caches, and one head at a time would read them in short runs far apart. Every other
     item is a run of its own."""
     n = work.shape[0]
-    b, i0 = work[:, W_B], work[:, W_I0]
-    stream = G * (np.minimum(i0 + rows_per_head, qlen[b]) - i0) <= stream_rows
-    key = work[:, [W_B, W_I0, W_JLO, W_JHI]]
-    starts = np.ones(n, bool)
-    starts[1:] = ~(stream[1:] & stream[:-1] & (key[1:] == key[:-1]).all(axis=1))
-    at = np.arange(n)
-    first = np.maximum.accumulate(np.where(starts, at, 0))
-    starts |= (at - first) % max(1, max_heads) == 0
-    return np.append(np.flatnonzero(starts), n).astype(np.int64)
+    most = max(1, max_heads)
+    starts = np.empty(n + 1, np.int64)
+    runs = 0
+    length = 0                          # items in the current run
+    for x in range(n):
+        if x and length < most and _streams(work[x], qlen, G, rows_per_head, stream_rows) \
+                and _streams(work[x - 1], qlen, G, rows_per_head, stream_rows) \
+                and _same_block_and_span(work[x], work[x - 1]):
+            length += 1
+            continue
+        starts[runs] = x
+        runs += 1
+        length = 1
+    starts[runs] = n
+    return starts[:runs + 1].copy()
+
+
+@njit(**LEAF)
+def _streams(item, qlen, G, rows_per_head, stream_rows):
+    """Whether work item ``item`` has at most ``stream_rows`` rows over its G heads."""
+    i0 = item[W_I0]
+    return G * (min(i0 + rows_per_head, qlen[item[W_B]]) - i0) <= stream_rows
+
+
+@njit(**LEAF)
+def _same_block_and_span(a, b):
+    return (a[W_B] == b[W_B] and a[W_I0] == b[W_I0] and a[W_JLO] == b[W_JLO]
+            and a[W_JHI] == b[W_JHI])
 
 
 def tile_shape(p):
