@@ -3,7 +3,8 @@ float64 NumPy: K and V rows at scattered offsets in every storage the kernels re
 bfloat16 and float32 bits, int8 values), query-row counts around the four a vector product
 takes, column counts around its blocks of four and the prefetch distance, head dims with a
 masked tail and with a partial slice of accumulator vectors; weights with zeros next to an inf
-in V (a zero weight never meets V), and rows read one at a time (element stride 2). The tests
+in V (a zero weight never meets V), and rows read one at a time (element stride 2); the
+weighted sum prefetches the next K rows as it goes. The tests
 name the storage and the shape; the whole decode path is covered again by tests/test_fia.py.
 """
 import ml_dtypes
@@ -85,7 +86,9 @@ def test_weighted_sum_against_numpy(storage, D, nrow, nc, sd):
     ld = D + 3
     acc = rng.standard_normal(nrow * ld + 5).astype(np.float32)
     before = acc.copy()
-    stream_pv(acc, ld, nrow, p.reshape(-1), LDS, kv, c0, nc, np.zeros((1, D), np.float32))
+    next_keys = (kv[0], kv[1], N_STORED)           # prefetched on the way: reads nothing
+    stream_pv(acc, ld, nrow, p.reshape(-1), LDS, kv, c0, nc, np.zeros((1, D), np.float32),
+              next_keys)
     for r in range(nrow):
         want = before[r * ld:r * ld + D].astype(np.float64)
         scale = np.abs(want)

@@ -14,7 +14,9 @@ Here the vectors are explicit:
 - ``weighted_sum_*``: the accumulator rows stay in registers over every V row of the tile (up
   to four rows, a slice of four vectors of each at a time): each V vector is loaded and
   converted once and meets the rows' broadcast weights. Every weight must be nonzero (the
-  caller takes a column with a zero elsewhere: a zero weight never meets V).
+  caller takes a column with a zero elsewhere: a zero weight never meets V). It also
+  prefetches into L2 the K rows the caller reads next (another head's tile, or the next
+  tile), so that memory keeps working while the sums are computed.
 
 Rows are read straight from the cache (element offsets ``offs``, contiguous elements) and
 converted as they load: IEEE half (VCVTPH2PS), bfloat16 (a shift), int8 (as integer values:
@@ -287,22 +289,27 @@ def _scores_typer(kind):
 # ---------------------------------------------------------------------------------------------
 # weighted sum: acc[r * ld + d] += sum over c < nc of p[r * lds + c] * V[c0 + c, d], r < nr
 # (<= 4), d < D, every weight nonzero (the caller takes columns with a zero weight elsewhere:
-# a zero weight never meets V)
+# a zero weight never meets V); the K rows koffs[c0 + c], c < nk, are prefetched into L2 on
+# the way (those the caller reads next)
 # ---------------------------------------------------------------------------------------------
 
 def _weighted_sum_codegen(kind):
     def codegen(context, builder, sig, args):
-        acc_ty, _, _, _, p_ty, _, src_ty, offs_ty, _, _ = sig.args
+        acc_ty, _, _, _, p_ty, _, src_ty, offs_ty, _, _, ksrc_ty, koffs_ty, _ = sig.args
         if not _runs(kind, src_ty):
             return context.get_dummy_value()
-        acc, ld, nr, D, p, lds, src, offs, c0, nc = args
-        ld, nr, D, lds, c0, nc = (_i64(context, builder, v, sig.args[i]) for i, v in
-                                  ((1, ld), (2, nr), (3, D), (5, lds), (8, c0), (9, nc)))
+        acc, ld, nr, D, p, lds, src, offs, c0, nc, ksrc, koffs, nk = args
+        ld, nr, D, lds, c0, nc, nk = (_i64(context, builder, v, sig.args[i]) for i, v in
+                                      ((1, ld), (2, nr), (3, D), (5, lds), (8, c0), (9, nc),
+                                       (12, nk)))
         adata = _array(context, builder, acc_ty, acc).data
         pdata = _array(context, builder, p_ty, p).data
         odata = _array(context, builder, offs_ty, offs).data
         rows = _Rows(builder, _array(context, builder, src_ty, src).data,
                      context.get_value_type(src_ty.dtype), kind)
+        krows = _Rows(builder, _array(context, builder, ksrc_ty, ksrc).data,
+                      context.get_value_type(ksrc_ty.dtype), kind)
+        next_keys = (krows, _array(context, builder, koffs_ty, koffs).data, c0, nk)
         nlines = _line_count(builder, D, rows.size)
         span = _c64(_SLICE * LANES)
         nslices = builder.sdiv(builder.add(D, _c64(_SLICE * LANES - 1)), span)
@@ -316,7 +323,7 @@ def _weighted_sum_codegen(kind):
                 d0 = builder.mul(sl.index, span)
                 prefetch = builder.icmp_signed("==", sl.index, _c64(0))
                 _slice(builder, (adata, ld, n, d0, D), (pdata, lds), (rows, odata, c0, nc),
-                       (prefetch, nlines))
+                       (prefetch, nlines, next_keys))
             builder.branch(done)
         builder.position_at_end(sw.default)
         builder.branch(done)
@@ -344,7 +351,7 @@ def _slice_rows(builder, out, weights, kv, prefetch, masks):
     adata, ld, n, d0, D = out
     pdata, lds = weights
     rows, odata, c0, nc = kv
-    do_prefetch, nlines = prefetch
+    do_prefetch, nlines, next_keys = prefetch
     acc = [[cgutils.alloca_once(builder, _VF) for _ in range(_SLICE)] for _ in range(n)]
     at = [[builder.add(builder.mul(_c64(r), ld), builder.add(d0, _c64(v * LANES)))
            for v in range(_SLICE)] for r in range(n)]
@@ -359,8 +366,9 @@ def _slice_rows(builder, out, weights, kv, prefetch, masks):
         cg = builder.mul(grp.index, _c64(PF_ROWS))
         with builder.if_then(do_prefetch):
             with cgutils.for_range(builder, _c64(PF_ROWS)) as t:
-                _prefetch(builder, kv, builder.add(builder.add(cg, t.index), _c64(PF_ROWS)),
-                          nlines)
+                ct = builder.add(cg, t.index)
+                _prefetch(builder, kv, builder.add(ct, _c64(PF_ROWS)), nlines)
+                _prefetch(builder, next_keys, ct, nlines, _L2)
         with cgutils.for_range(builder, _min(builder, _c64(PF_ROWS), builder.sub(nc, cg))) as col:
             c = builder.add(cg, col.index)
             w = [builder.load(builder.gep(pdata, [builder.add(builder.mul(_c64(r), lds), c)]))
@@ -377,11 +385,11 @@ def _slice_rows(builder, out, weights, kv, prefetch, masks):
 
 
 def _weighted_sum_typer(kind):
-    def typer(typingctx, acc, ld, nr, D, p, lds, src, offs, c0, nc):
-        if not (isinstance(acc, types.Array) and isinstance(p, types.Array)
-                and isinstance(src, types.Array) and isinstance(offs, types.Array)):
+    def typer(typingctx, acc, ld, nr, D, p, lds, src, offs, c0, nc, ksrc, koffs, nk):
+        if not all(isinstance(a, types.Array) for a in (acc, p, src, offs, ksrc, koffs)):
             return None
-        return types.none(acc, ld, nr, D, p, lds, src, offs, c0, nc), _weighted_sum_codegen(kind)
+        return (types.none(acc, ld, nr, D, p, lds, src, offs, c0, nc, ksrc, koffs, nk),
+                _weighted_sum_codegen(kind))
     return typer
 
 
@@ -397,6 +405,6 @@ def _intrinsics(kind):
 
 
 #: scores(s, lds, q, r0, nr, src, offs, c0, nc, vsrc, voffs, nv) and weighted_sum(acc, ld, nr, D, p, lds, src,
-#: offs, c0, nc) by the rows' storage: IEEE half bits, bfloat16 bits, float32 or int8 values
+#: offs, c0, nc, ksrc, koffs, nk) by the rows' storage: IEEE half bits, bfloat16 bits, float32 or int8 values
 (scores_f16, weighted_sum_f16), (scores_bf16, weighted_sum_bf16), \
     (scores_native, weighted_sum_native) = (_intrinsics(k) for k in ("f16", "bf16", "native"))

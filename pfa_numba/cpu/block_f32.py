@@ -13,7 +13,8 @@ from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_wi
 from ._jit import FASTMATH, LEAF, LEAF_INLINE
 from ._vector import aligned_empty, take_next, wide_vectors
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, _item, _segment, _sizes
-from .kv import KEY, VALUE, kv_tile_end, kv_tile_rows, kv_value_row, load_dequant_row
+from .kv import (KEY, VALUE, kv_key_rows, kv_tile_end, kv_tile_rows, kv_value_row,
+                 load_dequant_row)
 from .rows import (_PF_ROWS, _all_finite, _load_row, _pack_kt, _prefetch_row, _rescale_rows,
                    _scale_row, _softmax_rows, _store_row, band_of, row_place)
 from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
@@ -169,9 +170,12 @@ def _block_stream(ins, extras, geo, scales, run, span, heads, bufs):
     while j1 < jend:
         j0 = j1
         j1 = kv_tile_end(params, j0, params[P_COLS], jend)
+        j2 = kv_tile_end(params, j1, params[P_COLS], jend)
         for hh in range(nh):
+            # the tile read next: the next head's of this kv span, or the first head's next
+            then = (g0 + hh + 1, j0, j1) if hh + 1 < nh else (g0, j1, j2)
             _stream_tile(ins, extras, geo, (b, g0 + hh, i0), (i1, R, j0, j1), heads, hh, bufs,
-                         no_p3)
+                         no_p3, then)
     if dequant:
         for hh in range(nh):
             _, acc, _, fold = _head(heads, hh, R, D, ldv)
@@ -191,10 +195,12 @@ def _head(heads, hh, R, D, ldv):
 
 
 @njit(**LEAF)
-def _stream_tile(ins, extras, geo, item, tile, heads, hh, bufs, no_p3):
+def _stream_tile(ins, extras, geo, item, tile, heads, hh, bufs, no_p3, then):
     """Kv tile tile = (i1, R, j0, j1) of streaming item ``item`` (b, g, i0), head hh of the
     run's buffers: scores, softmax, P V (no_p3: the bf16 parts the in-place softmax does not
-    write). Without reference counting: it runs once a tile and head."""
+    write). The K rows of the tile read next, then = (kv head, j0, j1), are prefetched during
+    P V unless they are one run of rows (which the hardware prefetcher follows by itself).
+    Without reference counting: it runs once a tile and head."""
     k, v, kp, vp = ins[1], ins[2], ins[3], ins[4]
     params = geo[3]
     b, g, i0 = item
@@ -208,6 +214,11 @@ def _stream_tile(ins, extras, geo, item, tile, heads, hh, bufs, no_p3):
     prefix, sdk, sdv = kv_tile_rows(ins[3:], geo, b, g, j0, j1 - j0, ro, rs)
     keys = (kp if prefix else k, ro[0], sdk, kvcode)
     values = (vp if prefix else v, ro[1], sdv, kvcode)
+    n_next = then[2] - then[1] if sdk == 1 else 0
+    next_prefix = kv_key_rows(ins[3:], geo, b, then[0], then[1], n_next, ro[3])
+    if n_next and ro[3, n_next - 1] - ro[3, 0] == (n_next - 1) * D:
+        n_next = 0              # one run of rows: the hardware prefetcher follows it
+    next_keys = (kp if next_prefix else k, ro[3], n_next)
     r0 = 0
     while r0 < R:
         r1, cl, ch, inside = _segment(params, geo[2], b, i0, i1, j0, j1, r0, R, 1)
@@ -222,7 +233,8 @@ def _stream_tile(ins, extras, geo, item, tile, heads, hh, bufs, no_p3):
             _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, state[2][r0:])
             if dequant:
                 fold_weights(sb, ns, nrow, r0, rs, cl - j0, ns, state[2], fold)
-            stream_pv(acc[r0 * ldv:], ldv, nrow, sb, ns, values, cl - j0, ns, buf)
+            stream_pv(acc[r0 * ldv:], ldv, nrow, sb, ns, values, cl - j0, ns, buf,
+                      next_keys if r0 == 0 else (k, ro[3], 0))
         r0 = r1
 
 
@@ -310,7 +322,7 @@ def _f32_buffers(params):
     qb[:] = F32_ZERO                         # rows past a work item's stay finite
     return (qb, aligned_empty(rows * tkp, np.float32), aligned_empty(rows * ldv, np.float32),
             aligned_empty(tkp * D, np.float32), aligned_empty(tkp * ldv, np.float32),
-            aligned_empty(rows, np.int32), aligned_empty(3 * tkp, np.int64).reshape(3, tkp),
+            aligned_empty(rows, np.int32), aligned_empty(4 * tkp, np.int64).reshape(4, tkp),
             aligned_empty(4 * tkp, np.float32).reshape(4, tkp))
 
 

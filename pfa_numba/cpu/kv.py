@@ -76,6 +76,20 @@ def kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs):
 
 
 @njit(**LEAF)
+def kv_key_rows(cache, geo, b, g, j0, nc, out):
+    """out[c] = the element offset of K row j0 + c of kv head g of batch b, c < nc (a tile:
+    all in the prefix or none); returns whether they are the prefix's rows."""
+    strides, boff, _, params = geo
+    P = params[P_PREFIX]
+    if j0 < P:
+        for c in range(nc):
+            out[c] = boff[T_PK, b] + g * strides[T_PK, S_HEAD] + (j0 + c) * strides[T_PK, S_ROW]
+        return True
+    _own_rows(out, geo, cache[2], params[P_BLOCK], T_K, b, j0 - P, nc, g * strides[T_K, S_HEAD])
+    return False
+
+
+@njit(**LEAF)
 def _own_rows(out, geo, table, block, t, b, j0, nc, head):
     """out[c] = the element offset of own row j0 + c of batch b in tensor t, plus ``head``
     (kv_row's rows): one run of consecutive rows a paged block (all of them without paging),

@@ -65,11 +65,13 @@ def stream_scores(s, lds, q2, r0, nrow, kv, c0, nc, buf, values):
 
 
 @njit(**LEAF)
-def stream_pv(acc, ld, nrow, p, lds, kv, c0, nc, buf):
+def stream_pv(acc, ld, nrow, p, lds, kv, c0, nc, buf, next_keys):
     """acc[r * ld:][:D] += sum over c with p[r * lds + c] != 0 of p[r * lds + c] * V[c0 + c]
     (a zero weight never meets V: inf or NaN there reaches no row that dropped it): four rows
     at a time, their runs of columns without a zero weight in one vector pass, the other
-    columns one at a time."""
+    columns one at a time. The K rows the item reads next, next_keys = (src, offs, n; n = 0:
+    none), are prefetched into L2 on the way (in the first four rows' pass), so that memory
+    keeps working while the sums are computed."""
     sd = kv[2]
     for r in range(0, nrow, BLOCK):
         n = min(BLOCK, nrow - r)
@@ -79,7 +81,9 @@ def stream_pv(acc, ld, nrow, p, lds, kv, c0, nc, buf):
         while c < nc:
             e = c if sd != 1 else _next_zero(w, lds, n, c, nc) if zeros else nc
             if e > c:
-                _weighted_sum(a, ld, n, w[c:], lds, kv, c0 + c, e - c, buf.shape[1])
+                nk = next_keys[2] - (c0 + c) if r == 0 else 0
+                _weighted_sum(a, ld, n, w[c:], lds, kv, c0 + c, e - c, buf.shape[1],
+                              (next_keys[0], next_keys[1], max(nk, 0)))
             if e < nc:
                 _row(buf, 0, kv, c0 + e, c0 + nc)
                 _add_row(a, ld, n, w[e:], lds, buf)
@@ -87,14 +91,15 @@ def stream_pv(acc, ld, nrow, p, lds, kv, c0, nc, buf):
 
 
 @njit(**LEAF_INLINE)
-def _weighted_sum(acc, ld, n, p, lds, kv, c0, nc, D):
+def _weighted_sum(acc, ld, n, p, lds, kv, c0, nc, D, next_keys):
     src, offs, code = kv[0], kv[1], kv[3]
+    ks, ko, nk = next_keys
     if code == CODE_F16:
-        weighted_sum_f16(acc, ld, n, D, p, lds, src, offs, c0, nc)
+        weighted_sum_f16(acc, ld, n, D, p, lds, src, offs, c0, nc, ks, ko, nk)
     elif code == CODE_BF16:
-        weighted_sum_bf16(acc, ld, n, D, p, lds, src, offs, c0, nc)
+        weighted_sum_bf16(acc, ld, n, D, p, lds, src, offs, c0, nc, ks, ko, nk)
     else:
-        weighted_sum_native(acc, ld, n, D, p, lds, src, offs, c0, nc)
+        weighted_sum_native(acc, ld, n, D, p, lds, src, offs, c0, nc, ks, ko, nk)
 
 
 @njit(**LEAF_INLINE)
