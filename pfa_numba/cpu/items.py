@@ -124,6 +124,7 @@ def _streams(item, qlen, G, rows_per_head, stream_rows):
 
 @njit(**LEAF)
 def _same_block_and_span(a, b):
+    """Whether work items a and b are of one (batch, query block) and kv span."""
     return (a[W_B] == b[W_B] and a[W_I0] == b[W_I0] and a[W_JLO] == b[W_JLO]
             and a[W_JHI] == b[W_JHI])
 

@@ -54,24 +54,23 @@ def kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs):
     key's array, ro[1, c] in the value's; with dequantization, the rows' token scales and
     offsets in rs[KEY:KEY + 2, c] and rs[VALUE:VALUE + 2, c] (ro[2]: scratch). Returns
     (whether the rows are the prefix's, the key's and the value's element strides)."""
-    strides, boff, _, params = geo
+    strides, params = geo[0], geo[3]
     table, ktok, vtok = cache[2], cache[4], cache[5]
     P = params[P_PREFIX]
-    dequant = params[P_DEQUANT] != 0
-    if j0 < P:
-        for c in range(nc):
-            ro[0, c] = boff[T_PK, b] + g * strides[T_PK, S_HEAD] + (j0 + c) * strides[T_PK, S_ROW]
-            ro[1, c] = boff[T_PV, b] + g * strides[T_PV, S_HEAD] + (j0 + c) * strides[T_PV, S_ROW]
-            if dequant:              # a prefix takes the channel planes only
+    prefix = _kv_rows(geo, table, T_PK, T_K, b, g, j0, nc, ro[0])
+    _kv_rows(geo, table, T_PV, T_V, b, g, j0, nc, ro[1])
+    if params[P_DEQUANT] != 0:
+        if prefix:                   # a prefix takes the channel planes only
+            for c in range(nc):
                 rs[KEY, c], rs[KEY + 1, c] = F32_ONE, F32_ZERO
                 rs[VALUE, c], rs[VALUE + 1, c] = F32_ONE, F32_ZERO
+        else:
+            _token_rows(ktok, geo, table, T_KT, params[P_KTOK], b, g, j0 - P, nc, ro[2], rs,
+                        KEY)
+            _token_rows(vtok, geo, table, T_VT, params[P_VTOK], b, g, j0 - P, nc, ro[2], rs,
+                        VALUE)
+    if prefix:
         return True, strides[T_PK, S_ELEM], strides[T_PV, S_ELEM]
-    block = params[P_BLOCK]
-    _own_rows(ro[0], geo, table, block, T_K, b, j0 - P, nc, g * strides[T_K, S_HEAD])
-    _own_rows(ro[1], geo, table, block, T_V, b, j0 - P, nc, g * strides[T_V, S_HEAD])
-    if dequant:
-        _token_rows(ktok, geo, table, T_KT, params[P_KTOK], b, g, j0 - P, nc, ro[2], rs, KEY)
-        _token_rows(vtok, geo, table, T_VT, params[P_VTOK], b, g, j0 - P, nc, ro[2], rs, VALUE)
     return False, strides[T_K, S_ELEM], strides[T_V, S_ELEM]
 
 
@@ -79,13 +78,23 @@ def kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs):
 def kv_key_rows(cache, geo, b, g, j0, nc, out):
     """out[c] = the element offset of K row j0 + c of kv head g of batch b, c < nc (a tile:
     all in the prefix or none); returns whether they are the prefix's rows."""
+    return _kv_rows(geo, cache[2], T_PK, T_K, b, g, j0, nc, out)
+
+
+@njit(**LEAF)
+def _kv_rows(geo, table, t_prefix, t_own, b, g, j0, nc, out):
+    """out[c] = the element offset of kv row j0 + c of kv head g of batch b, c < nc: in the
+    prefix's tensor t_prefix (j0 < P; a tile never straddles its end) or in the own tensor
+    t_own (:func:`_own_rows`). Returns whether the rows are the prefix's."""
     strides, boff, _, params = geo
     P = params[P_PREFIX]
     if j0 < P:
         for c in range(nc):
-            out[c] = boff[T_PK, b] + g * strides[T_PK, S_HEAD] + (j0 + c) * strides[T_PK, S_ROW]
+            out[c] = (boff[t_prefix, b] + g * strides[t_prefix, S_HEAD]
+                      + (j0 + c) * strides[t_prefix, S_ROW])
         return True
-    _own_rows(out, geo, cache[2], params[P_BLOCK], T_K, b, j0 - P, nc, g * strides[T_K, S_HEAD])
+    _own_rows(out, geo, table, params[P_BLOCK], t_own, b, j0 - P, nc,
+              g * strides[t_own, S_HEAD])
     return False
 
 
