@@ -11,7 +11,13 @@ pools of serving stacks), and the BNSD cache in int8 (keys per channel, values p
 dequantized as they load). Repeats alternate between the implementations; the table gives
 medians. "stream" is the time to read the same K and V bytes once (a sum over them as uint64 on
 the kernels' threads), measured in the same repeats: the memory-bound floor.
+
+Every timed call starts with the caches cold, as a decode step of a model finds them (the
+other layers' caches and weights ran since this layer's): before each call a buffer of twice
+the last-level cache is read. Without it each call would find whatever bytes the previous
+calls left: the call after "stream" would find the contiguous cache in a large L3.
 """
+import glob
 import statistics
 import time
 
@@ -23,6 +29,8 @@ from . import config, fused_infer_attention_score
 from ._bench import environment
 
 N, NKV, D, BLOCK = 32, 8, 128, 128
+#: the eviction buffer's size where the last-level cache's is unknown
+_LLC_FALLBACK = 256 << 20
 
 
 @njit(parallel=True, cache=True)
@@ -32,6 +40,27 @@ def _read_once(words):
     for i in prange(words.size):
         total += words[i]
     return total
+
+
+def last_level_cache_bytes():
+    """The size of this machine's largest cache (Linux sysfs), or _LLC_FALLBACK."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        with open(path) as f:
+            text = f.read().strip()
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=_LLC_FALLBACK)
+
+
+def _evicting(call, evict):
+    """``call`` preceded by a read of ``evict`` (untimed, see run)."""
+    def cold():
+        _read_once(evict)
+        t0 = time.perf_counter()
+        call()
+        return time.perf_counter() - t0
+    return cold
 
 
 def _case(B, S, dtype, rng):
@@ -92,18 +121,19 @@ def _calls(bnsd, bsh, table):
 def run(batches, lengths, dtypes, repeats):
     rows = []
     rng = np.random.default_rng(0)
+    evict = np.ones(2 * last_level_cache_bytes() // 8, np.uint64)
     for dtype in dtypes:
         for B in batches:
             for S in lengths:
                 bnsd, bsh, table = _case(B, S, dtype, rng)
-                calls = _calls(bnsd, bsh, table)
+                calls = {name: _evicting(call, evict)
+                         for name, call in _calls(bnsd, bsh, table).items()}
                 times = {name: [] for name in calls}
                 for r in range(repeats + 1):
                     for name, call in calls.items():
-                        t0 = time.perf_counter()
-                        call()
+                        elapsed = call()
                         if r:
-                            times[name].append(time.perf_counter() - t0)
+                            times[name].append(elapsed)
                 med = {name: statistics.median(t) for name, t in times.items()}
                 rows.append((np.dtype(dtype).name, B, S, 2 * bnsd[1].nbytes, med))
                 del calls
@@ -121,7 +151,8 @@ _RATIOS = (("torch", "BNSD"), ("BNSD paged", "BNSD"), ("BSH paged", "BSH"), ("BN
 def markdown(rows, repeats):
     head = [h for _, h in _TIMES] + [f"{a} / {b}" for a, b in _RATIOS]
     lines = [f"Decode, N = {N}, Nkv = {NKV}, D = {D}, paged block_size {BLOCK}; medians of "
-             f"{repeats} alternating repeats, ms. {environment()}.", "",
+             f"{repeats} alternating repeats, each call with cold caches, ms (last-level cache "
+             f"{last_level_cache_bytes() >> 20} MiB). {environment()}.", "",
              "| cache | B | kv tokens | K+V MiB | " + " | ".join(head) + " |",
              "|---" * (4 + len(head)) + "|"]
     for dt, B, S, nbytes, t in rows:

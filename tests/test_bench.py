@@ -92,3 +92,18 @@ def test_decode_benchmark_runs(tmp_path):
     pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
     rows = _smoke_run("decode.py", tmp_path, "| float16")
     assert len(rows) == 1 and "nan" not in rows[0]
+
+
+def test_decode_benchmark_evicts_the_last_level_cache(monkeypatch, tmp_path):
+    """The decode benchmark's cold calls read a buffer of twice the largest cache sysfs names
+    (its size units K / M / G), or twice the fallback where none is named."""
+    from pfa_numba import _bench_decode
+    for level, size in ((1, "48K"), (2, "2048K"), (3, "105M")):
+        (tmp_path / f"index{level}").mkdir()
+        (tmp_path / f"index{level}" / "size").write_text(size + "\n")
+    pattern = str(tmp_path / "index*" / "size")
+    real_glob = _bench_decode.glob.glob
+    monkeypatch.setattr(_bench_decode.glob, "glob", lambda _: real_glob(pattern))
+    assert _bench_decode.last_level_cache_bytes() == 105 << 20
+    monkeypatch.setattr(_bench_decode.glob, "glob", lambda _: [])
+    assert _bench_decode.last_level_cache_bytes() == _bench_decode._LLC_FALLBACK
