@@ -29,10 +29,11 @@ L_QLEN, L_KLEN, L_PRE, L_NEXT, L_ROWS = range(5)
 # prefix's length P, whose rows come before every batch's own; P_KVCODE: the storage code of
 # key/value; P_DEQUANT: 1 when int8 key/value are dequantized as they load; P_KTOK / P_VTOK:
 # their token planes, 0 none, 1 by row, 2 by paged slot; P_STREAM: work items of at most this
-# many rows stream their K / V rows, the CPU's cpu.stream)
+# many rows stream their K / V rows, the CPU's cpu.stream; P_NEXT_K: 1 when those items
+# prefetch the K rows they read next)
 (P_N, P_G, P_D, P_CODE, P_MASK, P_PSE, P_IP, P_LSE, P_ROWS, P_COLS, P_THREADS, P_OCODE,
  P_FLAGS, P_SUB, P_SEG, P_GEMM, P_BLAS, P_SCALE_EXP, P_BLOCK, P_PREFIX, P_KVCODE, P_DEQUANT,
- P_KTOK, P_VTOK, P_STREAM) = range(25)
+ P_KTOK, P_VTOK, P_STREAM, P_NEXT_K) = range(26)
 # the fparams vector (float32): scale_value as factors (see scale_factors), the int8 scales
 F_SCALE, F_SCALE2, F_DEQ1, F_SCALE16, F_QS1, F_DEQ2 = range(6)
 
@@ -264,13 +265,13 @@ class KernelArgs:
 
 
 def kernel_args(p, out, lse, flags=False, rows=0, cols=0, threads=0, sub=0, seg=0, gemm=0,
-                blas=0, stream=0):
+                blas=0, stream=0, next_keys=0):
     """The :class:`KernelArgs` of planned problem ``p`` writing ``out`` (in the output layout;
     its dtype gives the output code) and ``lse``. ``flags`` (mark the rows computed, for a
     second pass) is the backend's choice; the rest are the CPU's tiling: query
     rows per work item and head, kv columns per tile, threads, rows per row segment of cut and
-    inside tiles, register-block products (1), the BLAS sgemm address and the most rows of an
-    item that streams its K / V rows."""
+    inside tiles, register-block products (1), the BLAS sgemm address, the most rows of an
+    item that streams its K / V rows and whether it prefetches the K rows it reads next (1)."""
     q, k, v, o_flat, mask8, mask16, pse, strides, boff, kp, vp, tokens = geometry(p, out, lse)
     cache = p.cache
     paged = cache is not None and cache.block_table is not None
@@ -288,7 +289,8 @@ def kernel_args(p, out, lse, flags=False, rows=0, cols=0, threads=0, sub=0, seg=
                        p.want_lse, rows, cols, threads,
                        output_code(out.dtype), flags, sub, seg, gemm, blas, post,
                        cache.block_size if paged else 0, cache.P if cache is not None else 0,
-                       storage_code(p.k.dtype), aq is not None, tok[0], tok[1], stream],
+                       storage_code(p.k.dtype), aq is not None, tok[0], tok[1], stream,
+                       next_keys],
                       np.int64)
     fparams = np.zeros(6, np.float32)
     fparams[F_SCALE], fparams[F_SCALE2] = s1, s2

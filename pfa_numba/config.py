@@ -57,6 +57,11 @@ CPU_STREAM_ROWS = 16
 #: paged pools): wider tiles, which BNSD caches want (CPU_KV_COLS), ran slower there.
 CPU_STREAM_TILE_BYTES = 1 << 19
 
+#: Decode items prefetch into L2, during P V, the K rows they read next (another kv head's tile,
+#: or the next tile) where those rows jump (paged, BSH). None: on AMD Zen hosts only, where it
+#: ran faster; on an Intel Xeon it ran slower (docs/tuning.md).
+CPU_PREFETCH_NEXT_KEYS = None
+
 #: Numba threads used by one call (None: numba.get_num_threads() at call time).
 CPU_THREADS = None
 

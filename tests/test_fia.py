@@ -54,12 +54,16 @@ def _qkv(rng, layout, dtype, sq, skv, b=B):
 
 @pytest.fixture(params=["default tiles", "small tiles", "kv heads in one run"])
 def tiles(request, monkeypatch):
+    """Tilings; decode items prefetch the next K rows with one and not with another, whatever
+    this host's default."""
     if request.param == "small tiles":
         monkeypatch.setattr(config, "CPU_Q_ROWS", 12)
         monkeypatch.setattr(config, "CPU_KV_COLS", 7)
+        monkeypatch.setattr(config, "CPU_PREFETCH_NEXT_KEYS", False)
     if request.param == "kv heads in one run":     # decode items: every kv head together
         monkeypatch.setattr(config, "CPU_SPLIT_KV_ITEMS", 0)
         monkeypatch.setattr(config, "CPU_KV_COLS", 24)
+        monkeypatch.setattr(config, "CPU_PREFETCH_NEXT_KEYS", True)
     return request.param
 
 

@@ -124,6 +124,15 @@ def host_has(feature):
         return False
 
 
+def host_is_zen():
+    """True when Numba compiles for this host and it is an AMD Zen CPU (LLVM's znver names)."""
+    try:
+        return (numba.config.CPU_NAME in (None, "host")
+                and _llvm.get_host_cpu_name().startswith("znver"))
+    except (RuntimeError, AttributeError):
+        return False
+
+
 def _rounding_to_16_bits(narrow, doc):
     """Intrinsic float32 -> the 16 bits of LLVM type ``narrow`` by fptrunc (round to nearest
     even), which LLVM vectorises to the CPU's conversion instruction."""

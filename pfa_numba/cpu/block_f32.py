@@ -7,7 +7,7 @@ from .._core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, antiqu
                      order_key, store, widen)
 from .._kernel_args import (F_SCALE, F_SCALE2, P_BLAS, P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_GEMM,
                             P_IP, P_KVCODE, P_DEQUANT, P_LSE, P_MASK, P_OCODE, P_PSE, P_ROWS,
-                            P_SCALE_EXP, P_STREAM, T_Q)
+                            P_NEXT_K, P_SCALE_EXP, P_STREAM, T_Q)
 from ._blas import gemm_rm, scratch
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
 from ._jit import FASTMATH, LEAF, LEAF_INLINE
@@ -199,7 +199,8 @@ def _stream_tile(ins, extras, geo, item, tile, heads, hh, bufs, no_p3, then):
     """Kv tile tile = (i1, R, j0, j1) of streaming item ``item`` (b, g, i0), head hh of the
     run's buffers: scores, softmax, P V (no_p3: the bf16 parts the in-place softmax does not
     write). The K rows of the tile read next, then = (kv head, j0, j1), are prefetched during
-    P V unless they are one run of rows (which the hardware prefetcher follows by itself).
+    P V where params[P_NEXT_K] asks, unless they are one run of rows (which the hardware
+    prefetcher follows by itself).
     Without reference counting: it runs once a tile and head."""
     k, v, kp, vp = ins[1], ins[2], ins[3], ins[4]
     params = geo[3]
@@ -214,7 +215,7 @@ def _stream_tile(ins, extras, geo, item, tile, heads, hh, bufs, no_p3, then):
     prefix, sdk, sdv = kv_tile_rows(ins[3:], geo, b, g, j0, j1 - j0, ro, rs)
     keys = (kp if prefix else k, ro[0], sdk, kvcode)
     values = (vp if prefix else v, ro[1], sdv, kvcode)
-    n_next = then[2] - then[1] if sdk == 1 else 0
+    n_next = then[2] - then[1] if sdk == 1 and params[P_NEXT_K] != 0 else 0
     next_prefix = kv_key_rows(ins[3:], geo, b, then[0], then[1], n_next, ro[3])
     if n_next and ro[3, n_next - 1] - ro[3, 0] == (n_next - 1) * D:
         n_next = 0              # one run of rows: the hardware prefetcher follows it

@@ -13,8 +13,8 @@ from .amx_pack import AMX_MAX_SCALE
 from .block_amx import _attention_amx
 from .block_f32 import _attention, _merge_split, f32_widths
 from .block_int8 import INT8_MAX_KV_COLS, _attention_int8
-from .items import (_work_items, kv_head_runs, seg_rows, stream_rows, streams, sub_rows,
-                    tile_shape)
+from .items import (_work_items, kv_head_runs, prefetch_next_keys, seg_rows, stream_rows, streams,
+                    sub_rows, tile_shape)
 from .split_kv import partial_buffers, runs_wanted, split_work
 
 
@@ -95,7 +95,7 @@ def run(p):
         a = kernel_args(p, out, lse, flags=int8_out,
                         rows=rows_per_head, cols=kv_cols, threads=nthreads, sub=sub_rows(),
                         seg=seg_rows(amx), gemm=own, blas=sgemm_address() if blas else 0,
-                        stream=stream_rows())
+                        stream=stream_rows(), next_keys=prefetch_next_keys())
         flat_flags = flags.reshape(-1)
         args = (a.q, a.k, a.v, a.out, a.lse, flat_flags, a.mask8, a.mask16, a.pse, a.strides,
                 a.boff, a.lens, work, a.params, a.fparams)

@@ -9,6 +9,7 @@ from .._kernel_args import (L_KLEN, L_NEXT, L_PRE, L_QLEN, P_COLS, P_D, P_G, P_R
 from ._amx import BLOCK
 from ._gemm import PANEL
 from ._jit import LEAF
+from ._vector import host_is_zen
 
 #: Columns of a row of the work array: batch, kv head, first query position; the kv columns
 #: [lo, hi) it computes (all of its band: 0, BAND_INF); the slot of its partial result when
@@ -155,6 +156,13 @@ def tile_shape(p):
 def stream_rows():
     """Rows of the largest work item that streams its K / V rows (config.CPU_STREAM_ROWS)."""
     return max(0, int(config.CPU_STREAM_ROWS))
+
+
+def prefetch_next_keys():
+    """Whether streaming items prefetch the K rows they read next (config.CPU_PREFETCH_NEXT_KEYS;
+    None: on AMD Zen hosts)."""
+    choice = config.CPU_PREFETCH_NEXT_KEYS
+    return host_is_zen() if choice is None else bool(choice)
 
 
 def streams(p, rows_per_head):
