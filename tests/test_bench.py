@@ -107,3 +107,12 @@ def test_decode_benchmark_evicts_the_last_level_cache(monkeypatch, tmp_path):
     assert _bench_decode.last_level_cache_bytes() == 105 << 20
     monkeypatch.setattr(_bench_decode.glob, "glob", lambda _: [])
     assert _bench_decode.last_level_cache_bytes() == _bench_decode._LLC_FALLBACK
+
+
+def test_decode_benchmark_times_only_the_call_after_eviction_and_another_layer():
+    """A cold call reads the eviction buffer, runs the other layer's call, then times its own."""
+    from pfa_numba import _bench_decode
+    order = []
+    cold = _bench_decode._cold_cache(lambda: order.append("call"),
+                                     np.ones(1024, np.uint64), lambda: order.append("other"))
+    assert cold() >= 0 and order == ["other", "call"]
