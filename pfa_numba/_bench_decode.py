@@ -157,8 +157,8 @@ _RATIOS = (("torch", "BNSD"), ("BNSD paged", "BNSD"), ("BSH paged", "BSH"), ("BN
 def markdown(rows, repeats):
     head = [h for _, h in _TIMES] + [f"{a} / {b}" for a, b in _RATIOS]
     lines = [f"Decode, N = {N}, Nkv = {NKV}, D = {D}, paged block_size {BLOCK}; medians of "
-             f"{repeats} alternating repeats, each call with its kv cache cold, ms (last-level cache "
-             f"{last_level_cache_bytes() >> 20} MiB). {environment()}.", "",
+             f"{repeats} alternating repeats, each call with its kv cache cold, ms (last-level "
+             f"cache {last_level_cache_bytes() >> 20} MiB). {environment()}.", "",
              "| cache | B | kv tokens | K+V MiB | " + " | ".join(head) + " |",
              "|---" * (4 + len(head)) + "|"]
     for dt, B, S, nbytes, t in rows:

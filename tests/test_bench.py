@@ -95,8 +95,8 @@ def test_decode_benchmark_runs(tmp_path):
 
 
 def test_decode_benchmark_evicts_the_last_level_cache(monkeypatch, tmp_path):
-    """The decode benchmark's cold calls read a buffer of twice the largest cache sysfs names
-    (its size units K / M / G), or twice the fallback where none is named."""
+    """The decode benchmark's eviction buffer is sized by the largest cache sysfs names (its
+    size units K / M / G), or by the fallback where none is named."""
     from pfa_numba import _bench_decode
     for level, size in ((1, "48K"), (2, "2048K"), (3, "105M")):
         (tmp_path / f"index{level}").mkdir()
