@@ -4,8 +4,8 @@ bfloat16 and float32 bits, int8 values), query-row counts around the four a vect
 takes, column counts around its blocks of four and the prefetch distance, head dims with a
 masked tail and with a partial slice of accumulator vectors; weights with zeros next to an inf
 in V (a zero weight never meets V), and rows read one at a time (element stride 2); the
-weighted sum prefetches the next K rows as it goes. The tests
-name the storage and the shape; the whole decode path is covered again by tests/test_fia.py.
+weighted sum prefetches the next K rows as it goes. The tests name the storage and the shape;
+the whole decode path is covered again by tests/test_fia.py.
 """
 import ml_dtypes
 import numpy as np

@@ -117,24 +117,25 @@ class _BFloat(ir.types._BaseFloatType):
 _BFloat._create_instance()
 
 
-def host_has(feature):
-    """True when Numba compiles for this host and the host CPU has ``feature`` (LLVM name)."""
+def _host_answer(question):
+    """question(), an LLVM query about the host CPU, where Numba compiles for this host (False
+    elsewhere, or where LLVM cannot answer)."""
     try:
-        return (numba.config.CPU_NAME in (None, "host")
-                and bool(_llvm.get_host_cpu_features().get(feature)))
+        return numba.config.CPU_NAME in (None, "host") and bool(question())
     except (RuntimeError, AttributeError):
         return False
+
+
+def host_has(feature):
+    """True when Numba compiles for this host and the host CPU has ``feature`` (LLVM name)."""
+    return _host_answer(lambda: _llvm.get_host_cpu_features().get(feature))
 
 
 @functools.cache
 def host_is_zen():
     """True when Numba compiles for this host and it is an AMD Zen CPU (LLVM's znver names;
     asked once: LLVM takes about 0.1 ms to answer)."""
-    try:
-        return (numba.config.CPU_NAME in (None, "host")
-                and _llvm.get_host_cpu_name().startswith("znver"))
-    except (RuntimeError, AttributeError):
-        return False
+    return _host_answer(lambda: _llvm.get_host_cpu_name().startswith("znver"))
 
 
 def _rounding_to_16_bits(narrow, doc):
