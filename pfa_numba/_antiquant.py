@@ -31,10 +31,14 @@ class Planes:
     paged: bool                      # the token plane is addressed by (block, slot)
 
 
-def any_given(call):
-    return any(getattr(call, n) is not None for n in (
-        "antiquant_scale", "antiquant_offset", "key_antiquant_scale", "key_antiquant_offset",
-        "value_antiquant_scale", "value_antiquant_offset"))
+#: the merged and the separate scale and offset arguments
+MERGED_ARGS = ("antiquant_scale", "antiquant_offset")
+SEPARATE_ARGS = ("key_antiquant_scale", "key_antiquant_offset", "value_antiquant_scale",
+                 "value_antiquant_offset")
+
+
+def any_given(call, names=MERGED_ARGS + SEPARATE_ARGS):
+    return any(getattr(call, n) is not None for n in names)
 
 
 def applies(call, qdtype, kdtype):
@@ -60,14 +64,11 @@ def applies(call, qdtype, kdtype):
 def plan(call, qdtype, B, Nkv, D, extent, paged, pool_blocks, block_size, prefixed):
     """The (key, value) :class:`Planes` of a call that :func:`applies` to. Raises the errors of
     docs/fia.md, 'KV antiquant'."""
-    shape = dict(B=B, Nkv=Nkv, D=D, extent=extent, blocks=pool_blocks, block_size=block_size)
-    if call.key_antiquant_scale is not None or call.value_antiquant_scale is not None:
-        pairs = _separate(call, qdtype, shape)
-    else:
-        pairs = _merged(call, qdtype, shape)
+    shape = dict(B=B, Nkv=Nkv, D=D, extent=extent, blocks=pool_blocks, block_size=block_size,
+                 paged=paged)
+    # the separate arguments, where any is given, win: the merged ones are not read
+    pairs = (_separate if any_given(call, SEPARATE_ARGS) else _merged)(call, qdtype, shape)
     for (kind, _, _), name in zip(pairs, ("key", "value")):
-        if kind in ("paged-token", "paged-token-head") and not paged:
-            raise RuntimeError(f"{name} antiquant mode {kind} needs a block_table")
         if kind in TOKEN_KINDS and prefixed:
             raise RuntimeError(f"a per-token {name} antiquant mode does not go with a shared "
                                f"prefix")
@@ -113,13 +114,12 @@ def _separate(call, qdtype, shape):
     for name, mode in (("key_antiquant_mode", kmode), ("value_antiquant_mode", vmode)):
         if mode not in SEPARATE:
             raise RuntimeError(f"{name} must be in 0..5, got {mode}")
+        if SEPARATE[mode] in ("paged-token", "paged-token-head") and not shape["paged"]:
+            raise RuntimeError(f"{name} {mode} ({SEPARATE[mode]}) needs a block_table")
     if kmode != vmode and (kmode, vmode) != (0, 1):
         raise RuntimeError(f"key_antiquant_mode and value_antiquant_mode must be equal (or key "
                            f"0 with value 1), got {kmode} and {vmode}")
-    arrays = {n: _array(n, getattr(call, n)) for n in (
-        "key_antiquant_scale", "key_antiquant_offset", "value_antiquant_scale",
-        "value_antiquant_offset")}
-    ks, ko, vs, vo = arrays.values()
+    ks, ko, vs, vo = (_array(n, getattr(call, n)) for n in SEPARATE_ARGS)
     if (ks is None) != (vs is None):
         raise RuntimeError("key_antiquant_scale and value_antiquant_scale come together, got "
                            "only " + ("key" if ks is not None else "value") + "_antiquant_scale")

@@ -209,12 +209,11 @@ def check_seq_lengths(name, value, batch, max_len):
         return np.full(batch, max_len, dtype=np.int64)
     arr = _int_vector(name, value)
     if arr.size != 1 and arr.size != batch:
-        raise ValueError(f"{name} must have 1 or B = {batch} values, got {arr.size}: "
-                         f"{arr.tolist()}")
+        raise ValueError(f"{name} must have 1 or B = {batch} values, got {arr.size}")
     bad = (arr < 0) | (arr > max_len)
     if bad.any():
-        raise ValueError(f"{name} values must be in [0, {max_len}], got {int(arr[bad][0])} "
-                         f"(in {arr.tolist()})")
+        i = int(np.argmax(bad))
+        raise ValueError(f"{name} values must be in [0, {max_len}]: {name}[{i}] = {int(arr[i])}")
     return np.full(batch, arr[0], dtype=np.int64) if arr.size == 1 else arr
 
 
@@ -225,11 +224,11 @@ def check_cumulative_ends(name, value, total):
                          f"ends), got None")
     arr = _int_vector(name, value)
     if arr.size and (arr[0] < 0 or np.any(np.diff(arr) < 0)):
-        raise ValueError(f"{name} must be non-decreasing cumulative ends >= 0, got "
-                         f"{arr.tolist()}")
+        i = 0 if arr[0] < 0 else int(np.argmax(np.diff(arr) < 0)) + 1
+        raise ValueError(f"{name} must be non-decreasing, >= 0: {name}[{i}] = {int(arr[i])}")
     last = int(arr[-1]) if arr.size else 0
     if last != total:
-        raise ValueError(f"{name} must end at {total} (the packed length), got {arr.tolist()}")
+        raise ValueError(f"{name} must end at {total} (the packed length), it ends at {last}")
     return arr
 
 
@@ -241,12 +240,13 @@ def _int_vector(name, value):
         try:
             arr = np.asarray(value, dtype=np.int64) if len(value) else np.zeros(0, np.int64)
         except OverflowError:
-            raise ValueError(f"{name} values must fit in int64, got {list(value)}") from None
+            bad = next(v for v in value if not INT64_MIN <= v <= INT64_MAX)
+            raise ValueError(f"{name} values must fit in int64, got {bad}") from None
     elif isinstance(value, np.ndarray):
         if value.dtype.kind not in "iu":
             raise TypeError(f"{name} must hold integers, got dtype {dtype_name(value.dtype)}")
         if value.dtype == np.uint64 and value.size and value.max() > INT64_MAX:
-            raise ValueError(f"{name} values must fit in int64, got {value.tolist()}")
+            raise ValueError(f"{name} values must fit in int64, got {int(value.max())}")
         arr = value.astype(np.int64)
     elif isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be 1-D (a list, tuple or array of ints), got the "

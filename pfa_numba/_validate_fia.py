@@ -8,6 +8,7 @@ the :class:`KvCache` the kernels read instead: contiguous rows at per-batch offs
 padding), paged blocks, and a shared prefix before them.
 """
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -23,6 +24,12 @@ from ._dtypes import I8, dtype_name
 #: array arguments are small: lengths, scales, the block table; read on the host)
 TENSORS = ("query", "key", "value", "atten_mask", "pse_shift", "key_shared_prefix",
            "value_shared_prefix")
+#: the arguments whose names differ from prompt_flash_attention's, whose checks FIA's reuse
+PFA_NAMES = {"attn_mask": "atten_mask", "deq_scale1": "dequant_scale1",
+             "deq_scale2": "dequant_scale2", "scale_value": "scale"}
+_PFA_NAME = re.compile(r"\b(" + "|".join(PFA_NAMES) + r")\b")
+#: a padding size beyond any frame: every larger one leaves the same empty window
+_PAD_BEYOND = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -114,7 +121,7 @@ def _one_int(name, x):
     if x.size != 1 or x.ndim > 1:
         raise RuntimeError(f"{name} must hold one element (shape (1,) or ()), got shape "
                            f"{V.shape_str(x.shape)}")
-    return max(int(x.reshape(-1)[0]), 0)
+    return min(max(int(x.reshape(-1)[0]), 0), _PAD_BEYOND)
 
 
 def _kv_arrays(name, x):
@@ -155,9 +162,13 @@ def validate(call, device=None):
         _one_int("kv_padding_size", call.kv_padding_size)
     padded = call.kv_padding_size is not None or (not decode and
                                                   call.query_padding_size is not None)
+    # decode reads no band; left padding with sparse_mode 0 and a mask ignores it (docs/fia.md)
+    band_ignored = decode or (padded and mask is not None
+                              and V.check_int("sparse_mode", call.sparse_mode) == 0)
     listed = key_list is not None or value_list is not None
     prefixed = prefix_k is not None or prefix_v is not None
-    _exclusions(query, layout, table, padded, listed, prefixed)
+    dequant = AQ.applies(call, query.dtype, (key if key is not None else key_list[0]).dtype)
+    _exclusions(query, layout, table, padded, listed, prefixed, dequant)
     list_lens = None
     if listed:
         key, value, list_lens = _gathered(key_list, value_list, layout, query.shape[0])
@@ -166,17 +177,21 @@ def validate(call, device=None):
     if key.dtype != value.dtype:
         raise TypeError(f"value dtype must be key's ({dtype_name(key.dtype)}), got "
                         f"{dtype_name(value.dtype)}")
-    dequant = AQ.applies(call, query.dtype, key.dtype)
     P = 0
     if prefixed:
         P = _prefix(call, layout, key, prefix_k, prefix_v)
+    if decode and mask is not None:
+        mask = _decode_mask(mask, query.shape[0], _kv_extent(key, layout, table, block_size, P))
+    if band_ignored and not decode:         # ints, but not read (docs/fia.md, 'Left padding')
+        for name in ("pre_tokens", "next_tokens"):
+            V.check_int(name, getattr(call, name))
     pfa_call = V.Call(
-        query, key, value, None if mask is None else _pfa_mask(mask, decode),
+        query, key, value, mask,
         None if decode else call.actual_seq_lengths, call.actual_seq_lengths_kv, call.pse_shift,
         call.dequant_scale1, call.quant_scale1, call.dequant_scale2, call.quant_scale2,
         call.quant_offset2, num_heads=call.num_heads, scale_value=call.scale,
-        pre_tokens=TOKENS_INF if decode else call.pre_tokens,
-        next_tokens=TOKENS_INF if decode else call.next_tokens, input_layout=layout,
+        pre_tokens=TOKENS_INF if band_ignored else call.pre_tokens,
+        next_tokens=TOKENS_INF if band_ignored else call.next_tokens, input_layout=layout,
         num_key_value_heads=call.num_key_value_heads,
         sparse_mode=(1 if mask is not None else 0) if decode else call.sparse_mode,
         inner_precise=call.inner_precise, device=device or call.device, return_softmax_lse=True)
@@ -187,8 +202,7 @@ def validate(call, device=None):
     if P or dequant:           # shapes with the prefix's rows; the query's dtype for int8 kv
         stand_in = pfa_call.with_arrays({name: _extended(x, layout, P, query.dtype)
                                          for name, x in (("key", key), ("value", value))})
-    valid = V.validate(stand_in)
-    valid = _reanchor(valid, padded, mask, decode)
+    valid = _pfa_checked(stand_in)
     B = valid.B
     if list_lens is not None:
         valid = dataclasses.replace(valid, klen=_list_lengths(call, list_lens))
@@ -259,35 +273,57 @@ def _plain_mask(mask):
     if mask is None:
         return None
     mask = V._plain("atten_mask", mask)
-    if isinstance(mask, np.ndarray) and mask.dtype == np.float16:
-        raise TypeError("atten_mask must be bool, int8 or uint8 (fused_infer_attention_score "
-                        "takes no float16 additive mask), got float16 of shape "
-                        f"{V.shape_str(mask.shape)}")
+    if isinstance(mask, np.ndarray) and mask.dtype not in V.DISCARD_MASK_DTYPES:
+        raise TypeError(f"atten_mask must be bool, int8 or uint8 (fused_infer_attention_score "
+                        f"takes no additive float mask), got {dtype_name(mask.dtype)} of "
+                        f"shape {V.shape_str(mask.shape)}")
     return mask
 
 
-def _pfa_mask(mask, decode):
-    """A decode mask ((B|1, C), (B|1, 1, C), (B|1, 1, 1, C)) as prompt_flash_attention's
-    (B|1, 1, 1, C); prefill masks as they are."""
-    if not decode or not isinstance(mask, np.ndarray):
+def _decode_mask(mask, batch, extent):
+    """A decode mask ((B|1, C), (B|1, 1, C), (B|1, 1, 1, C), C >= the kv extent) as
+    prompt_flash_attention's (B|1, 1, 1, C)."""
+    if not isinstance(mask, np.ndarray):
         return mask
-    ok = mask.ndim in (2, 3, 4) and all(s == 1 for s in mask.shape[1:-1])
+    ok = (mask.ndim in (2, 3, 4) and all(s == 1 for s in mask.shape[1:-1])
+          and mask.shape[0] in (1, batch) and (extent is None or mask.shape[-1] >= extent))
     if not ok:
         raise RuntimeError(f"atten_mask shape {V.shape_str(mask.shape)} is not accepted in "
                            f"decode (query length 1): expected (B, C), (B, 1, C) or "
-                           f"(B, 1, 1, C), batch B or 1, C >= the kv length")
+                           f"(B, 1, 1, C) with batch B = {batch} or 1 and C >= {extent}, the "
+                           f"kv length")
     return mask.reshape(mask.shape[0], 1, 1, mask.shape[-1])
 
 
-def _exclusions(query, layout, table, padded, listed, prefixed):
+def _kv_extent(key, layout, table, block_size, P):
+    """The kv columns a decode mask must cover: the prefix's and the kv S extent (Smax of a
+    paged cache); None where the block table's own checks come first."""
+    if table is None:
+        return P + key.shape[V.SEQ_AXIS[layout]]
+    return table.shape[1] * block_size if table.ndim == 2 and block_size >= 1 else None
+
+
+def _pfa_checked(call):
+    """prompt_flash_attention's checks of ``call``, its errors naming FIA's arguments."""
+    try:
+        return V.validate(call)
+    except (TypeError, ValueError, RuntimeError) as e:
+        message = _PFA_NAME.sub(lambda m: PFA_NAMES[m.group(1)], str(e))
+        if type(e) not in (TypeError, ValueError, RuntimeError) or message == str(e):
+            raise
+        raise type(e)(message) from None
+
+
+def _exclusions(query, layout, table, padded, listed, prefixed, dequant):
     int8_query = query.dtype == I8
     named = {"paged KV (block_table)": table is not None, "left padding": padded,
              "key/value lists": listed, "a shared prefix": prefixed}
     if layout == "TND":
-        given = [n for n, on in named.items() if on]
+        given = [n for n, on in named.items() if on] + ["int8 key/value with antiquant "
+                                                          "scales"] * dequant
         if given:
-            raise RuntimeError(f"input_layout 'TND' takes contiguous key/value only, got "
-                               f"{', '.join(given)}")
+            raise RuntimeError(f"input_layout 'TND' takes contiguous float key/value (or int8 "
+                               f"with an int8 query) only, got {', '.join(given)}")
     pairs = [("paged KV (block_table)", "left padding"), ("paged KV (block_table)",
              "key/value lists"), ("paged KV (block_table)", "a shared prefix"),
              ("a shared prefix", "left padding"), ("a shared prefix", "key/value lists"),
@@ -314,13 +350,14 @@ def _prefix(call, layout, key, prefix_k, prefix_v):
     sp = prefix_k.shape[V.SEQ_AXIS[layout]]
     if call.actual_shared_prefix_len is None:
         return sp
-    n = V._int_vector("actual_shared_prefix_len", call.actual_shared_prefix_len) \
-        if not isinstance(call.actual_shared_prefix_len, (int, np.integer)) else \
-        np.array([V.check_int("actual_shared_prefix_len", call.actual_shared_prefix_len)])
-    if n.size != 1 or not 0 <= int(n[0]) <= sp:
-        raise ValueError(f"actual_shared_prefix_len must be one int in [0, {sp}], got "
-                         f"{n.tolist()}")
-    return int(n[0])
+    n = call.actual_shared_prefix_len
+    values = list(np.ravel(n)) if isinstance(n, (list, tuple, np.ndarray)) else [n]
+    if len(values) != 1 or isinstance(values[0], (bool, np.bool_)) \
+            or not isinstance(values[0], (int, np.integer)) or not 0 <= values[0] <= sp:
+        got = (f"{type(n).__name__} of {len(values)} values" if len(values) != 1 else
+               f"{type(values[0]).__name__} {values[0]!r}")
+        raise ValueError(f"actual_shared_prefix_len must be one int in [0, {sp}], got {got}")
+    return int(values[0])
 
 
 def _batch_one_like(name, x, ref_name, ref, layout):
@@ -355,13 +392,6 @@ def _extended(x, layout, extra, dtype):
     return np.broadcast_to(np.zeros((), dtype), tuple(shape))
 
 
-def _reanchor(valid, padded, mask, decode):
-    """Left padding with sparse_mode 0 and a mask ignores pre/next (Ascend's tiling)."""
-    if padded and not decode and valid.sparse_mode == 0 and mask is not None:
-        return dataclasses.replace(valid, pre_tokens=TOKENS_INF, next_tokens=TOKENS_INF)
-    return valid
-
-
 def _empty_windows(valid, q_off, k_off):
     """A batch whose padded window does not fit (q_off or k_off < 0) computes nothing."""
     bad = (q_off < 0) | (k_off < 0)
@@ -393,6 +423,9 @@ def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
         raise RuntimeError(f"paged key/value must be (num_blocks, block_size, Hkv) or "
                            f"(num_blocks, Nkv, block_size, D), got shape "
                            f"{V.shape_str(key.shape)}")
+    if key.ndim == 3 and layout != "BSH" and key.shape[2] % max(query.shape[-1], 1):
+        raise RuntimeError(f"the pool's Hkv ({key.shape[2]}) must be Nkv * D with the query's "
+                           f"D = {query.shape[-1]}; pool shape {V.shape_str(key.shape)}")
     bs_axis = 1 if key.ndim == 3 else 2
     if key.shape[bs_axis] != block_size:
         raise RuntimeError(f"the pool's block axis ({key.shape[bs_axis]}) must equal "
@@ -401,7 +434,7 @@ def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
         raise ValueError("paged KV (block_table) needs actual_seq_lengths_kv, got None")
     smax = table.shape[1] * block_size
     stand = _pool_stand_in(key, layout, B, smax, query, query.dtype if dequant else key.dtype)
-    valid = V.validate(pfa_call.with_arrays({"key": stand, "value": stand}))
+    valid = _pfa_checked(pfa_call.with_arrays({"key": stand, "value": stand}))
     used = -(-valid.klen // block_size)
     nb = key.shape[0]
     for b in range(B):

@@ -23,6 +23,10 @@ def _pool(layout="BNSD", nb=6, bs=4):
 
 TABLE = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
 PAGED = dict(block_table=TABLE, block_size=4, actual_seq_lengths_kv=[12, 5])
+PREFIX = dict(key_shared_prefix=np.zeros((1, NKV, 3, D), np.float16),
+              value_shared_prefix=np.zeros((1, NKV, 3, D), np.float16))
+QUANT = dict(dequant_scale1=np.ones(1, np.float32), quant_scale1=np.ones(1, np.float32),
+             dequant_scale2=np.ones(1, np.float32))
 
 CASES = {
     # name: (call changes, error type, words in the message)
@@ -35,7 +39,32 @@ CASES = {
     "decode mask rank 3, middle not 1": (dict(atten_mask=np.zeros((B, 2, 24), bool)),
                                          RuntimeError, "decode"),
     "decode mask too short": (dict(atten_mask=np.zeros((B, 10), bool)), RuntimeError,
-                              "attn_mask"),
+                              r"atten_mask shape \(2, 10\) .* decode"),
+    "decode mask batch": (dict(atten_mask=np.zeros((3, 24), bool)), RuntimeError,
+                          r"atten_mask shape \(3, 24\) .* decode"),
+    "int32 mask": (dict(atten_mask=np.zeros((B, 24), np.int32)), TypeError, "atten_mask.*int32"),
+    "prefill float16 mask": (dict(sq=3, atten_mask=np.zeros((3, 24), np.float16)), TypeError,
+                             "atten_mask.*float16"),
+    "prefill mask named as FIA's": (dict(sq=3, sparse_mode=2), RuntimeError,
+                                    "requires atten_mask"),
+    "prefill mask shape": (dict(sq=3, atten_mask=np.zeros((3, 5), bool)), RuntimeError,
+                           "atten_mask shape"),
+    "dequant_scale1 named as FIA's": (dict(dequant_scale1=np.ones(1, np.float32)),
+                                      RuntimeError, "dequant_scale1"),
+    "prefill sparse_mode 5": (dict(sq=3, sparse_mode=5), RuntimeError, "sparse_mode"),
+    "decode inner_precise 4": (dict(inner_precise=4), RuntimeError, "inner_precise"),
+    "prefill inner_precise 4": (dict(sq=3, inner_precise=4), RuntimeError, "inner_precise"),
+    "prefill band signs": (dict(sq=3, atten_mask=np.zeros((3, 24), bool), pre_tokens=-3,
+                                next_tokens=1), RuntimeError, "pre_tokens"),
+    "prefill lengths count": (dict(sq=3, actual_seq_lengths=[1, 2, 3]), ValueError,
+                              "actual_seq_lengths"),
+    "kv length past the cache": (dict(actual_seq_lengths_kv=[5, 70]), ValueError,
+                                 r"actual_seq_lengths_kv\[1\] = 70"),
+    "key / value dtypes differ": (dict(kv="value float32"), TypeError, "value dtype"),
+    "query padding two values": (dict(sq=3, query_padding_size=np.array([1, 2])),
+                                 RuntimeError, "query_padding_size"),
+    "query padding float": (dict(sq=3, query_padding_size=np.array([1.0])), TypeError,
+                            "query_padding_size"),
     "padding float": (dict(kv_padding_size=np.array([1.0])), TypeError, "kv_padding_size"),
     "padding two values": (dict(kv_padding_size=np.array([1, 2])), RuntimeError,
                            "kv_padding_size"),
@@ -50,6 +79,14 @@ CASES = {
                                     ValueError, "actual_seq_lengths_kv"),
     "block id past the pool": (dict(PAGED, block_table=np.array([[0, 1, 9], [3, 4, 5]]),
                                     paged=True), ValueError, "block"),
+    "negative block id": (dict(PAGED, block_table=np.array([[0, -1, 2], [3, 4, 5]]),
+                               paged=True), ValueError, "block -1"),
+    "table 1-D": (dict(PAGED, block_table=TABLE[0], paged=True), RuntimeError, "block_table"),
+    "pool rank 2": (dict(PAGED, paged="rank 2"), RuntimeError, "num_blocks"),
+    "pool shapes differ": (dict(PAGED, paged="shapes differ"), RuntimeError, "equal shapes"),
+    "3-D pool Hkv not Nkv * D": (dict(PAGED, paged="hkv 40"), RuntimeError, "Hkv"),
+    "paged with an int8 query": (dict(PAGED, paged=True, kv="int8 query"), RuntimeError,
+                                 "int8 query"),
     "4-d pool with BSH": (dict(PAGED, paged="4-d with BSH"), RuntimeError, "4-D"),
     "paged with padding": (dict(PAGED, kv_padding_size=np.array([1]), paged=True),
                            RuntimeError, "left padding"),
@@ -61,9 +98,21 @@ CASES = {
     "prefix batch 2": (dict(key_shared_prefix=np.zeros((2, NKV, 3, D), np.float16),
                             value_shared_prefix=np.zeros((2, NKV, 3, D), np.float16)),
                        RuntimeError, "batch 1"),
-    "prefix length": (dict(key_shared_prefix=np.zeros((1, NKV, 3, D), np.float16),
-                           value_shared_prefix=np.zeros((1, NKV, 3, D), np.float16),
-                           actual_shared_prefix_len=4), ValueError, "actual_shared_prefix_len"),
+    "prefix length": (dict(PREFIX, actual_shared_prefix_len=4), ValueError,
+                      "actual_shared_prefix_len"),
+    "prefix length negative": (dict(PREFIX, actual_shared_prefix_len=-1), ValueError,
+                               "actual_shared_prefix_len"),
+    "prefix length float": (dict(PREFIX, actual_shared_prefix_len=1.0), ValueError,
+                            "actual_shared_prefix_len"),
+    "prefix length bool": (dict(PREFIX, actual_shared_prefix_len=True), ValueError,
+                           "actual_shared_prefix_len"),
+    "prefix length two values": (dict(PREFIX, actual_shared_prefix_len=[1, 2]), ValueError,
+                                 "actual_shared_prefix_len"),
+    "prefix heads": (dict(key_shared_prefix=np.zeros((1, 1, 3, D), np.float16),
+                          value_shared_prefix=np.zeros((1, 1, 3, D), np.float16)),
+                     RuntimeError, "heads"),
+    "prefix with paged": (dict(PREFIX, **PAGED, paged=True), RuntimeError, "shared prefix"),
+    "prefix with an int8 query": (dict(PREFIX, kv="int8 query"), RuntimeError, "int8 query"),
     "prefix with padding": (dict(key_shared_prefix=np.zeros((1, NKV, 3, D), np.float16),
                                  value_shared_prefix=np.zeros((1, NKV, 3, D), np.float16),
                                  kv_padding_size=np.array([1])), RuntimeError, "left padding"),
@@ -99,20 +148,47 @@ def test_list_length_past_its_element():
         fia(q, [k[:1], k[1:, :, :5]], [v[:1], v[1:, :, :5]], actual_seq_lengths_kv=[3, 6], **kw)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_rule(name):
-    changes, error, words = CASES[name]
+def _pools(kind):
+    """The key and value block pools of a CASES entry's ``paged`` kind."""
+    pool = _pool()
+    return {True: (pool, pool), "4-d with BSH": (pool, pool),
+            "rank 2": (pool.reshape(-1, D),) * 2, "shapes differ": (pool, pool[:5]),
+            "hkv 40": (np.zeros((6, 4, 40), np.float16),) * 2}[kind]
+
+
+def _case_arrays(changes):
+    """(q, k, v) and the keywords of a CASES entry; ``sq``: the query length (1: decode),
+    ``paged``: pools (see _pools), ``kv``: int8 key/value with an int8 query, or a float32
+    value."""
     changes = dict(changes)
-    paged = changes.pop("paged", False)
-    (q, k, v), kw = _base(**changes)
+    paged, kv = changes.pop("paged", False), changes.pop("kv", None)
+    (q, k, v), kw = _base(sq=changes.pop("sq", 1), **changes)
     if paged:
-        layout = "BSH" if paged == "4-d with BSH" else "BNSD"
-        k = v = _pool()
-        if layout == "BSH":
+        k, v = _pools(paged)
+        if paged == "4-d with BSH":
             q = np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(B, 1, N * D))
             kw["input_layout"] = "BSH"
+    if kv == "int8 query":
+        q, k, v = (x.astype(np.int8) for x in (q, k, v))
+        kw.update(QUANT)
+    elif kv == "value float32":
+        v = v.astype(np.float32)
+    return (q, k, v), kw
+
+
+def _snapshot(args, kw):
+    return [(x, x.copy()) for x in list(args) + list(kw.values()) if isinstance(x, np.ndarray)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_rule(name):
+    """The error, and no input written into on the way (docs/fia.md, 'Errors')."""
+    changes, error, words = CASES[name]
+    (q, k, v), kw = _case_arrays(changes)
+    before = _snapshot((q, k, v), kw)
     with pytest.raises(error, match=words):
         fia(q, k, v, **kw)
+    assert all(np.array_equal(x, copy, equal_nan=True) for x, copy in before)
 
 
 def test_a_fourth_positional_argument_is_pythons_type_error():
@@ -130,6 +206,44 @@ def test_decode_ignores_what_it_does_not_read():
     assert np.array_equal(got, want)
 
 
+def test_padding_with_a_mask_ignores_the_band():
+    """Left padding (given, active or not) with sparse_mode 0 and a mask reads no pre/next:
+    signs that would leave an empty band run (docs/fia.md, 'Left padding'); they stay ints."""
+    (q, k, v), kw = _base(sq=3)
+    kw.update(atten_mask=np.zeros((3, 24), bool), kv_padding_size=np.array([0]))
+    want, _ = fia(q, k, v, **kw)
+    got, _ = fia(q, k, v, **kw, pre_tokens=-3, next_tokens=1)
+    assert np.array_equal(got, want)
+    with pytest.raises(TypeError, match="pre_tokens"):
+        fia(q, k, v, **kw, pre_tokens=-3.0)
+
+
+def test_padding_beyond_any_frame_leaves_the_window_empty():
+    """A uint64 padding size past int64: the window does not fit, zeros and lse -inf."""
+    (q, k, v), kw = _base()
+    out, lse = fia(q, k, v, **kw, kv_padding_size=np.array([2 ** 64 - 1], np.uint64),
+                   actual_seq_lengths_kv=[5, 6], softmax_lse_flag=True)
+    assert not out.any() and np.all(lse == -np.inf)
+
+
+def test_tnd_takes_none_of_the_cache_features():
+    """TND with int8 key/value and antiquant scales, paging, padding, lists or a prefix."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((5, N, D)).astype(np.float16)
+    k = rng.standard_normal((7, NKV, D)).astype(np.float16)
+    kw = dict(num_heads=N, num_key_value_heads=NKV, input_layout="TND",
+              actual_seq_lengths=[2, 5], actual_seq_lengths_kv=[3, 7])
+    k8 = k.astype(np.int8)
+    for args, extra in (((k8, k8), dict(antiquant_scale=S16)),
+                        ((k8, k8), dict(key_antiquant_scale=S1, value_antiquant_scale=S1)),
+                        ((k, k), dict(kv_padding_size=np.array([1]))),
+                        ((k, k), dict(key_shared_prefix=k[None, :2],
+                                      value_shared_prefix=k[None, :2])),
+                        (([k[None, :3], k[None, 3:]],) * 2, {})):
+        with pytest.raises(RuntimeError, match="TND"):
+            fia(q, *args, **kw, **extra)
+
+
 def test_padding_without_its_lengths_is_ignored():
     (q, k, v), kw = _base()
     want, _ = fia(q, k, v, **kw)
@@ -137,7 +251,7 @@ def test_padding_without_its_lengths_is_ignored():
     assert np.array_equal(got, want)
 
 
-S16, S32 = np.ones(2, np.float16), np.ones((B, 24), np.float32)
+S1, S16, S32 = np.ones(1, np.float16), np.ones(2, np.float16), np.ones((B, 24), np.float32)
 AQ = {
     # name: (keywords, int8 key/value, error type, words)
     "int8 kv without scales": ({}, True, RuntimeError, "need antiquant scales"),
@@ -166,7 +280,24 @@ AQ = {
     "paged mode without a table": (dict(key_antiquant_scale=np.ones((4, 4), np.float32),
                                         value_antiquant_scale=np.ones((4, 4), np.float32),
                                         key_antiquant_mode=4, value_antiquant_mode=4), True,
-                                   RuntimeError, "block_table|shape"),
+                                   RuntimeError, "needs a block_table"),
+    "key offset without its scale, merged scale given": (
+        dict(antiquant_scale=S16, key_antiquant_offset=S1, value_antiquant_offset=S1), True,
+        RuntimeError, "key_antiquant_offset needs key_antiquant_scale"),
+    "key offsets without scales": (dict(key_antiquant_offset=S1, value_antiquant_offset=S1),
+                                   True, RuntimeError, "key_antiquant_offset needs"),
+    "key offset alone": (dict(key_antiquant_scale=S1, value_antiquant_scale=S1,
+                              key_antiquant_offset=S1), True, RuntimeError, "come together"),
+    "key and value scale shapes": (dict(key_antiquant_scale=S1,
+                                        value_antiquant_scale=np.ones(NKV * D, np.float16)),
+                                   True, RuntimeError, "shapes differ"),
+    "key offset dtype": (dict(key_antiquant_scale=S1, value_antiquant_scale=S1,
+                              key_antiquant_offset=S1.astype(np.float32),
+                              value_antiquant_offset=S1.astype(np.float32)), True, TypeError,
+                         "key_antiquant_offset"),
+    "per-token scales with a prefix": (dict(antiquant_scale=np.ones((2, B, 24), np.float32),
+                                            antiquant_mode=1, int8_prefix=True), True,
+                                       RuntimeError, "prefix"),
     "token scale float16": (dict(key_antiquant_scale=S32.astype(np.float16),
                                  value_antiquant_scale=S32.astype(np.float16),
                                  key_antiquant_mode=1, value_antiquant_mode=1), True, TypeError,
@@ -181,6 +312,8 @@ def test_antiquant_rule(name):
     changes, int8_kv, error, words = AQ[name]
     changes = dict(changes)
     int8_query = changes.pop("int8_query", False)
+    if changes.pop("int8_prefix", False):
+        changes.update({n: x.astype(np.int8) for n, x in PREFIX.items()})
     (q, k, v), kw = _base(**changes)
     if int8_kv:
         k, v = (x.astype(np.int8) for x in (k, v))
