@@ -309,9 +309,9 @@ def _pfa_checked(call):
         return V.validate(call)
     except (TypeError, ValueError, RuntimeError) as e:
         message = _PFA_NAME.sub(lambda m: PFA_NAMES[m.group(1)], str(e))
-        if type(e) not in (TypeError, ValueError, RuntimeError) or message == str(e):
-            raise
-        raise type(e)(message) from None
+        if type(e) in (TypeError, ValueError, RuntimeError) and message != str(e):
+            raise type(e)(message) from None
+        raise
 
 
 def _exclusions(query, layout, table, padded, listed, prefixed, dequant):
@@ -319,8 +319,8 @@ def _exclusions(query, layout, table, padded, listed, prefixed, dequant):
     named = {"paged KV (block_table)": table is not None, "left padding": padded,
              "key/value lists": listed, "a shared prefix": prefixed}
     if layout == "TND":
-        given = [n for n, on in named.items() if on] + ["int8 key/value with antiquant "
-                                                          "scales"] * dequant
+        tnd = {**named, "int8 key/value with antiquant scales": dequant}
+        given = [n for n, on in tnd.items() if on]
         if given:
             raise RuntimeError(f"input_layout 'TND' takes contiguous float key/value (or int8 "
                                f"with an int8 query) only, got {', '.join(given)}")
