@@ -55,7 +55,7 @@ CPU_SPLIT_KV_MIN_COLS = 256
 CPU_STREAM_ROWS = 16
 #: K + V bytes of a streaming tile whose cache rows hold every kv head (BSH, BSND, TND, their
 #: paged pools): wider tiles, which BNSD caches want (CPU_KV_COLS), ran slower there.
-CPU_STREAM_TILE_BYTES = 1 << 19
+CPU_STREAM_TILE_BYTES = 1 << 18
 
 #: Decode items prefetch into L2, during P V, the K rows they read next (another kv head's tile,
 #: or the next tile) where those rows jump (paged, BSH). None: on AMD Zen hosts only, where it
