@@ -296,8 +296,9 @@ def _decode_mask(mask, batch, extent):
 
 
 def _kv_extent(key, layout, table, block_size, P):
-    """The kv columns a decode mask must cover: the prefix's and the kv S extent (Smax of a
-    paged cache); None where the block table's own checks come first."""
+    """The kv columns of the logical sequence: the prefix's P and the kv S extent (Smax =
+    max_blocks * block_size of a paged cache); None where the block table's own checks come
+    first."""
     if table is None:
         return P + key.shape[V.SEQ_AXIS[layout]]
     return table.shape[1] * block_size if table.ndim == 2 and block_size >= 1 else None
@@ -432,7 +433,7 @@ def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
                            f"block_size ({block_size}); pool shape {V.shape_str(key.shape)}")
     if call.actual_seq_lengths_kv is None:
         raise ValueError("paged KV (block_table) needs actual_seq_lengths_kv, got None")
-    smax = table.shape[1] * block_size
+    smax = _kv_extent(key, layout, table, block_size, 0)
     stand = _pool_stand_in(key, layout, B, smax, query, query.dtype if dequant else key.dtype)
     valid = _pfa_checked(pfa_call.with_arrays({"key": stand, "value": stand}))
     used = -(-valid.klen // block_size)
