@@ -19,6 +19,10 @@ read, then the same implementation runs once on a one-block cache of another "la
 the read each call would find whatever bytes the previous calls left (the call after "stream"
 would find the contiguous cache in a large L3); without the small call, the interpreter's and
 the libraries' own state would be cold too, which no model's decode step sees.
+
+A second table times the prefill branch over the same kinds of cache, contiguous and paged:
+a chunk of a prompt against the tokens cached before it, and a whole prompt (causal), warm
+calls alternating (prefill is bound by its products, not by the cache's reads).
 """
 import glob
 import statistics
@@ -68,9 +72,9 @@ def _cold_cache(call, evict, other_layer):
     return cold
 
 
-def _case(B, S, dtype, rng):
-    """(q, k, v) in BNSD, the same in BSH, and the shuffled block table."""
-    q = rng.standard_normal((B, N, 1, D)).astype(np.float32).astype(dtype)
+def _case(B, S, dtype, rng, sq=1):
+    """(q, k, v) in BNSD (sq query rows), the same in BSH, and the shuffled block table."""
+    q = rng.standard_normal((B, N, sq, D)).astype(np.float32).astype(dtype)
     k = rng.standard_normal((B, NKV, S, D)).astype(np.float32).astype(dtype)
     v = rng.standard_normal((B, NKV, S, D)).astype(np.float32).astype(dtype)
     bsh = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(B, x.shape[2], -1)
@@ -93,15 +97,29 @@ def _pool(x, table, layout):
     return pool
 
 
-def _calls(bnsd, bsh, table):
-    """The timed calls of one case, by column."""
-    import torch
+def _layouts(bnsd, bsh, table, **kw):
+    """fused_infer_attention_score on the case's cache: contiguous and paged, BNSD and BSH."""
     (q, k, v), (qh, kh, vh) = bnsd, bsh
     B, S = k.shape[0], k.shape[2]
-    kw = dict(num_heads=N, num_key_value_heads=NKV, scale=D ** -0.5)
+    kw = dict(kw, num_heads=N, num_key_value_heads=NKV, scale=D ** -0.5)
     paged = dict(block_table=table, block_size=BLOCK, actual_seq_lengths_kv=[S] * B)
     kp, vp, khp, vhp = (_pool(x, table, lay) for x, lay in
                         ((k, "BNSD"), (v, "BNSD"), (kh, "BSH"), (vh, "BSH")))
+    fia = fused_infer_attention_score
+    return {
+        "BNSD": lambda: fia(q, k, v, input_layout="BNSD", **kw),
+        "BNSD paged": lambda: fia(q, kp, vp, input_layout="BNSD", **paged, **kw),
+        "BSH": lambda: fia(qh, kh, vh, input_layout="BSH", **kw),
+        "BSH paged": lambda: fia(qh, khp, vhp, input_layout="BSH", **paged, **kw),
+    }
+
+
+def _calls(bnsd, bsh, table):
+    """The timed calls of one decode case, by column."""
+    import torch
+    q, k, v = bnsd
+    B, S = k.shape[0], k.shape[2]
+    kw = dict(num_heads=N, num_key_value_heads=NKV, scale=D ** -0.5)
     tq, tk, tv = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
                   if x.dtype == ml_dtypes.bfloat16 else torch.from_numpy(x) for x in (q, k, v))
     raw = [x.reshape(-1).view(np.uint64) for x in (k, v)]
@@ -110,13 +128,9 @@ def _calls(bnsd, bsh, table):
     aq = dict(key_antiquant_scale=np.full((NKV, D), 1 / 40, q.dtype),
               value_antiquant_scale=np.full((B, S), 1 / 40, np.float32),
               key_antiquant_mode=0, value_antiquant_mode=1)
-    fia = fused_infer_attention_score
     return {
-        "BNSD": lambda: fia(q, k, v, input_layout="BNSD", **kw),
-        "BNSD paged": lambda: fia(q, kp, vp, input_layout="BNSD", **paged, **kw),
-        "BSH": lambda: fia(qh, kh, vh, input_layout="BSH", **kw),
-        "BSH paged": lambda: fia(qh, khp, vhp, input_layout="BSH", **paged, **kw),
-        "int8": lambda: fia(q, k8, v8, input_layout="BNSD", **kw, **aq),
+        **_layouts(bnsd, bsh, table),
+        "int8": lambda: fused_infer_attention_score(q, k8, v8, input_layout="BNSD", **kw, **aq),
         "torch": lambda: torch.nn.functional.scaled_dot_product_attention(
             tq, tk, tv, enable_gqa=True),
         "stream": lambda: [_read_once(x) for x in raw],
@@ -146,6 +160,41 @@ def run(batches, lengths, dtypes, repeats):
     return rows
 
 
+def run_prefill(cases, dtypes, repeats):
+    """Rows (dtype, Sq, Skv, medians by column) of the prefill table: B = 1, query row i at
+    kv position Skv - Sq + i (causal at the cache's end), warm calls alternating."""
+    rows = []
+    rng = np.random.default_rng(1)
+    for dtype in dtypes:
+        for sq, S in cases:
+            bnsd, bsh, table = _case(1, S, dtype, rng, sq)
+            calls = _layouts(bnsd, bsh, table, actual_seq_lengths=[sq], next_tokens=S - sq)
+            times = {name: [] for name in calls}
+            for r in range(repeats + 1):
+                for name, call in calls.items():
+                    t0 = time.perf_counter()
+                    call()
+                    if r:
+                        times[name].append(time.perf_counter() - t0)
+            rows.append((np.dtype(dtype).name, sq, S,
+                         {name: statistics.median(t) for name, t in times.items()}))
+    return rows
+
+
+def markdown_prefill(rows, repeats):
+    names = ("BNSD", "BNSD paged", "BSH", "BSH paged")
+    lines = [f"Prefill, B = 1, N = {N}, Nkv = {NKV}, D = {D}, causal at the cache's end, paged "
+             f"block_size {BLOCK}; medians of {repeats} alternating repeats, warm calls, ms. "
+             f"{environment()}.", "",
+             "| cache | query rows | kv tokens | " + " | ".join(names)
+             + " | BNSD paged / BNSD | BSH paged / BSH |", "|---" * 9 + "|"]
+    for dt, sq, S, t in rows:
+        cells = [f"{t[c] * 1e3:.2f}" for c in names] + [
+            f"{t['BNSD paged'] / t['BNSD']:.2f}", f"{t['BSH paged'] / t['BSH']:.2f}"]
+        lines.append(f"| {dt} | {sq} | {S} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 #: the table's time columns (call, heading) and ratio columns (numerator, denominator)
 _TIMES = (("BNSD", "BNSD"), ("BNSD paged", "BNSD paged"), ("BSH", "BSH"),
           ("BSH paged", "BSH paged"), ("int8", "int8 cache (BNSD)"),
@@ -173,12 +222,14 @@ def main(args):
     import numba
     import torch
     torch.set_num_threads(int(config.CPU_THREADS or numba.get_num_threads()))
+    dtypes = (np.float16,) if args.quick else (np.float16, ml_dtypes.bfloat16)
     if args.quick:
-        rows = run((1,), (1024,), (np.float16,), args.repeats)
+        rows = run((1,), (1024,), dtypes, args.repeats)
+        prefill = run_prefill(((64, 512),), dtypes, args.repeats)
     else:
-        rows = run((1, 8), (1024, 4096, 16384, 32768), (np.float16, ml_dtypes.bfloat16),
-                   args.repeats)
-    text = markdown(rows, args.repeats)
+        rows = run((1, 8), (1024, 4096, 16384, 32768), dtypes, args.repeats)
+        prefill = run_prefill(((256, 4096), (1024, 1024)), dtypes, args.repeats)
+    text = markdown(rows, args.repeats) + "\n\n" + markdown_prefill(prefill, args.repeats)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -251,3 +251,69 @@ def test_hardware_bf16_rounding():
     hw, sw = np.empty(x.size, np.uint16), np.empty(x.size, np.uint16)
     both(x, hw, sw)
     assert np.array_equal(hw, sw)
+
+
+def _paged_pool(rng, x, lens, bs, nb, layout):
+    """x (B, Nkv, S, D) in a pool of nb blocks of bs under a shuffled table, NaN in every slot
+    no used entry names, a partial last block: (pool, table)."""
+    B, nkv, _, d = x.shape
+    per = -(-x.shape[2] // bs)
+    table = rng.permutation(nb)[:B * per].reshape(B, per).astype(np.int32)
+    pool = np.full((nb, nkv, bs, d), np.nan, np.float32).astype(x.dtype)
+    for b, n in enumerate(lens):
+        for t in range(n):
+            pool[table[b, t // bs], :, t % bs] = x[b, :, t]
+    if layout == "BSH":
+        pool = np.ascontiguousarray(pool.transpose(0, 2, 1, 3)).reshape(nb, bs, nkv * d)
+    return pool, table
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float16])
+@pytest.mark.parametrize("kind", ["paged BNSD", "paged BSH", "shared prefix"])
+def test_paged_and_prefixed_prefill_run_on_amx(monkeypatch, dtype, kind):
+    """Prefill over a paged cache (shuffled blocks, partial last blocks, NaN where no used
+    entry points) or after a shared prefix runs on AMX, its tiles read through the kv
+    sequence: the reference's result, and within an ulp of the float32 path's."""
+    from pfa_numba import fused_infer_attention_score as fia
+    from pfa_numba.cpu import driver
+    rng = np.random.default_rng(9)
+    B, n, nkv, sq, skv, d, bs = 2, 4, 2, 40, 70, 64, 16
+    lens = [70, 53]
+    q, k, v = (rng.standard_normal(s).astype(np.float32).astype(dtype)
+               for s in ((B, n, sq, d), (B, nkv, skv, d), (B, nkv, skv, d)))
+    kw = dict(num_heads=n, num_key_value_heads=nkv, scale=d ** -0.5, softmax_lse_flag=True,
+              actual_seq_lengths=[sq, 31], actual_seq_lengths_kv=lens, sparse_mode=3,
+              atten_mask=np.triu(np.ones((2048, 2048), bool), 1))
+    if kind == "shared prefix":
+        pk, pv = (rng.standard_normal((1, nkv, 24, d)).astype(np.float32).astype(dtype)
+                  for _ in range(2))
+        args = (q, k, v)
+        kw.update(input_layout="BNSD", key_shared_prefix=pk, value_shared_prefix=pv,
+                  actual_shared_prefix_len=19)
+    else:
+        layout = kind.split()[1]
+        (kp, table), (vp, _) = (_paged_pool(np.random.default_rng(3), x, lens, bs, 12, layout)
+                                for x in (k, v))
+        if layout == "BSH":
+            q = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).reshape(B, sq, n * d)
+        args = (q, kp, vp)
+        kw.update(input_layout=layout, block_table=table, block_size=bs)
+    runs = []
+    amx_kernel = driver._attention_amx
+    monkeypatch.setattr(driver, "_attention_amx", lambda *a: runs.append(1) or amx_kernel(*a))
+    out, lse = fia(*args, **kw)
+    assert runs, "the AMX kernel did not run"
+    ref, ref_lse = reference.fused_infer_attention_score(*args, **kw)
+    low, _ = reference.fused_infer_attention_score(*args, **kw, compute_dtype=dtype)
+    got = out.astype(np.float64)
+    assert np.isfinite(got).all() and np.isfinite(ref).all()
+    floor = (float(ml_dtypes.finfo(dtype).eps) + 16 * 2.0 ** -23) * max(1.0, np.abs(ref).max())
+    assert np.abs(got - ref).max() <= 2 * np.abs(low - ref).max() + floor
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(config, "CPU_AMX", False)
+    out32, lse32 = fia(*args, **kw)
+    big = np.maximum(np.abs(got), np.abs(out32.astype(np.float64)))
+    info = ml_dtypes.finfo(dtype)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(big, float(info.tiny)))) - info.nmant)
+    assert (np.abs(got - out32.astype(np.float64)) <= ulp + 1e-5 * big.max()).all()
+    np.testing.assert_allclose(lse, lse32, rtol=1e-5, atol=1e-5)

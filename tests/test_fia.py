@@ -110,7 +110,7 @@ def test_left_padding(tiles, sq):
 
 @pytest.mark.parametrize("pool", ["3-d", "4-d"])
 @pytest.mark.parametrize("sq", [1, 13])
-@pytest.mark.parametrize("dtype", [F16, F32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=["fp16", "bf16", "fp32"])
 def test_paged(tiles, pool, sq, dtype):
     """Shuffled, shared and repeated blocks; NaN in every slot no used entry names."""
     rng = np.random.default_rng(4)

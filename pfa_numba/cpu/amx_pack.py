@@ -152,8 +152,9 @@ def _pair_words(src, a, b, step, n, t, tl, code):
 
 
 @njit(**LEAF)
-def _amx_pack_k(kt, lo, src, base, row_stride, sd, nc, ncp, D, Dp, tmp, code):
-    """K tile (nc rows from src) as the VNNI B operand of S = Q K^T: as uint32 pairs,
+def _amx_pack_k(kt, lo, src, offs, sd, nc, ncp, D, Dp, tmp, code):
+    """K tile (nc rows of src at element offsets offs[c], element stride sd; see
+    :mod:`.kv`) as the VNNI B operand of S = Q K^T: as uint32 pairs,
     kt[p, c] = (K[c, 2p], K[c, 2p + 1]) with ld ncp, zero-padded to ncp columns and Dp / 2
     pairs (float16: bf16 hi parts, lo parts at kt[lo:]). Transposed through ``tmp`` (2 x 16 x
     Dp / 2 uint32) in blocks of 16 rows. Returns the largest float16 exponent field seen."""
@@ -163,7 +164,7 @@ def _amx_pack_k(kt, lo, src, base, row_stride, sd, nc, ncp, D, Dp, tmp, code):
     for c0 in range(0, nc, 16):
         cn = min(16, nc - c0)
         for cc in range(cn):
-            off = base + (c0 + cc) * row_stride
+            off = offs[c0 + cc]
             t = tmp[cc * half:]
             tl = tmp[(16 + cc) * half:]
             ex = max(ex, _pair_words(src, off, off + sd, 2 * sd, D // 2, t, tl, code))
@@ -186,15 +187,16 @@ def _amx_pack_k(kt, lo, src, base, row_stride, sd, nc, ncp, D, Dp, tmp, code):
 
 
 @njit(**LEAF)
-def _amx_pack_v(vv, lo, src, base, row_stride, sd, nc, ncp, D, Dp, code):
-    """V tile as the VNNI B operand of P V: as uint32 pairs, vv[c // 2, d] = (V[c, d],
+def _amx_pack_v(vv, lo, src, offs, sd, nc, ncp, D, Dp, code):
+    """V tile (rows as :func:`_amx_pack_k`'s) as the VNNI B operand of P V: as uint32 pairs,
+    vv[c // 2, d] = (V[c, d],
     V[c + 1, d]) with ld Dp; rows nc..ncp and columns D..Dp zero (float16: bf16 hi parts, lo
     parts at vv[lo:]). Returns the largest float16 exponent field seen."""
     wide_vectors()
     ex = np.uint32(0)
     parts = 2 if code == CODE_F16 else 1
     for c in range(0, nc, 2):
-        a = base + c * row_stride
+        a = offs[c]
         dst = vv[(c // 2) * 2 * Dp:(c // 2) * 2 * Dp + 2 * Dp].view(np.uint32)
         dlo = vv[lo + (c // 2) * 2 * Dp:lo + (c // 2) * 2 * Dp + 2 * Dp].view(np.uint32) \
             if parts == 2 else dst
@@ -206,7 +208,7 @@ def _amx_pack_v(vv, lo, src, base, row_stride, sd, nc, ncp, D, Dp, code):
                     dlo[d] = w
                 ex = max(ex, e)
         else:
-            ex = max(ex, _pair_words(src, a, a + row_stride, sd, D, dst, dlo, code))
+            ex = max(ex, _pair_words(src, a, offs[c + 1], sd, D, dst, dlo, code))
         for part in range(parts):
             vv[part * lo + (c // 2) * 2 * Dp + 2 * D:part * lo + (c // 2 + 1) * 2 * Dp] = 0
     for part in range(parts):

@@ -3,7 +3,7 @@
 import numpy as np
 from numba import njit, prange
 from .._core import CODE_F16, F32_NEG_INF, F32_ZERO
-from .._kernel_args import F_SCALE, P_BLAS, P_CODE, P_COLS, P_D, P_G, T_K, T_Q, T_V
+from .._kernel_args import F_SCALE, P_BLAS, P_CODE, P_COLS, P_D, P_G, T_Q
 from ._amx import BLOCK, gemm_bf16, padded, tile_config
 from ._blas import scratch
 from ._jit import FASTMATH
@@ -12,22 +12,24 @@ from .amx_pack import (_F16_EXP, _SUBNORMAL_LIMIT, _TINY_V_LIMIT, _amx_pack_k, _
                        _amx_pack_v, _bf16_scan)
 from .block_f32 import _add_pv_exact, _block, _f32_buffers, _finish, f32_widths
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, _item, _segment, _sizes
+from .kv import kv_tile_end, kv_tile_rows
 from .rows import _LAZY_V_LIMIT, _rescale_rows, _softmax_rows
 
 
 @njit(fastmath=FASTMATH, cache=True)
 def _block_amx(ins, outs, extras, geo, scales, item, bufs, tb, state):
     """One work item of a bf16 or float16 problem on AMX (the records as in
-    :func:`~.block_f32._block`; bufs = (cfg, qh, kt, vv, tmp, sb, pp, acc)). Float16 values
-    enter as bf16 hi + lo parts (exact), kept in the second halves of qh, kt and vv, and each
-    product sums three bf16 products (all but lo . lo). Returns False, having written nothing,
+    :func:`~.block_f32._block`; bufs = (cfg, qh, kt, vv, tmp, sb, pp, acc, ro, rs)). Float16
+    values enter as bf16 hi + lo parts (exact), kept in the second halves of qh, kt and vv, and
+    each product sums three bf16 products (all but lo . lo). Returns False, having written nothing,
     when an input of the item could be flushed by AMX (see _SUBNORMAL_LIMIT) or, for float16,
-    is not finite. It reads contiguous key / value without a prefix (the driver sends the
-    others to the float32 kernel); ins as :func:`~.block_f32._block`'s."""
-    q, k, v = ins[0], ins[1], ins[2]
+    is not finite. It walks the kv sequence of :mod:`.kv` (a shared prefix, own rows,
+    paged blocks) but dequantizes nothing (the driver sends int8 key / value to the float32
+    kernel); ins as :func:`~.block_f32._block`'s, (ro, rs) as its kv_tile_rows buffers."""
+    q, k, v, kp, vp = ins[0], ins[1], ins[2], ins[3], ins[4]
     strides, boff, lens, params = geo
     b, g, i0 = item
-    cfg, qh, kt, vv, tmp, sb, pp, acc = bufs
+    cfg, qh, kt, vv, tmp, sb, pp, acc, ro, rs = bufs
     m, l, alpha = state
     G = params[P_G]
     D = params[P_D]
@@ -52,16 +54,17 @@ def _block_amx(ins, outs, extras, geo, scales, item, bufs, tb, state):
             m[rr] = F32_NEG_INF
             l[rr] = F32_ZERO
         acc[:padded(R) * Dp] = F32_ZERO
-        k_base = boff[T_K, b] + g * strides[T_K, 0]
-        v_base = boff[T_V, b] + g * strides[T_V, 0]
-        for j0 in range(jstart, jend, tk):
-            j1 = min(j0 + tk, jend)
+        j1 = jstart
+        while j1 < jend:
+            j0 = j1
+            j1 = kv_tile_end(params, j0, tk, jend)
             nc = j1 - j0
             ncp = padded(nc)
-            ex = max(_amx_pack_k(kt, k_lo, k, k_base + j0 * strides[T_K, 1], strides[T_K, 1],
-                                 strides[T_K, 2], nc, ncp, D, Dp, tmp, code),
-                     _amx_pack_v(vv, v_lo, v, v_base + j0 * strides[T_V, 1], strides[T_V, 1],
-                                 strides[T_V, 2], nc, ncp, D, Dp, code))
+            prefix, sdk, sdv = kv_tile_rows(ins[3:], geo, b, g, j0, nc, ro, rs)
+            ex = max(_amx_pack_k(kt, k_lo, kp if prefix else k, ro[0], sdk, nc, ncp, D, Dp,
+                                 tmp, code),
+                     _amx_pack_v(vv, v_lo, vp if prefix else v, ro[1], sdv, nc, ncp, D, Dp,
+                                 code))
             if f16:
                 if ex == _F16_EXP:
                     return False
@@ -123,6 +126,8 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
         pp = aligned_empty(2 * Rp * Cp, np.uint16)
         sb = aligned_empty(Rp * Cp, np.float32)
         acc = aligned_empty(Rp * Dp, np.float32)
+        ro_t = aligned_empty(3 * tk, np.int64).reshape(3, tk)    # a tile's row offsets
+        rs_t = np.empty((4, 0), np.float32)                        # no token scales
         tb = aligned_empty(16 * D, np.float32)   # also _pack_kt's 16 rows (fallback)
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)
@@ -138,7 +143,7 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
         while w < n_items:
             item = (work[w, W_B], work[w, W_G], work[w, W_I0])
             if not _block_amx(ins, outs, extras, geo, scales, item,
-                              (cfg, qh, kt, vv, tmp, sb, pp, acc), tb, state):
+                              (cfg, qh, kt, vv, tmp, sb, pp, acc, ro_t, rs_t), tb, state):
                 if qb.size == 0:
                     qb, sb2, acc2, kb, vb, kx, ro, rs = _f32_buffers(params)
                 i1, computed = _block(ins, extras, geo, scales, item,

@@ -84,10 +84,9 @@ def run(p):
                             work.shape[0] // max(1, runs_wanted(nthreads)))
         if f32:
             work, groups, runs = split_work(p, work, runs, rows_per_head, nthreads)
-        # AMX reads contiguous key / value without a prefix; items of few rows stream
-        plain_kv = p.cache is None or (p.cache.block_table is None and not p.cache.P
-                                       and p.cache.antiquant is None)
-        amx = (p.dtype != np.int8 and not groups.shape[0] and plain_kv
+        # AMX dequantizes no int8 key / value; items of few rows stream
+        float_kv = p.cache is None or p.cache.antiquant is None
+        amx = (p.dtype != np.int8 and not groups.shape[0] and float_kv
                and not streams(p, rows_per_head) and use_amx(p))
         nthreads = min(nthreads, work.shape[0] if amx else runs.shape[0] - 1)
         own = use_register_blocks()
