@@ -270,14 +270,20 @@ def _paged_pool(rng, x, lens, bs, nb, layout):
 
 @pytest.mark.parametrize("dtype", [BF16, np.float16])
 @pytest.mark.parametrize("kind", ["paged BNSD", "paged BSH", "shared prefix"])
-def test_paged_and_prefixed_prefill_run_on_amx(monkeypatch, dtype, kind):
+@pytest.mark.parametrize("tiles", ["default tiles", "small tiles"])
+def test_paged_and_prefixed_prefill_run_on_amx(monkeypatch, dtype, kind, tiles):
     """Prefill over a paged cache (shuffled blocks, partial last blocks, NaN where no used
     entry points) or after a shared prefix runs on AMX, its tiles read through the kv
-    sequence: the reference's result, and within an ulp of the float32 path's."""
+    sequence (small tiles: tiles that straddle blocks of 5 rows and end at the prefix's end):
+    the reference's result, and within an ulp of the float32 path's."""
     from pfa_numba import fused_infer_attention_score as fia
     from pfa_numba.cpu import driver
     rng = np.random.default_rng(9)
     B, n, nkv, sq, skv, d, bs = 2, 4, 2, 40, 70, 64, 16
+    if tiles == "small tiles":              # items of 24 rows: more than stream
+        monkeypatch.setattr(config, "CPU_Q_ROWS", 24)
+        monkeypatch.setattr(config, "CPU_KV_COLS", 24)
+        bs = 5
     lens = [70, 53]
     q, k, v = (rng.standard_normal(s).astype(np.float32).astype(dtype)
                for s in ((B, n, sq, d), (B, nkv, skv, d), (B, nkv, skv, d)))
@@ -292,8 +298,8 @@ def test_paged_and_prefixed_prefill_run_on_amx(monkeypatch, dtype, kind):
                   actual_shared_prefix_len=19)
     else:
         layout = kind.split()[1]
-        (kp, table), (vp, _) = (_paged_pool(np.random.default_rng(3), x, lens, bs, 12, layout)
-                                for x in (k, v))
+        (kp, table), (vp, _) = (_paged_pool(np.random.default_rng(3), x, lens, bs,
+                                            -(-skv // bs) * B + 4, layout) for x in (k, v))
         if layout == "BSH":
             q = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).reshape(B, sq, n * d)
         args = (q, kp, vp)

@@ -126,8 +126,8 @@ def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, 
         pp = aligned_empty(2 * Rp * Cp, np.uint16)
         sb = aligned_empty(Rp * Cp, np.float32)
         acc = aligned_empty(Rp * Dp, np.float32)
-        ro_t = aligned_empty(3 * tk, np.int64).reshape(3, tk)    # a tile's row offsets
-        rs_t = np.empty((4, 0), np.float32)                        # no token scales
+        ro_t = aligned_empty(3 * tk, np.int64).reshape(3, tk)    # kv_tile_rows' buffers
+        rs_t = aligned_empty(4 * tk, np.float32).reshape(4, tk)
         tb = aligned_empty(16 * D, np.float32)   # also _pack_kt's 16 rows (fallback)
         m = np.empty(rows, np.float32)
         l = np.empty(rows, np.float32)

@@ -1,8 +1,9 @@
-"""The kv sequence a float32 work item walks: a shared prefix's rows (j < P, from the prefix
-arrays), then the batch's own rows (contiguous from the batch's first row, or the slots of a
-paged pool's blocks, :func:`~.._kernel_args.kv_row`), int8 ones dequantized as they load
-(:mod:`.._antiquant`). The tile loads read K and V rows at the element offsets these functions
-give; a tile never straddles the prefix's end.
+"""The kv sequence a work item walks (the float32, streaming and AMX kernels alike): a shared
+prefix's rows (j < P, from the prefix arrays), then the batch's own rows (contiguous from the
+batch's first row, or the slots of a paged pool's blocks, :func:`~.._kernel_args.kv_row`), int8
+ones dequantized as they load (:mod:`.._antiquant`; the AMX kernel takes none). The tile loads
+read K and V rows at the element offsets these functions give; a tile never straddles the
+prefix's end.
 
 cache = (kp, vp, table, channel, ktok, vtok): the prefix arrays, the block table, the channel
 planes and the token planes of the kernel arguments.
