@@ -86,14 +86,19 @@ def test_agrees_with_the_float32_path(monkeypatch, dtype, mode, sq, skv, d, n, n
     assert_matches_reference(out, (q, k, v, mask), kw, BF16, lse=lse)
     monkeypatch.setattr(config, "CPU_AMX", False)
     out32, lse32 = prompt_flash_attention(q, k, v, mask, **kw, return_softmax_lse=True)
-    # both round a float32 result to bf16 / float16: one ulp apart at most, plus float32 rounding
-    # differences near zero (relative to the size of the terms summed, here about max |out|)
-    a, b = out.astype(np.float64), out32.astype(np.float64)
+    _assert_within_an_ulp((out, lse), (out32, lse32), dtype)
+
+
+def _assert_within_an_ulp(amx, f32, dtype):
+    """AMX's (out, lse) against the float32 path's: both round a float32 result to bf16 /
+    float16, so one ulp apart at most, plus float32 rounding differences near zero (relative to
+    the size of the terms summed, here about max |out|)."""
+    a, b = amx[0].astype(np.float64), f32[0].astype(np.float64)
     big = np.maximum(np.abs(a), np.abs(b))
     info = ml_dtypes.finfo(dtype)
     ulp = 2.0 ** (np.floor(np.log2(np.maximum(big, float(info.tiny)))) - info.nmant)
     assert (np.abs(a - b) <= ulp + 1e-5 * big.max()).all()
-    np.testing.assert_allclose(lse, lse32, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(amx[1], f32[1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v", "v tiny", "scale"])
@@ -317,9 +322,4 @@ def test_paged_and_prefixed_prefill_run_on_amx(monkeypatch, dtype, kind, tiles):
     assert np.abs(got - ref).max() <= 2 * np.abs(low - ref).max() + floor
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-4, atol=1e-4)
     monkeypatch.setattr(config, "CPU_AMX", False)
-    out32, lse32 = fia(*args, **kw)
-    big = np.maximum(np.abs(got), np.abs(out32.astype(np.float64)))
-    info = ml_dtypes.finfo(dtype)
-    ulp = 2.0 ** (np.floor(np.log2(np.maximum(big, float(info.tiny)))) - info.nmant)
-    assert (np.abs(got - out32.astype(np.float64)) <= ulp + 1e-5 * big.max()).all()
-    np.testing.assert_allclose(lse, lse32, rtol=1e-5, atol=1e-5)
+    _assert_within_an_ulp((out, lse), fia(*args, **kw), dtype)

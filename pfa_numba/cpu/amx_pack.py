@@ -189,9 +189,9 @@ def _amx_pack_k(kt, lo, src, offs, sd, nc, ncp, D, Dp, tmp, code):
 @njit(**LEAF)
 def _amx_pack_v(vv, lo, src, offs, sd, nc, ncp, D, Dp, code):
     """V tile (rows as :func:`_amx_pack_k`'s) as the VNNI B operand of P V: as uint32 pairs,
-    vv[c // 2, d] = (V[c, d],
-    V[c + 1, d]) with ld Dp; rows nc..ncp and columns D..Dp zero (float16: bf16 hi parts, lo
-    parts at vv[lo:]). Returns the largest float16 exponent field seen."""
+    vv[c // 2, d] = (V[c, d], V[c + 1, d]) with ld Dp; rows nc..ncp and columns D..Dp zero
+    (float16: bf16 hi parts, lo parts at vv[lo:]). Returns the largest float16 exponent field
+    seen."""
     wide_vectors()
     ex = np.uint32(0)
     parts = 2 if code == CODE_F16 else 1
