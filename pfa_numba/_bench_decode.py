@@ -8,8 +8,9 @@ Cases: B in {1, 8}, N = 32, Nkv = 8, D = 128, float16 and bfloat16 caches of 1k 
 contiguous and paged (block_size 128, a shuffled block table) in two layouts: BNSD (a head's
 rows together, torch's layout) and BSH (a row's heads together: FIA's default, and the paged
 pools of serving stacks), and the BNSD cache in int8 (keys per channel, values per token,
-dequantized as they load). Repeats alternate between the implementations; the table gives
-medians. "stream" is the time to read the same K and V bytes once (a sum over them as uint64 on
+dequantized as they load), and the BNSD calls, contiguous and paged, through a
+:class:`.FiaPlan` made before the repeats (a model's layers share one plan a decode step). Repeats alternate between
+the implementations; the table gives medians. "stream" is the time to read the same K and V bytes once (a sum over them as uint64 on
 the kernels' threads), measured in the same repeats: the memory-bound floor.
 
 Every timed call finds the caches as a decode step of a model does: this layer's kv cache
@@ -24,6 +25,7 @@ A second table times the prefill branch over the same kinds of cache, contiguous
 a chunk of a prompt against the tokens cached before it, and a whole prompt (causal), warm
 calls alternating (prefill is bound by its products, not by the cache's reads).
 """
+import functools
 import glob
 import statistics
 import time
@@ -32,7 +34,7 @@ import ml_dtypes
 import numpy as np
 from numba import njit, prange
 
-from . import config, fused_infer_attention_score
+from . import FiaPlan, config, fused_infer_attention_score
 from ._bench import environment
 
 N, NKV, D, BLOCK = 32, 8, 128, 128
@@ -98,20 +100,24 @@ def _pool(x, table, layout):
 
 
 def _layouts(bnsd, bsh, table, **kw):
-    """fused_infer_attention_score on the case's cache: contiguous and paged, BNSD and BSH."""
+    """fused_infer_attention_score's arguments on the case's cache, contiguous and paged, BNSD
+    and BSH: {column: ((query, key, value), keyword arguments)}."""
     (q, k, v), (qh, kh, vh) = bnsd, bsh
     B, S = k.shape[0], k.shape[2]
     kw = dict(kw, num_heads=N, num_key_value_heads=NKV, scale=D ** -0.5)
-    paged = dict(block_table=table, block_size=BLOCK, actual_seq_lengths_kv=[S] * B)
+    paged = dict(kw, block_table=table, block_size=BLOCK, actual_seq_lengths_kv=[S] * B)
     kp, vp, khp, vhp = (_pool(x, table, lay) for x, lay in
                         ((k, "BNSD"), (v, "BNSD"), (kh, "BSH"), (vh, "BSH")))
-    fia = fused_infer_attention_score
-    return {
-        "BNSD": lambda: fia(q, k, v, input_layout="BNSD", **kw),
-        "BNSD paged": lambda: fia(q, kp, vp, input_layout="BNSD", **paged, **kw),
-        "BSH": lambda: fia(qh, kh, vh, input_layout="BSH", **kw),
-        "BSH paged": lambda: fia(qh, khp, vhp, input_layout="BSH", **paged, **kw),
-    }
+    return {"BNSD": ((q, k, v), dict(kw, input_layout="BNSD")),
+            "BNSD paged": ((q, kp, vp), dict(paged, input_layout="BNSD")),
+            "BSH": ((qh, kh, vh), dict(kw, input_layout="BSH")),
+            "BSH paged": ((qh, khp, vhp), dict(paged, input_layout="BSH"))}
+
+
+def _called(layouts):
+    """{column: the call} of :func:`_layouts`' arguments."""
+    return {name: functools.partial(fused_infer_attention_score, *arrays, **kw)
+            for name, (arrays, kw) in layouts.items()}
 
 
 def _calls(bnsd, bsh, table):
@@ -128,8 +134,12 @@ def _calls(bnsd, bsh, table):
     aq = dict(key_antiquant_scale=np.full((NKV, D), 1 / 40, q.dtype),
               value_antiquant_scale=np.full((B, S), 1 / 40, np.float32),
               key_antiquant_mode=0, value_antiquant_mode=1)
+    layouts = _layouts(bnsd, bsh, table)
+    planned = {f"{name} planned": functools.partial(FiaPlan(*arrays, **kw), *arrays)
+               for name, (arrays, kw) in layouts.items() if name.startswith("BNSD")}
     return {
-        **_layouts(bnsd, bsh, table),
+        **_called(layouts),
+        **planned,
         "int8": lambda: fused_infer_attention_score(q, k8, v8, input_layout="BNSD", **kw, **aq),
         "torch": lambda: torch.nn.functional.scaled_dot_product_attention(
             tq, tk, tv, enable_gqa=True),
@@ -168,7 +178,8 @@ def run_prefill(cases, dtypes, repeats):
     for dtype in dtypes:
         for sq, S in cases:
             bnsd, bsh, table = _case(1, S, dtype, rng, sq)
-            calls = _layouts(bnsd, bsh, table, actual_seq_lengths=[sq], next_tokens=S - sq)
+            calls = _called(_layouts(bnsd, bsh, table, actual_seq_lengths=[sq],
+                                     next_tokens=S - sq))
             times = {name: [] for name in calls}
             for r in range(repeats + 1):
                 for name, call in calls.items():
@@ -197,9 +208,11 @@ def markdown_prefill(rows, repeats):
 
 #: the table's time columns (call, heading) and ratio columns (numerator, denominator)
 _TIMES = (("BNSD", "BNSD"), ("BNSD paged", "BNSD paged"), ("BSH", "BSH"),
-          ("BSH paged", "BSH paged"), ("int8", "int8 cache (BNSD)"),
+          ("BSH paged", "BSH paged"), ("BNSD planned", "BNSD planned"),
+          ("BNSD paged planned", "BNSD paged planned"), ("int8", "int8 cache (BNSD)"),
           ("torch", "torch SDPA (BNSD)"), ("stream", "stream"))
-_RATIOS = (("torch", "BNSD"), ("BNSD paged", "BNSD"), ("BSH paged", "BSH"), ("BNSD", "stream"),
+_RATIOS = (("torch", "BNSD"), ("torch", "BNSD planned"), ("BNSD paged", "BNSD"),
+           ("BSH paged", "BSH"), ("BNSD paged planned", "BNSD planned"), ("BNSD", "stream"),
            ("BSH", "stream"), ("BNSD", "int8"))
 
 

@@ -65,6 +65,11 @@ class CpuBackend(Backend):
         from . import cpu
         return cpu.run(problem)
 
+    def prepare(self, problem):
+        """The problem's :class:`.cpu.driver.Launch`: ``launch.run()`` is :meth:`run`."""
+        from .cpu import driver
+        return driver.prepare(problem)
+
 
 class CudaBackend(Backend):
     name = "cuda"

@@ -9,6 +9,7 @@ sequence directly (:mod:`.cpu.kv`): no cache is gathered or copied. The contract
 docs/fia.md; ``pfa_numba.reference.fused_infer_attention_score`` is its float64 meaning.
 """
 import dataclasses
+import inspect
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from . import _validate as V
 from . import _validate_fia as FV
 from . import dispatch
 from ._band import TOKENS_INF
+from ._kernel_args import flat_view, storage
 from ._plan import plan
 from .gpu.arrays import Staged, checked, to_host, to_kind
 
@@ -124,3 +126,100 @@ def _host_element(name, x, on_cuda):
     if on_cuda:
         return checked(name, to_host, x)
     return _torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x
+
+
+class FiaPlan:
+    """A :func:`fused_infer_attention_score` call checked and planned once, to run on many
+    query / key / value arrays of the same geometry: the layers of a model's decode step, which
+    share their lengths, block table and masks and differ only in their caches.
+
+    ``FiaPlan(query, key, value, **kwargs)`` takes fused_infer_attention_score's arguments and
+    raises its errors; ``plan(query, key, value)`` returns what
+    ``fused_infer_attention_score(query, key, value, **kwargs)`` returns, for arrays of the
+    planned kind, dtype, shape and strides (a TypeError names a kind or dtype that differs, a
+    RuntimeError a shape or strides). Everything else is the plan's: the lengths, block table,
+    padding and antiquant scales as they were when it was made, and the mask, pse and shared
+    prefix arrays it was given (read at each call, not copied). On the CPU a call costs the
+    kernel and a few checks, not the checks and planning of a whole call; on CUDA, and for
+    key / value lists, each call runs the whole of fused_infer_attention_score (and raises its
+    errors there, not when the plan is made).
+    """
+
+    def __init__(self, query, key, value, **kwargs):
+        bound = _SIGNATURE.bind(query, key, value, **kwargs)
+        bound.apply_defaults()
+        call = FV.FiaCall(**bound.arguments)
+        device = V.check_placement(call)
+        self._kwargs = kwargs
+        self._like = tuple(_like(x) for x in (query, key, value))
+        self._launch, self._lse_flag = None, False
+        if device == "cpu" and not V.is_cuda_array(query):
+            self._prepare(_host(call), device)
+
+    def _prepare(self, call, device):
+        """The CPU launch of ``call``, where the kernels read its query, key and value in
+        place (a key / value list is gathered into a copy: such plans run whole calls)."""
+        valid = FV.validate(call, device)
+        problem = planned(valid)
+        backend = dispatch.choose(problem, device)
+        if backend.name != "cpu" or isinstance(call.key, (list, tuple)):
+            return
+        launch = backend.prepare(problem)
+        if launch.kernel is not None:
+            arrays = (call.query, call.key, call.value)
+            flats = (launch.args.q, launch.args.k, launch.args.v)
+            if any(not _same_memory(_flat(x), f) for x, f in zip(arrays, flats)):
+                return
+        self._launch, self._lse_flag = launch, valid.lse_flag
+
+    def __call__(self, query, key, value):
+        """(attention_out, softmax_lse) of the planned call on these query, key and value."""
+        for name, x, like in zip(("query", "key", "value"), (query, key, value), self._like):
+            _check_like(name, x, like)
+        if self._launch is None:
+            return fused_infer_attention_score(query, key, value, **self._kwargs)
+        arrays = [_torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x
+                  for name, x in (("query", query), ("key", key), ("value", value))]
+        out, lse = self._launch.run(*(_flat(x) for x in arrays))
+        if not self._lse_flag:
+            lse = np.zeros(1, np.float32)
+        if _torch.is_tensor(query):
+            return _torch.as_tensor(out), _torch.as_tensor(lse)
+        return out, lse
+
+
+_SIGNATURE = inspect.signature(fused_infer_attention_score)
+
+
+def _like(x):
+    """What a plan's later arrays must share with ``x``: (kind, dtype, shape, strides); a
+    key / value list only its kind and length (the whole call checks its elements)."""
+    if isinstance(x, (list, tuple)):
+        return type(x), None, (len(x),), None
+    strides = x.stride() if _torch.is_tensor(x) else getattr(x, "strides", None)
+    return type(x), str(getattr(x, "dtype", None)), tuple(getattr(x, "shape", ())), strides
+
+
+def _check_like(name, x, like):
+    got = _like(x)
+    if got == like:
+        return
+    error = TypeError if got[:2] != like[:2] else RuntimeError
+    raise error(f"{name} must be a {_described(like)} like the plan's, got a {_described(got)}")
+
+
+def _described(like):
+    kind, dtype, shape, strides = like
+    if dtype is None:
+        return f"{kind.__name__} of {shape[0]} elements"
+    return f"{dtype} {kind.__name__} of shape {V.shape_str(shape)} and strides {strides}"
+
+
+def _flat(x):
+    """The flat storage the kernels read array ``x`` through (:func:`._kernel_args.flat_view`)."""
+    return flat_view(x, storage(x.dtype))[0]
+
+
+def _same_memory(a, b):
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and \
+        a.size == b.size

@@ -87,12 +87,13 @@ def test_transformers_benchmark_runs_and_reports_both(tmp_path):
 
 
 def test_decode_benchmark_runs(tmp_path):
-    """The decode benchmark's smoke run: contiguous and paged in BNSD and BSH, int8, torch and
-    the streaming floor; then the prefill table's contiguous and paged calls."""
+    """The decode benchmark's smoke run: contiguous and paged in BNSD and BSH, both BNSD
+    caches through a plan, int8, torch and the streaming floor; then the prefill table's
+    contiguous and paged calls."""
     pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
     rows = _smoke_run("decode.py", tmp_path, "| float16")
     assert len(rows) == 2 and not any("nan" in r for r in rows)
-    assert len(rows[0].split("|")) == 19 and len(rows[1].split("|")) == 11
+    assert len(rows[0].split("|")) == 23 and len(rows[1].split("|")) == 11
 
 
 def test_decode_benchmark_evicts_the_last_level_cache(monkeypatch, tmp_path):

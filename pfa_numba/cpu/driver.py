@@ -1,5 +1,9 @@
 """Running a planned problem on the CPU: buffers, tile sizes, kernel choice, one call at a time."""
 import contextlib
+import math
+import dataclasses
+from typing import Any, Optional
+
 import numba
 import numpy as np
 import threading
@@ -61,58 +65,98 @@ def use_amx(p):
 
 def run(p):
     """Compute a planned problem on the CPU; returns (out, lse or None) as NumPy arrays."""
+    return prepare(p).run()
+
+
+def prepare(p):
+    """The :class:`Launch` of planned problem ``p``: its work items, kernel and arguments."""
     quant = p.quant
     int8_out = quant is not None and quant.out_dtype == np.int8
     # int8 output is quantized from the float16 (or float32) result in a second pass
     direct_dtype = np.float16 if (p.dtype == np.int8 or (int8_out and p.dtype != np.float32)) \
         else p.dtype
-    out = np.zeros(p.out_shape, dtype=direct_dtype)
-    lse = np.full(p.lse_shape, -np.inf, dtype=np.float32)
-    flags = np.zeros(p.lse_shape, dtype=np.uint8) if int8_out else np.zeros(1, np.uint8)
     q_rows, kv_cols = tile_shape(p)
     if p.dtype == np.int8:
         kv_cols = min(kv_cols, INT8_MAX_KV_COLS)
     rows_per_head = max(1, q_rows // p.G)
-    work = _work_items(p, rows_per_head) if out.size and p.B else np.zeros((0, 6), np.int64)
-    if work.shape[0]:
-        nthreads = max(1, int(config.CPU_THREADS or numba.get_num_threads()))
-        groups = np.zeros((0, 5), np.int64)
-        # pieces and runs of several items are the float32 kernel's; runs of kv heads come
-        # first (as many as split-kv wants), pieces of kv columns only where they are too few
-        f32 = p.dtype != np.int8
-        runs = kv_head_runs(work, p.qlen, p.G, rows_per_head, stream_rows() if f32 else 0,
-                            work.shape[0] // max(1, runs_wanted(nthreads)))
-        if f32:
-            work, groups, runs = split_work(p, work, runs, rows_per_head, nthreads)
-        # AMX dequantizes no int8 key / value; items of few rows stream
-        float_kv = p.cache is None or p.cache.antiquant is None
-        amx = (p.dtype != np.int8 and not groups.shape[0] and float_kv
-               and not streams(p, rows_per_head) and use_amx(p))
-        nthreads = min(nthreads, work.shape[0] if amx else runs.shape[0] - 1)
-        own = use_register_blocks()
-        blas = p.dtype == np.int8 or not own          # the int8 kernel's products are BLAS
-        a = kernel_args(p, out, lse, flags=int8_out,
-                        rows=rows_per_head, cols=kv_cols, threads=nthreads, sub=sub_rows(),
-                        seg=seg_rows(amx), gemm=own, blas=sgemm_address() if blas else 0,
-                        stream=stream_rows(), next_keys=prefetch_next_keys())
-        flat_flags = flags.reshape(-1)
-        args = (a.q, a.k, a.v, a.out, a.lse, flat_flags, a.mask8, a.mask16, a.pse, a.strides,
-                a.boff, a.lens, work, a.params, a.fparams)
+    empty = not (p.B and math.prod(p.out_shape))
+    work = np.zeros((0, 6), np.int64) if empty else _work_items(p, rows_per_head)
+    if not work.shape[0]:
+        return Launch(p, direct_dtype, int8_out)
+    nthreads = max(1, int(config.CPU_THREADS or numba.get_num_threads()))
+    groups = np.zeros((0, 5), np.int64)
+    # pieces and runs of several items are the float32 kernel's; runs of kv heads come
+    # first (as many as split-kv wants), pieces of kv columns only where they are too few
+    f32 = p.dtype != np.int8
+    runs = kv_head_runs(work, p.qlen, p.G, rows_per_head, stream_rows() if f32 else 0,
+                        work.shape[0] // max(1, runs_wanted(nthreads)))
+    if f32:
+        work, groups, runs = split_work(p, work, runs, rows_per_head, nthreads)
+    # AMX dequantizes no int8 key / value; items of few rows stream
+    float_kv = p.cache is None or p.cache.antiquant is None
+    amx = (p.dtype != np.int8 and not groups.shape[0] and float_kv
+           and not streams(p, rows_per_head) and use_amx(p))
+    nthreads = min(nthreads, work.shape[0] if amx else runs.shape[0] - 1)
+    own = use_register_blocks()
+    blas = p.dtype == np.int8 or not own          # the int8 kernel's products are BLAS
+    # the output arrays' shapes and strides are all the arguments take of them
+    a = kernel_args(p, np.empty(p.out_shape, direct_dtype), np.empty(p.lse_shape, np.float32),
+                    flags=int8_out, rows=rows_per_head, cols=kv_cols, threads=nthreads,
+                    sub=sub_rows(), seg=seg_rows(amx), gemm=own,
+                    blas=sgemm_address() if blas else 0, stream=stream_rows(),
+                    next_keys=prefetch_next_keys())
+    kernel = "int8" if p.dtype == np.int8 else "amx" if amx else "f32"
+    return Launch(p, direct_dtype, int8_out, kernel, a, work, groups, runs, rows_per_head, blas)
+
+
+@dataclasses.dataclass
+class Launch:
+    """A planned problem's kernel call, ready to run: every argument but the query, key and
+    value storage (which :meth:`run` may take anew, of the planned geometry) and the results
+    (new at each run)."""
+    p: Any
+    direct_dtype: Any                # the dtype the kernel writes (float16 before int8 output)
+    int8_out: bool
+    kernel: Optional[str] = None     # "f32", "amx" or "int8"; None: no work item (all zeros)
+    args: Any = None                 # the KernelArgs
+    work: Any = None
+    groups: Any = None
+    runs: Any = None
+    rows_per_head: int = 0
+    blas: bool = False
+
+    def run(self, q=None, k=None, v=None):
+        """(out, lse or None): the problem over flat query / key / value storage q, k, v (the
+        planned problem's where None), each laid out as the planned one (``flat_view``)."""
+        p = self.p
+        out = np.zeros(p.out_shape, dtype=self.direct_dtype)
+        lse = np.full(p.lse_shape, -np.inf, dtype=np.float32)
+        flags = np.zeros(p.lse_shape if self.int8_out else 1, dtype=np.uint8)
+        if self.kernel is not None:
+            self._call(out, lse, flags, q, k, v)
+        if self.int8_out:
+            out = quantize_int8_output(p, out, flags)
+        return out, (lse if p.want_lse else None)
+
+    def _call(self, out, lse, flags, q, k, v):
+        p, a, work, groups = self.p, self.args, self.work, self.groups
+        q, k, v = (a.q if q is None else q), (a.k if k is None else k), (a.v if v is None else v)
+        o_flat, l_flat, flat_flags = out.reshape(-1).view(a.out.dtype), lse.reshape(-1), \
+            flags.reshape(-1)
+        args = (q, k, v, o_flat, l_flat, flat_flags, a.mask8, a.mask16, a.pse,
+                a.strides, a.boff, a.lens, work, a.params, a.fparams)
         cache = (a.kp, a.vp, a.table, a.channel, a.ktok, a.vtok)
-        with _one_call_at_a_time(blas):
-            if p.dtype == np.int8:
+        with _one_call_at_a_time(self.blas):
+            if self.kernel == "int8":
                 _attention_int8(*args)
-            elif amx:
+            elif self.kernel == "amx":
                 _attention_amx(*args, cache)
             else:
-                parts = partial_buffers(groups, p.G * rows_per_head, f32_widths(a.params)[0])
-                _attention(*args, parts, cache, runs)
+                parts = partial_buffers(groups, p.G * self.rows_per_head, f32_widths(a.params)[0])
+                _attention(*args, parts, cache, self.runs)
                 if groups.shape[0]:
-                    _merge_split((a.q, a.k, a.v) + cache, a.out, a.lse, flat_flags, a.strides,
+                    _merge_split((q, k, v) + cache, o_flat, l_flat, flat_flags, a.strides,
                                  a.boff, a.lens, a.params, groups, parts)
-    if int8_out:
-        out = quantize_int8_output(p, out, flags)
-    return out, (lse if p.want_lse else None)
 
 
 @njit(parallel=True, cache=True)
