@@ -135,24 +135,31 @@ class FiaPlan:
 
     ``FiaPlan(query, key, value, **kwargs)`` takes fused_infer_attention_score's arguments and
     raises its errors; ``plan(query, key, value)`` returns what
-    ``fused_infer_attention_score(query, key, value, **kwargs)`` returns, for arrays of the
-    planned kind, dtype, shape and strides (a TypeError names a kind or dtype that differs, a
-    RuntimeError a shape or strides). Everything else is the plan's: the lengths, block table,
-    padding and antiquant scales as they were when it was made, and the mask, pse and shared
-    prefix arrays it was given (read at each call, not copied). On the CPU a call costs the
-    kernel and a few checks, not the checks and planning of a whole call; on CUDA, and for
-    key / value lists, each call runs the whole of fused_infer_attention_score (and raises its
-    errors there, not when the plan is made).
+    ``fused_infer_attention_score(query, key, value, **kwargs)`` returns (bit for bit under the
+    configuration the plan was made with: threads, ``pfa_numba.config``) for arrays of the
+    planned kind, dtype, device, shape and strides (a TypeError names a kind or dtype that
+    differs, a RuntimeError a device, shape or strides). Every other argument is the plan's,
+    as it was when the plan was made, except the tensors atten_mask, pse_shift and the shared
+    prefix, which are read at each call. On the CPU a call costs the kernel and a few checks,
+    not the checks and planning of a whole call; on CUDA, for key / value lists, and for
+    arrays the kernels cannot read in place (misaligned ones), a call runs the whole of
+    fused_infer_attention_score (on CUDA its errors are raised there, not when the plan is
+    made). A plan holds the arrays it was made with.
     """
 
     def __init__(self, query, key, value, **kwargs):
-        bound = _SIGNATURE.bind(query, key, value, **kwargs)
+        try:
+            bound = _SIGNATURE.bind(query, key, value, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"FiaPlan takes fused_infer_attention_score's arguments: {e}") \
+                from None
         bound.apply_defaults()
-        call = FV.FiaCall(**bound.arguments)
+        self._kwargs = {name: x if name in FV.TENSORS else _snapshot(x)
+                        for name, x in kwargs.items()}
+        call = dataclasses.replace(FV.FiaCall(**bound.arguments), **self._kwargs)
         device = V.check_placement(call)
-        self._kwargs = kwargs
         self._like = tuple(_like(x) for x in (query, key, value))
-        self._launch, self._lse_flag = None, False
+        self._launch, self._lse_flag, self._strides = None, False, None
         if device == "cpu" and not V.is_cuda_array(query):
             self._prepare(_host(call), device)
 
@@ -165,21 +172,22 @@ class FiaPlan:
         if backend.name != "cpu" or isinstance(call.key, (list, tuple)):
             return
         launch = backend.prepare(problem)
+        arrays = (call.query, call.key, call.value)
         if launch.kernel is not None:
-            arrays = (call.query, call.key, call.value)
             flats = (launch.args.q, launch.args.k, launch.args.v)
             if any(not _same_memory(_flat(x), f) for x, f in zip(arrays, flats)):
                 return
         self._launch, self._lse_flag = launch, valid.lse_flag
+        self._strides = tuple(x.strides for x in arrays)
 
     def __call__(self, query, key, value):
         """(attention_out, softmax_lse) of the planned call on these query, key and value."""
-        for name, x, like in zip(("query", "key", "value"), (query, key, value), self._like):
+        given = (query, key, value)
+        for name, x, like in zip(_QKV, given, self._like):
             _check_like(name, x, like)
-        if self._launch is None:
+        arrays = self._read_in_place(given)
+        if arrays is None:
             return fused_infer_attention_score(query, key, value, **self._kwargs)
-        arrays = [_torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x
-                  for name, x in (("query", query), ("key", key), ("value", value))]
         out, lse = self._launch.run(*(_flat(x) for x in arrays))
         if not self._lse_flag:
             lse = np.zeros(1, np.float32)
@@ -187,32 +195,60 @@ class FiaPlan:
             return _torch.as_tensor(out), _torch.as_tensor(lse)
         return out, lse
 
+    def _read_in_place(self, given):
+        """The NumPy arrays over the given query, key and value's memory, where the planned
+        kernel call can read them as it read the planned ones (aligned, with the planned byte
+        strides: a torch tensor NumPy cannot see in place has others); else None."""
+        if self._launch is None:
+            return None
+        arrays = [_torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x
+                  for name, x in zip(_QKV, given)]
+        if all(x.flags.aligned and x.strides == s for x, s in zip(arrays, self._strides)):
+            return arrays
+        return None
+
 
 _SIGNATURE = inspect.signature(fused_infer_attention_score)
+_QKV = ("query", "key", "value")
+
+
+def _snapshot(x):
+    """A copy of a small argument (lengths, a table, scales) as it is now."""
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_snapshot(e) for e in x)
+    return x.clone() if _torch.is_cpu_tensor(x) else x
 
 
 def _like(x):
-    """What a plan's later arrays must share with ``x``: (kind, dtype, shape, strides); a
-    key / value list only its kind and length (the whole call checks its elements)."""
+    """What a plan's later arrays must share with ``x``: (kind, device, dtype, shape, strides);
+    a key / value list only its kind and length (the whole call checks its elements)."""
     if isinstance(x, (list, tuple)):
-        return type(x), None, (len(x),), None
-    strides = x.stride() if _torch.is_tensor(x) else getattr(x, "strides", None)
-    return type(x), str(getattr(x, "dtype", None)), tuple(getattr(x, "shape", ())), strides
+        return type(x).__name__, None, None, (len(x),), None
+    if _torch.is_tensor(x):
+        return "torch tensor", str(x.device), str(x.dtype), tuple(x.shape), x.stride()
+    if not hasattr(x, "shape"):
+        return type(x).__name__, None, None, None, None
+    kind = "NumPy array" if isinstance(x, np.ndarray) else type(x).__name__
+    return (kind, "cuda" if V.is_cuda_array(x) else "cpu", str(x.dtype), tuple(x.shape),
+            getattr(x, "strides", None))
 
 
 def _check_like(name, x, like):
     got = _like(x)
     if got == like:
         return
-    error = TypeError if got[:2] != like[:2] else RuntimeError
+    error = TypeError if (got[0], got[2]) != (like[0], like[2]) else RuntimeError
     raise error(f"{name} must be a {_described(like)} like the plan's, got a {_described(got)}")
 
 
 def _described(like):
-    kind, dtype, shape, strides = like
+    kind, device, dtype, shape, strides = like
     if dtype is None:
-        return f"{kind.__name__} of {shape[0]} elements"
-    return f"{dtype} {kind.__name__} of shape {V.shape_str(shape)} and strides {strides}"
+        return kind if shape is None else f"{kind} of {shape[0]} elements"
+    return (f"{dtype} {kind} on {device}, of shape {V.shape_str(shape)} and strides "
+            f"{strides}")
 
 
 def _flat(x):

@@ -204,19 +204,61 @@ def test_errors():
     with pytest.raises(RuntimeError) as planned:
         FiaPlan(q, k, v, **_kw(num_key_value_heads=3))
     assert str(planned.value) == str(called.value)
-    with pytest.raises(TypeError, match="not_an_argument"):
+    with pytest.raises(TypeError, match="fused_infer_attention_score's arguments.*not_an_arg"):
         FiaPlan(q, k, v, not_an_argument=1)
     plan = FiaPlan(q, k, v, **_kw())
-    with pytest.raises(TypeError, match=r"key must be a float16 ndarray .*got a float32"):
+    with pytest.raises(TypeError, match=r"key must be a float16 NumPy array .*got a float32"):
         plan(q, k.astype(F32), v)
     with pytest.raises(RuntimeError, match=r"value must be .* shape \(3, 2, 20, 32\).*got .* "
                                            r"shape \(3, 2, 21, 32\)"):
         plan(q, k, _x(rng, (B, NKV, 21, D), F16))
     with pytest.raises(RuntimeError, match="strides"):
         plan(q, k, np.asfortranarray(v))
-    with pytest.raises(TypeError, match="query must be"):
+    with pytest.raises(TypeError, match="query must be .* got a list of 3 elements"):
         plan(list(q), k, v)
+    with pytest.raises(TypeError, match="key must be .* got a NoneType$"):
+        plan(q, None, v)
     torch = pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
-    with pytest.raises(TypeError, match="query must be a float16 ndarray .* got a torch.float16 "
-                                        "Tensor"):
+    with pytest.raises(TypeError, match="query must be a float16 NumPy array .* got a "
+                                        "torch.float16 torch tensor"):
         plan(torch.from_numpy(q), k, v)
+    tensors = FiaPlan(*(torch.from_numpy(x) for x in (q, k, v)), **_kw())
+    with pytest.raises(RuntimeError, match="key must be .* on cpu, .* got .* on meta"):
+        tensors(torch.from_numpy(q), torch.empty(k.shape, dtype=torch.float16, device="meta"),
+                torch.from_numpy(v))
+
+
+def test_arrays_not_read_in_place_run_whole_calls():
+    """A misaligned array with the planned strides, and a torch tensor whose negation NumPy
+    cannot see, run whole calls (the kernels would read a copy with the planned strides)."""
+    rng = np.random.default_rng(6)
+    q, v = _x(rng, (B, N, 1, D), F32), _x(rng, (B, NKV, 40, D), F32)
+    planned = _x(rng, (B, NKV, 40, 2 * D), F32)[..., :D]
+    kw = _kw()
+    plan = FiaPlan(q, planned, v, **kw)
+    assert plan._launch is not None
+    words = sum((n - 1) * s for n, s in zip(planned.shape, planned.strides)) // 4 + 1
+    odd = np.zeros(4 * words + 1, np.uint8)[1:]
+    k = np.lib.stride_tricks.as_strided(np.ndarray((words,), F32, buffer=odd.data),
+                                        planned.shape, planned.strides)
+    k[...] = _x(rng, planned.shape, F32)
+    assert not k.flags.aligned
+    assert np.array_equal(plan(q, k, v)[0], fia(q, k, v, **kw)[0])
+    torch = pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
+    tq, tv = torch.from_numpy(q), torch.from_numpy(v)
+    tplan = FiaPlan(tq, torch.randn(planned.shape, dtype=torch.complex64).imag, tv, **kw)
+    negated = torch.randn(planned.shape, dtype=torch.complex64).conj().imag
+    assert negated.is_neg()
+    assert torch.equal(tplan(tq, negated, tv)[0], fia(tq, negated, tv, **kw)[0])
+
+
+def test_whole_calls_use_the_arguments_as_planned():
+    """A plan that runs whole calls (key / value lists) keeps its lengths as they were too."""
+    rng = np.random.default_rng(7)
+    q = _x(rng, (2, 1, N * D), F16)
+    keys, values = ([_x(rng, (1, s, NKV * D), F16) for s in (10, 20)] for _ in range(2))
+    lens = [10, 20]
+    plan = FiaPlan(q, keys, values, **_kw("BSH", actual_seq_lengths_kv=lens))
+    want = fia(q, keys, values, **_kw("BSH", actual_seq_lengths_kv=[10, 20]))[0]
+    lens[1] = 3
+    assert np.array_equal(plan(q, keys, values)[0], want)
