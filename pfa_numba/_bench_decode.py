@@ -9,9 +9,10 @@ contiguous and paged (block_size 128, a shuffled block table) in two layouts: BN
 rows together, torch's layout) and BSH (a row's heads together: FIA's default, and the paged
 pools of serving stacks), and the BNSD cache in int8 (keys per channel, values per token,
 dequantized as they load), and the BNSD calls, contiguous and paged, through a
-:class:`.FiaPlan` made before the repeats (a model's layers share one plan a decode step). Repeats alternate between
-the implementations; the table gives medians. "stream" is the time to read the same K and V bytes once (a sum over them as uint64 on
-the kernels' threads), measured in the same repeats: the memory-bound floor.
+:class:`.FiaPlan` made before the repeats (a model's layers share one plan a decode step).
+Repeats alternate between the implementations; the table gives medians. "stream" is the time
+to read the same K and V bytes once (a sum over them as uint64 on the kernels' threads),
+measured in the same repeats: the memory-bound floor.
 
 Every timed call finds the caches as a decode step of a model does: this layer's kv cache
 cold (the other layers' caches and weights ran since), the code and the small arrays warm (the

@@ -79,7 +79,13 @@ def fused_infer_attention_score(
     valid = FV.validate(staged.call if staged else call, device)
     problem = planned(valid)
     out, lse = dispatch.choose(problem, device).run(problem, staged)
-    if not valid.lse_flag:
+    return _results(query, out, lse, valid.lse_flag, staged)
+
+
+def _results(query, out, lse, lse_flag, staged=None):
+    """(attention_out, softmax_lse) of the query's kind; without ``lse_flag``, float32 zeros of
+    shape (1,) for softmax_lse."""
+    if not lse_flag:
         lse = np.zeros(1, np.float32)
         if staged is not None and not staged.copied:     # results computed in place
             lse = to_kind(lse, query)
@@ -189,11 +195,7 @@ class FiaPlan:
         if arrays is None:
             return fused_infer_attention_score(query, key, value, **self._kwargs)
         out, lse = self._launch.run(*(_flat(x) for x in arrays))
-        if not self._lse_flag:
-            lse = np.zeros(1, np.float32)
-        if _torch.is_tensor(query):
-            return _torch.as_tensor(out), _torch.as_tensor(lse)
-        return out, lse
+        return _results(query, out, lse, self._lse_flag)
 
     def _read_in_place(self, given):
         """The NumPy arrays over the given query, key and value's memory, where the planned
@@ -228,11 +230,12 @@ def _like(x):
         return type(x).__name__, None, None, (len(x),), None
     if _torch.is_tensor(x):
         return "torch tensor", str(x.device), str(x.dtype), tuple(x.shape), x.stride()
+    if isinstance(x, np.ndarray):
+        return "NumPy array", "cpu", str(x.dtype), x.shape, x.strides
     if not hasattr(x, "shape"):
         return type(x).__name__, None, None, None, None
-    kind = "NumPy array" if isinstance(x, np.ndarray) else type(x).__name__
-    return (kind, "cuda" if V.is_cuda_array(x) else "cpu", str(x.dtype), tuple(x.shape),
-            getattr(x, "strides", None))
+    return (type(x).__name__, "cuda" if V.is_cuda_array(x) else "cpu", str(x.dtype),
+            tuple(x.shape), getattr(x, "strides", None))
 
 
 def _check_like(name, x, like):

@@ -1,7 +1,7 @@
 """Running a planned problem on the CPU: buffers, tile sizes, kernel choice, one call at a time."""
 import contextlib
-import math
 import dataclasses
+import math
 from typing import Any, Optional
 
 import numba
@@ -106,7 +106,8 @@ def prepare(p):
                     blas=sgemm_address() if blas else 0, stream=stream_rows(),
                     next_keys=prefetch_next_keys())
     kernel = "int8" if p.dtype == np.int8 else "amx" if amx else "f32"
-    return Launch(p, direct_dtype, int8_out, kernel, a, work, groups, runs, rows_per_head, blas)
+    parts = partial_buffers(groups, p.G * rows_per_head, f32_widths(a.params)[0])
+    return Launch(p, direct_dtype, int8_out, kernel, a, work, groups, runs, parts, blas)
 
 
 @dataclasses.dataclass
@@ -122,7 +123,7 @@ class Launch:
     work: Any = None
     groups: Any = None
     runs: Any = None
-    rows_per_head: int = 0
+    parts: Any = None                # split-kv pieces' scratch, used under the one-call lock
     blas: bool = False
 
     def run(self, q=None, k=None, v=None):
@@ -139,7 +140,7 @@ class Launch:
         return out, (lse if p.want_lse else None)
 
     def _call(self, out, lse, flags, q, k, v):
-        p, a, work, groups = self.p, self.args, self.work, self.groups
+        a, work, groups = self.args, self.work, self.groups
         q, k, v = (a.q if q is None else q), (a.k if k is None else k), (a.v if v is None else v)
         o_flat, l_flat, flat_flags = out.reshape(-1).view(a.out.dtype), lse.reshape(-1), \
             flags.reshape(-1)
@@ -152,11 +153,10 @@ class Launch:
             elif self.kernel == "amx":
                 _attention_amx(*args, cache)
             else:
-                parts = partial_buffers(groups, p.G * self.rows_per_head, f32_widths(a.params)[0])
-                _attention(*args, parts, cache, self.runs)
+                _attention(*args, self.parts, cache, self.runs)
                 if groups.shape[0]:
                     _merge_split((q, k, v) + cache, o_flat, l_flat, flat_flags, a.strides,
-                                 a.boff, a.lens, a.params, groups, parts)
+                                 a.boff, a.lens, a.params, groups, self.parts)
 
 
 @njit(parallel=True, cache=True)
