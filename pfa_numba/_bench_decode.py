@@ -37,6 +37,7 @@ from numba import njit, prange
 
 from . import FiaPlan, config, fused_infer_attention_score
 from ._bench import environment
+from .cpu.driver import parallel_region
 
 N, NKV, D, BLOCK = 32, 8, 128, 128
 #: the eviction buffer's size where the last-level cache's is unknown
@@ -50,6 +51,12 @@ def _read_once(words):
     for i in prange(words.size):
         total += words[i]
     return total
+
+
+def _read_each(arrays):
+    """:func:`_read_once` of each array, in the process's one parallel region."""
+    with parallel_region():
+        return [_read_once(x) for x in arrays]
 
 
 def last_level_cache_bytes():
@@ -67,7 +74,8 @@ def _cold_cache(call, evict, other_layer):
     """``call`` preceded (untimed, see the module's doc) by a read of ``evict`` and a call of
     the same implementation on another layer's small cache."""
     def cold():
-        _read_once(evict)
+        with parallel_region():
+            _read_once(evict)
         other_layer()
         t0 = time.perf_counter()
         call()
@@ -144,7 +152,7 @@ def _calls(bnsd, bsh, table):
         "int8": lambda: fused_infer_attention_score(q, k8, v8, input_layout="BNSD", **kw, **aq),
         "torch": lambda: torch.nn.functional.scaled_dot_product_attention(
             tq, tk, tv, enable_gqa=True),
-        "stream": lambda: [_read_once(x) for x in raw],
+        "stream": lambda: _read_each(raw),
     }
 
 

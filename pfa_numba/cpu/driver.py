@@ -1,4 +1,5 @@
-"""Running a planned problem on the CPU: buffers, tile sizes, kernel choice, one call at a time."""
+"""Running a planned problem on the CPU: buffers, tile sizes, kernel choice, one parallel region
+at a time."""
 import contextlib
 import dataclasses
 import math
@@ -22,32 +23,50 @@ from .items import (_work_items, kv_head_runs, prefetch_next_keys, seg_rows, str
 from .split_kv import partial_buffers, runs_wanted, split_work
 
 
-class _OneCallAtATime:
-    """Serialises kernel calls (Numba's parallel runtime and BLAS limits are process-wide) and,
-    for a call that uses BLAS, holds the BLAS libraries to one thread while the parallel kernel
-    runs (cheap, cached)."""
+class _ParallelRegion:
+    """One parallel region at a time in this process: Numba's thread pool and BLAS's thread
+    limit are process-wide, and Numba's workqueue threading layer (where neither TBB nor
+    OpenMP loads) aborts the process on concurrent launches. Every ``parallel=True`` kernel
+    runs inside ``with parallel_region(blas)``; a region opened inside one already held by the
+    same thread joins it. With ``blas``, the BLAS libraries are held to one thread while the
+    region runs (cheap, cached)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._depth = threading.local()
         self._controller = None
 
+    def held(self):
+        """Whether the calling thread is inside a region."""
+        return getattr(self._depth, "n", 0) > 0
+
     @contextlib.contextmanager
-    def __call__(self, blas):
+    def __call__(self, blas=False):
         with self._lock:
-            if not blas:
-                yield
-                return
-            if self._controller is None:
-                from threadpoolctl import ThreadpoolController
-                self._controller = ThreadpoolController()
-            limit = self._controller.limit(limits=1, user_api="blas")
+            self._depth.n = getattr(self._depth, "n", 0) + 1
             try:
-                yield
+                with self._blas_limited(blas):
+                    yield
             finally:
-                limit.restore_original_limits()
+                self._depth.n -= 1
+
+    @contextlib.contextmanager
+    def _blas_limited(self, blas):
+        if not blas:
+            yield
+            return
+        if self._controller is None:
+            from threadpoolctl import ThreadpoolController
+            self._controller = ThreadpoolController()
+        limit = self._controller.limit(limits=1, user_api="blas")
+        try:
+            yield
+        finally:
+            limit.restore_original_limits()
 
 
-_one_call_at_a_time = _OneCallAtATime()
+parallel_region = _ParallelRegion()
+
 
 def use_register_blocks():
     """The float32 tile products run on _gemm's register blocks where the host has AVX-512
@@ -123,7 +142,7 @@ class Launch:
     work: Any = None
     groups: Any = None
     runs: Any = None
-    parts: Any = None                # split-kv pieces' scratch, used under the one-call lock
+    parts: Any = None                # split-kv pieces' scratch, used inside the parallel region
     blas: bool = False
 
     def run(self, q=None, k=None, v=None):
@@ -133,13 +152,15 @@ class Launch:
         out = np.zeros(p.out_shape, dtype=self.direct_dtype)
         lse = np.full(p.lse_shape, -np.inf, dtype=np.float32)
         flags = np.zeros(p.lse_shape if self.int8_out else 1, dtype=np.uint8)
-        if self.kernel is not None:
-            self._call(out, lse, flags, q, k, v)
-        if self.int8_out:
-            out = quantize_int8_output(p, out, flags)
+        with parallel_region(self.blas):
+            if self.kernel is not None:
+                self._call(out, lse, flags, q, k, v)
+            if self.int8_out:
+                out = quantize_int8_output(p, out, flags)
         return out, (lse if p.want_lse else None)
 
     def _call(self, out, lse, flags, q, k, v):
+        """The kernels, inside the caller's parallel region."""
         a, work, groups = self.args, self.work, self.groups
         q, k, v = (a.q if q is None else q), (a.k if k is None else k), (a.v if v is None else v)
         o_flat, l_flat, flat_flags = out.reshape(-1).view(a.out.dtype), lse.reshape(-1), \
@@ -147,16 +168,15 @@ class Launch:
         args = (q, k, v, o_flat, l_flat, flat_flags, a.mask8, a.mask16, a.pse,
                 a.strides, a.boff, a.lens, work, a.params, a.fparams)
         cache = (a.kp, a.vp, a.table, a.channel, a.ktok, a.vtok)
-        with _one_call_at_a_time(self.blas):
-            if self.kernel == "int8":
-                _attention_int8(*args)
-            elif self.kernel == "amx":
-                _attention_amx(*args, cache)
-            else:
-                _attention(*args, self.parts, cache, self.runs)
-                if groups.shape[0]:
-                    _merge_split((q, k, v) + cache, o_flat, l_flat, flat_flags, a.strides,
-                                 a.boff, a.lens, a.params, groups, self.parts)
+        if self.kernel == "int8":
+            _attention_int8(*args)
+        elif self.kernel == "amx":
+            _attention_amx(*args, cache)
+        else:
+            _attention(*args, self.parts, cache, self.runs)
+            if groups.shape[0]:
+                _merge_split((q, k, v) + cache, o_flat, l_flat, flat_flags, a.strides, a.boff,
+                             a.lens, a.params, groups, self.parts)
 
 
 @njit(parallel=True, cache=True)
@@ -178,7 +198,8 @@ def _quantize_rows(o, code, flags, scale2, offset2, y):
 
 def quantize_int8_output(p, o, flags):
     """contract 'Quantization' output quantization of the float result ``o`` (float16 or float32, in
-    the output layout) into a new int8 array; rows that are structural zeros (flags 0) stay 0."""
+    the output layout) into a new int8 array; rows that are structural zeros (flags 0) stay 0.
+    A parallel kernel: call it inside :data:`parallel_region`."""
     s2, o2 = output_scales(p.quant)
     code = CODE_F16 if o.dtype == np.float16 else CODE_F32
     y = np.zeros(p.out_shape, dtype=np.int8)
