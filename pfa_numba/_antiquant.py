@@ -2,12 +2,14 @@
 offset arguments, and their normal form for the kernels.
 
 Every mode becomes, for key and for value, a *channel plane* (scale and offset per kv head and
-channel, Nkv * D float32 values: per-tensor and per-head modes repeat theirs) and a *token
-plane* (scale and offset per kv row and head, float32 (2, R0, Nkv, R1) shaped like the rows:
-(B, S) for the contiguous token modes, (num_blocks, block_size) for the paged ones, the head
-axis of stride 0 where a mode has one value for all heads). A load
-computes ``(int8 + offset_channel + offset_token) * scale_channel * scale_token``, one of each
-pair being the identity, which is ``(int8 + offset) * scale`` for every mode.
+channel, Nkv * D float32 values: per-tensor and per-head modes repeat theirs) and *token
+planes* (scales, and offsets where given, per kv row and head: float32 (R0, Nkv, R1) views of
+the arguments shaped like the rows, (B, S) for the contiguous token modes, (num_blocks,
+block_size) for the paged ones, the head axis of stride 0 where a mode has one value for all
+heads). The token planes are read where they lie: a cache's scales are as large as a sixteenth
+of it or more, and copying them would grow a call's memory with the cache. A load computes
+``(int8 + offset_channel + offset_token) * scale_channel * scale_token``, one of each pair
+being the identity, which is ``(int8 + offset) * scale`` for every mode.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -21,20 +23,35 @@ from ._dtypes import F32, I8, dtype_name
 SEPARATE = {0: None, 1: "token", 2: "head", 3: "token-head", 4: "paged-token",
             5: "paged-token-head"}
 TOKEN_KINDS = ("token", "token-head", "paged-token", "paged-token-head")
+#: the separate modes of those kinds
+TOKEN_MODES = tuple(mode for mode, kind in SEPARATE.items() if kind in TOKEN_KINDS)
 
 
 @dataclass
 class Planes:
     """One tensor's dequantization, as the kernels read it."""
-    channel: np.ndarray              # (2, Nkv * D) float32: scales, offsets
-    token: Optional[np.ndarray]      # (2, R0, Nkv, R1) float32 view, or None
-    paged: bool                      # the token plane is addressed by (block, slot)
+    channel: np.ndarray                  # (2, Nkv * D) float32: scales, offsets
+    token_scale: Optional[np.ndarray]    # (R0, Nkv, R1) float32 view of the argument, or None
+    token_offset: Optional[np.ndarray]   # the same of the offsets, or None (offsets 0)
+    paged: bool                          # the token planes are addressed by (block, slot)
 
 
 #: the merged and the separate scale and offset arguments
 MERGED_ARGS = ("antiquant_scale", "antiquant_offset")
 SEPARATE_ARGS = ("key_antiquant_scale", "key_antiquant_offset", "value_antiquant_scale",
                  "value_antiquant_offset")
+
+
+def token_arguments(kwargs):
+    """The names among fused_infer_attention_score's keywords ``kwargs`` of the scale and
+    offset arguments their modes index by token (as large as the cache they scale)."""
+    def by_token(mode, modes):
+        return isinstance(mode, (int, np.integer)) and mode in modes
+    names = MERGED_ARGS if by_token(kwargs.get("antiquant_mode", 0), (1,)) else ()
+    for tensor in ("key", "value"):
+        if by_token(kwargs.get(f"{tensor}_antiquant_mode", 0), TOKEN_MODES):
+            names += (f"{tensor}_antiquant_scale", f"{tensor}_antiquant_offset")
+    return names
 
 
 def any_given(call, names=MERGED_ARGS + SEPARATE_ARGS):
@@ -189,11 +206,16 @@ def _planes(kind, s, o, Nkv, D):
         channel[0] = per(s.astype(np.float32))
         if o is not None:
             channel[1] = per(o.astype(np.float32))
-        return Planes(channel, None, False)
-    s = s.astype(np.float32, copy=False)
-    o = np.zeros((), np.float32) if o is None else o.astype(np.float32, copy=False)
-    if kind in ("token", "paged-token"):              # one value for every kv head
-        s, o = s[:, None, :], (o if o.ndim == 0 else o[:, None, :])
-    token = np.stack(np.broadcast_arrays(s, o))       # scales, offsets (0 without any)
-    full = (2, token.shape[1], Nkv, token.shape[3])
-    return Planes(channel, np.broadcast_to(token, full), kind.startswith("paged"))
+        return Planes(channel, None, None, False)
+    return Planes(channel, _token_plane(kind, s, Nkv), _token_plane(kind, o, Nkv),
+                  kind.startswith("paged"))
+
+
+def _token_plane(kind, x, Nkv):
+    """A float32 token scale or offset argument (already checked) as an (R0, Nkv, R1) view,
+    the head axis of stride 0 where the mode has one value for every kv head; None for None."""
+    if x is None:
+        return None
+    if kind in ("token", "paged-token"):
+        x = x[:, None, :]
+    return np.broadcast_to(x, (x.shape[0], Nkv, x.shape[2]))

@@ -16,10 +16,11 @@ from numpy.lib.stride_tricks import as_strided
 from ._core import CODE_BF16, CODE_F16, CODE_F32, CODE_I8, jit
 from ._dtypes import F16, is_bf16
 
-# rows of the geometry arrays (strides: (11, 4) int64 in elements; boff: (11, B) int64): query,
+# rows of the geometry arrays (strides: (13, 4) int64 in elements; boff: (13, B) int64): query,
 # key, value, output, lse, mask, pse, a shared prefix's key and value, and the token planes of
-# int8 key / value dequantization (_antiquant; S_ELEM: from a row's scale to its offset)
-T_Q, T_K, T_V, T_O, T_L, T_M, T_P, T_PK, T_PV, T_KT, T_VT = range(11)
+# int8 key / value dequantization (_antiquant): the key's scales and offsets, the value's (a
+# token plane's offsets are the row after its scales)
+T_Q, T_K, T_V, T_O, T_L, T_M, T_P, T_PK, T_PV, T_KT, T_KTO, T_VT, T_VTO = range(13)
 # columns of strides: head, row, element, and the block of a paged pool
 S_HEAD, S_ROW, S_ELEM, S_BLOCK = range(4)
 # rows of lens ((5, B) int64): qL, kL, preE, nextE, output rows to write (Sq, or qL for TND)
@@ -110,11 +111,11 @@ def kv_row(strides, boff, table, block, t, b, j):
 
 
 def geometry(p, out, lse):
-    """Flat arrays, (11, 4) strides and (11, B) batch offsets for the kernels."""
+    """Flat arrays, (13, 4) strides and (13, B) batch offsets for the kernels."""
     st = storage(p.dtype)
     kst = storage(p.k.dtype)                     # int8 key/value of a float query
-    strides = np.zeros((11, 4), np.int64)
-    boff = np.zeros((11, max(p.B, 1)), np.int64)
+    strides = np.zeros((13, 4), np.int64)
+    boff = np.zeros((13, max(p.B, 1)), np.int64)
     bidx = np.arange(p.B, dtype=np.int64)
 
     def put(row, x, as_type, start=None):
@@ -170,26 +171,30 @@ def geometry(p, out, lse):
     if p.pse is not None:
         pse = put(T_P, p.pse, storage(p.pse.dtype))
     kp = vp = readonly_dummy(kst)
-    tokens = [readonly_dummy(np.float32), readonly_dummy(np.float32)]
+    # key scales, key offsets, value scales, value offsets; a plane not given is one zero
+    # read at every row (strides 0)
+    tokens = [readonly_dummy(np.float32)] * 4
     if cache is not None:
         if cache.P:
             kp, vp = put(T_PK, cache.prefix_key, kst), put(T_PV, cache.prefix_value, kst)
-        for i, (row, planes) in enumerate(zip((T_KT, T_VT), cache.antiquant or ())):
-            if planes.token is not None:
-                tokens[i] = _put_token_plane(strides, boff, row, planes, p.B)
+        for i, planes in enumerate(cache.antiquant or ()):
+            rows = ((T_KT, T_KTO), (T_VT, T_VTO))[i]
+            for j, (row, x) in enumerate(zip(rows, (planes.token_scale, planes.token_offset))):
+                if x is not None:
+                    tokens[2 * i + j] = _put_token_plane(strides, boff, row, x, planes.paged,
+                                                         p.B)
         _shift_windows(strides, boff, p.B, p.q_off, cache.kv_off)
     return qf, kf, vf, o_flat, mask8, mask16, pse, strides, boff, kp, vp, tokens
 
 
-def _put_token_plane(strides, boff, row, planes, B):
-    """A (2, R0, Nkv, R1) token plane: rows (b, p) or paged slots (block, slot); the offset of
-    a row sits S_ELEM after its scale."""
-    flat, origin, s = flat_view(planes.token, np.float32)
-    if planes.paged:
+def _put_token_plane(strides, boff, row, plane, paged, B):
+    """An (R0, Nkv, R1) token plane: rows (b, p), or paged slots (block, slot)."""
+    flat, origin, s = flat_view(plane, np.float32)
+    if paged:
         boff[row, :B] = origin
     else:
-        boff[row, :B] = origin + np.arange(B, dtype=np.int64) * s[1]
-    strides[row] = [s[2], s[3], s[0], s[1]]
+        boff[row, :B] = origin + np.arange(B, dtype=np.int64) * s[0]
+    strides[row] = [s[1], s[2], 0, s[0]]
     return flat
 
 
@@ -200,7 +205,7 @@ def _shift_windows(strides, boff, B, q_off, kv_off):
         return
     for t in (T_Q, T_O, T_L):
         boff[t, :B] += q_off * strides[t, S_ROW]
-    for t in (T_K, T_V, T_KT, T_VT):
+    for t in (T_K, T_V, T_KT, T_KTO, T_VT, T_VTO):
         boff[t, :B] += kv_off * strides[t, S_ROW]
     for t in (T_M, T_P):
         boff[t, :B] += q_off * strides[t, S_ROW] + kv_off * strides[t, S_ELEM]
@@ -253,8 +258,8 @@ class KernelArgs:
     vp: np.ndarray
     table: np.ndarray        # int64 (B, max_blocks) block table of paged key/value, or a dummy
     channel: np.ndarray      # float32 (4, Nkv * D): key scale, key offset, value scale, offset
-    ktok: np.ndarray         # flat float32 token planes of key / value (see _antiquant)
-    vtok: np.ndarray
+    tokens: tuple            # flat float32 token planes (see _antiquant): key scales, key
+                             # offsets, value scales, value offsets (a zero where not given)
     strides: np.ndarray
     boff: np.ndarray
     lens: np.ndarray
@@ -279,7 +284,8 @@ def kernel_args(p, out, lse, flags=False, rows=0, cols=0, threads=0, sub=0, seg=
     aq = cache.antiquant if cache is not None else None
     channel = np.zeros((4, 1), np.float32) if aq is None else \
         np.concatenate([aq[0].channel, aq[1].channel]).astype(np.float32)
-    tok = [0, 0] if aq is None else [0 if x.token is None else (2 if x.paged else 1) for x in aq]
+    tok = [0, 0] if aq is None else [0 if x.token_scale is None else (2 if x.paged else 1)
+                                     for x in aq]
     rows_b = np.full(p.B, p.Sq, np.int64) if not p.packed else p.qlen
     if cache is not None:
         rows_b = rows_b - p.q_off                    # the frame's rows from the window on
@@ -301,5 +307,5 @@ def kernel_args(p, out, lse, flags=False, rows=0, cols=0, threads=0, sub=0, seg=
                                                        p.quant.deq2)
     scale2, offset2 = output_scales(p.quant)
     return KernelArgs(q, k, v, o_flat, lse.reshape(-1), mask8, mask16, pse, kp, vp, table,
-                      channel, tokens[0], tokens[1], strides, boff, lens, params, fparams, scale2,
+                      channel, tuple(tokens), strides, boff, lens, params, fparams, scale2,
                       offset2)

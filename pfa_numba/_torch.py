@@ -17,12 +17,18 @@ def is_tensor(x):
 
 
 def is_cpu_tensor(x):
+    """Whether ``x`` is a torch tensor that is not on CUDA: a CPU tensor, or one of a device
+    :func:`as_numpy` refuses."""
     return is_tensor(x) and not x.is_cuda
 
 
 def as_numpy(name, t):
-    """The NumPy array over the memory of CPU tensor ``t`` (argument ``name``), no copy."""
+    """The NumPy array over the memory of CPU tensor ``t`` (argument ``name``), no copy; a
+    tensor on another device than the CPU (CUDA tensors go elsewhere) is a RuntimeError."""
     import torch
+    if t.device.type != "cpu":
+        raise RuntimeError(f"{name} is a torch tensor on device '{t.device}' ({t.dtype} tensor "
+                           f"of shape {tuple(t.shape)}): pfa_numba reads CPU and CUDA tensors")
     if t.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(f"{name} requires grad ({t.dtype} tensor of shape {tuple(t.shape)}): "
                            f"pfa_numba computes the forward pass only; call it under "

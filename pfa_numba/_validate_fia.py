@@ -18,7 +18,7 @@ from . import _antiquant as AQ
 from . import _validate as V
 from ._band import TOKENS_INF
 from ._plan import _to_bnsd
-from ._dtypes import I8, dtype_name
+from ._dtypes import F16, F32, I8, dtype_name, is_bf16
 
 #: the tensors, which live on one device and which the kernels read in place (the other
 #: array arguments are small: lengths, scales, the block table; read on the host)
@@ -30,6 +30,8 @@ PFA_NAMES = {"attn_mask": "atten_mask", "deq_scale1": "dequant_scale1",
 _PFA_NAME = re.compile(r"\b(" + "|".join(PFA_NAMES) + r")\b")
 #: a padding size beyond any frame: every larger one leaves the same empty window
 _PAD_BEYOND = 1 << 62
+#: the most values of a paged cache's logical (B, Smax, Hkv) extent: offsets within int64
+MAX_KV_ELEMENTS = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,8 @@ def validate(call, device=None):
     key, key_list = _kv_arrays("key", call.key)
     value, value_list = _kv_arrays("value", call.value)
     V.check_rank("query", query, layout)
+    _check_dtypes(query, key if key is not None else key_list[0],
+                  value if value is not None else value_list[0])
     decode = layout != "TND" and query.shape[V.SEQ_AXIS[layout]] == 1
     mask = _plain_mask(call.atten_mask)
     table = _real("block_table", call.block_table)
@@ -160,23 +164,24 @@ def validate(call, device=None):
         _one_int("query_padding_size", call.query_padding_size)
     kv_pad = None if call.kv_padding_size is None else \
         _one_int("kv_padding_size", call.kv_padding_size)
-    padded = call.kv_padding_size is not None or (not decode and
-                                                  call.query_padding_size is not None)
+    padding = [name for name in ("kv_padding_size", "query_padding_size")
+               if getattr(call, name) is not None and not (decode and name[0] == "q")]
+    padded = bool(padding)
     # decode reads no band; left padding with sparse_mode 0 and a mask ignores it (docs/fia.md)
     band_ignored = decode or (padded and mask is not None
                               and V.check_int("sparse_mode", call.sparse_mode) == 0)
     listed = key_list is not None or value_list is not None
     prefixed = prefix_k is not None or prefix_v is not None
     dequant = AQ.applies(call, query.dtype, (key if key is not None else key_list[0]).dtype)
-    _exclusions(query, layout, table, padded, listed, prefixed, dequant)
+    _exclusions(query, layout, table, padding, listed, prefixed, dequant)
     list_lens = None
     if listed:
         key, value, list_lens = _gathered(key_list, value_list, layout, query.shape[0])
     if table is None:
         V.check_rank("key", key, layout)
-    if key.dtype != value.dtype:
-        raise TypeError(f"value dtype must be key's ({dtype_name(key.dtype)}), got "
-                        f"{dtype_name(value.dtype)}")
+        V.check_rank("value", value, layout)
+    else:
+        _check_pools(query, key, value, table, block_size, layout)
     P = 0
     if prefixed:
         P = _prefix(call, layout, key, prefix_k, prefix_v)
@@ -286,7 +291,7 @@ def _decode_mask(mask, batch, extent):
     if not isinstance(mask, np.ndarray):
         return mask
     ok = (mask.ndim in (2, 3, 4) and all(s == 1 for s in mask.shape[1:-1])
-          and mask.shape[0] in (1, batch) and (extent is None or mask.shape[-1] >= extent))
+          and mask.shape[0] in (1, batch) and mask.shape[-1] >= extent)
     if not ok:
         raise RuntimeError(f"atten_mask shape {V.shape_str(mask.shape)} is not accepted in "
                            f"decode (query length 1): expected (B, C), (B, 1, C) or "
@@ -297,11 +302,10 @@ def _decode_mask(mask, batch, extent):
 
 def _kv_extent(key, layout, table, block_size, P):
     """The kv columns of the logical sequence: the prefix's P and the kv S extent (Smax =
-    max_blocks * block_size of a paged cache); None where the block table's own checks come
-    first."""
+    max_blocks * block_size of a paged cache)."""
     if table is None:
         return P + key.shape[V.SEQ_AXIS[layout]]
-    return table.shape[1] * block_size if table.ndim == 2 and block_size >= 1 else None
+    return table.shape[1] * block_size
 
 
 def _pfa_checked(call):
@@ -315,25 +319,40 @@ def _pfa_checked(call):
         raise
 
 
-def _exclusions(query, layout, table, padded, listed, prefixed, dequant):
-    int8_query = query.dtype == I8
-    named = {"paged KV (block_table)": table is not None, "left padding": padded,
-             "key/value lists": listed, "a shared prefix": prefixed}
+def _check_dtypes(query, key, value):
+    """The dtypes of docs/fia.md, 'Dtypes' (TypeError), before any rule that depends on them:
+    a float16, bfloat16, float32 or int8 query; key and value of one dtype, the query's, or
+    int8 under a float query (a cache dequantized as it loads)."""
+    q = query.dtype
+    if q not in (F16, F32, I8) and not is_bf16(q):
+        raise TypeError(f"query dtype must be float16, bfloat16, float32 or int8, got "
+                        f"{dtype_name(q)}")
+    if value.dtype != key.dtype:
+        raise TypeError(f"value dtype must be key's ({dtype_name(key.dtype)}), got "
+                        f"{dtype_name(value.dtype)}")
+    if key.dtype not in (q, I8):
+        raise TypeError(f"key dtype must be the query's ({dtype_name(q)}), or int8 under a "
+                        f"float query, got {dtype_name(key.dtype)}")
+
+
+def _exclusions(query, layout, table, padding, listed, prefixed, dequant):
+    """The feature exclusions of docs/fia.md, 'Errors', each feature named by its arguments."""
+    paged, padded = "block_table (paged KV)", f"{' / '.join(padding)} (left padding)"
+    lists, prefix = "key / value lists", "key_shared_prefix / value_shared_prefix (a shared prefix)"
+    named = {paged: table is not None, padded: bool(padding), lists: listed, prefix: prefixed}
     if layout == "TND":
         tnd = {**named, "int8 key/value with antiquant scales": dequant}
         given = [n for n, on in tnd.items() if on]
         if given:
             raise RuntimeError(f"input_layout 'TND' takes contiguous float key/value (or int8 "
                                f"with an int8 query) only, got {', '.join(given)}")
-    pairs = [("paged KV (block_table)", "left padding"), ("paged KV (block_table)",
-             "key/value lists"), ("paged KV (block_table)", "a shared prefix"),
-             ("a shared prefix", "left padding"), ("a shared prefix", "key/value lists"),
-             ("left padding", "key/value lists")]
+    pairs = [(paged, padded), (paged, lists), (paged, prefix), (prefix, padded),
+             (prefix, lists), (padded, lists)]
     for a, b in pairs:
         if named[a] and named[b]:
             raise RuntimeError(f"{a} cannot be combined with {b}")
-    for feature in ("paged KV (block_table)", "key/value lists", "a shared prefix"):
-        if named[feature] and int8_query:
+    for feature in (paged, lists, prefix):
+        if named[feature] and query.dtype == I8:
             raise RuntimeError(f"{feature} does not take an int8 query (full quantization "
                                f"reads contiguous key/value), got query shape "
                                f"{V.shape_str(query.shape)}")
@@ -402,9 +421,9 @@ def _empty_windows(valid, q_off, k_off):
                                klen=np.where(bad, 0, valid.klen))
 
 
-def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode, lse_flag,
-           dequant):
-    """Paged KV: pools, block table, block size; the problem's kv extent is Smax."""
+def _check_pools(query, key, value, table, block_size, layout):
+    """The block table, block size and pools of paged KV (docs/fia.md, 'Paged KV'): their
+    types, ranks and shapes, and a logical cache (B, Smax, Hkv) the kernels can address."""
     if table.dtype not in (np.int32, np.int64):
         raise TypeError(f"block_table must be int32 or int64, got {dtype_name(table.dtype)}")
     if block_size < 1:
@@ -431,6 +450,18 @@ def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
     if key.shape[bs_axis] != block_size:
         raise RuntimeError(f"the pool's block axis ({key.shape[bs_axis]}) must equal "
                            f"block_size ({block_size}); pool shape {V.shape_str(key.shape)}")
+    smax = table.shape[1] * block_size
+    hkv = key.shape[2] if key.ndim == 3 else key.shape[1] * key.shape[3]
+    if B * smax * hkv >= MAX_KV_ELEMENTS:
+        raise RuntimeError(f"block_table's {table.shape[1]} blocks a batch times block_size "
+                           f"{block_size} make a kv cache of (B, Smax, Hkv) = ({B}, {smax}, "
+                           f"{hkv}) values, beyond the 2^62 the kernels address")
+
+
+def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode, lse_flag,
+           dequant):
+    """Paged KV (pools checked by :func:`_check_pools`): the problem's kv extent is Smax."""
+    B = query.shape[0]
     if call.actual_seq_lengths_kv is None:
         raise ValueError("paged KV (block_table) needs actual_seq_lengths_kv, got None")
     smax = _kv_extent(key, layout, table, block_size, 0)

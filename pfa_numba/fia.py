@@ -13,6 +13,7 @@ import inspect
 
 import numpy as np
 
+from . import _antiquant as AQ
 from . import _torch
 from . import _validate as V
 from . import _validate_fia as FV
@@ -122,6 +123,13 @@ def _host(call):
     return dataclasses.replace(call, **arrays) if arrays else call
 
 
+def _host_array(name, x):
+    """A host tensor argument as the whole call's checks read it: a torch CPU tensor as the
+    NumPy array over its memory, an ndarray subclass as the plain array over its memory; the
+    whole call's error for what they refuse."""
+    return V.check_array(name, _torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x)
+
+
 def _host_element(name, x, on_cuda):
     """One key / value list element on the host; it lives where the query does."""
     if V.is_cuda_array(x) != on_cuda:
@@ -146,7 +154,8 @@ class FiaPlan:
     planned kind, dtype, device, shape and strides (a TypeError names a kind or dtype that
     differs, a RuntimeError a device, shape or strides). Every other argument is the plan's,
     as it was when the plan was made, except the tensors atten_mask, pse_shift and the shared
-    prefix, which are read at each call. On the CPU a call costs the kernel and a few checks,
+    prefix, and the antiquant scales and offsets indexed by token (as large as the cache),
+    which are read at each call. On the CPU a call costs the kernel and a few checks,
     not the checks and planning of a whole call; on CUDA, for key / value lists, and for
     arrays the kernels cannot read in place (misaligned ones), a call runs the whole of
     fused_infer_attention_score (on CUDA its errors are raised there, not when the plan is
@@ -160,14 +169,15 @@ class FiaPlan:
             raise TypeError(f"FiaPlan takes fused_infer_attention_score's arguments: {e}") \
                 from None
         bound.apply_defaults()
-        self._kwargs = {name: x if name in FV.TENSORS else _snapshot(x)
+        read_in_place = FV.TENSORS + AQ.token_arguments(kwargs)
+        self._kwargs = {name: x if name in read_in_place else _snapshot(x)
                         for name, x in kwargs.items()}
         call = dataclasses.replace(FV.FiaCall(**bound.arguments), **self._kwargs)
         device = V.check_placement(call)
-        self._like = tuple(_like(x) for x in (query, key, value))
         self._launch, self._lse_flag, self._strides = None, False, None
         if device == "cpu" and not V.is_cuda_array(query):
             self._prepare(_host(call), device)
+        self._like = tuple(_like(x) for x in (query, key, value))
 
     def _prepare(self, call, device):
         """The CPU launch of ``call``, where the kernels read its query, key and value in
@@ -200,11 +210,12 @@ class FiaPlan:
     def _read_in_place(self, given):
         """The NumPy arrays over the given query, key and value's memory, where the planned
         kernel call can read them as it read the planned ones (aligned, with the planned byte
-        strides: a torch tensor NumPy cannot see in place has others); else None."""
+        strides: a torch tensor NumPy cannot see in place has others); else None. Raises what
+        the whole call raises for an array it refuses (a masked array, a tensor that requires
+        grad)."""
         if self._launch is None:
             return None
-        arrays = [_torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x
-                  for name, x in zip(_QKV, given)]
+        arrays = [_host_array(name, x) for name, x in zip(_QKV, given)]
         if all(x.flags.aligned and x.strides == s for x, s in zip(arrays, self._strides)):
             return arrays
         return None
@@ -232,10 +243,9 @@ def _like(x):
         return "torch tensor", str(x.device), str(x.dtype), tuple(x.shape), x.stride()
     if isinstance(x, np.ndarray):
         return "NumPy array", "cpu", str(x.dtype), x.shape, x.strides
-    if not hasattr(x, "shape"):
+    if not V.is_cuda_array(x):
         return type(x).__name__, None, None, None, None
-    return (type(x).__name__, "cuda" if V.is_cuda_array(x) else "cpu", str(x.dtype),
-            tuple(x.shape), getattr(x, "strides", None))
+    return (type(x).__name__, "cuda", str(x.dtype), tuple(x.shape), getattr(x, "strides", None))
 
 
 def _check_like(name, x, like):

@@ -24,7 +24,7 @@ for dt in (np.float16, ml_dtypes.bfloat16):
                     cols=8, threads=1, sub=32, seg=64, gemm=1)
     args = (a.q, a.k, a.v, a.out, a.lse, np.zeros(1, np.uint8), a.mask8, a.mask16, a.pse,
             a.strides, a.boff, a.lens, np.zeros((1, 6), np.int64), a.params, a.fparams,
-            (a.kp, a.vp, a.table, a.channel, a.ktok, a.vtok))
+            (a.kp, a.vp, a.table, a.channel) + a.tokens)
     _attention_amx.compile(tuple(numba.typeof(x) for x in args))
     print('compiled', np.dtype(dt).name)
 """

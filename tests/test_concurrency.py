@@ -48,11 +48,12 @@ CALLS = textwrap.dedent("""
             quant_scale2=np.array([0.7], np.float32)))
     q8, k8, v8 = i8(1, 4, 33, 32), i8(1, 4, 50, 32), i8(1, 4, 50, 32)
     deq = trans_quant_param(np.array([0.01], np.float32))
-    jobs.append(lambda: pfa(q8, k8, v8, None, deq_scale1=deq, quant_scale1=np.array([50.0], np.float32),
-                            deq_scale2=deq, quant_scale2=np.array([2.0], np.float32),
-                            num_heads=4, input_layout="BNSD"))
-    qd, kd, vd = x(np.float16, 1, 8, 1, 64), x(np.float16, 1, 2, 600, 64), x(np.float16, 1, 2, 600, 64)
-    dkw = dict(num_heads=8, num_key_value_heads=2, input_layout="BNSD", softmax_lse_flag=True)
+    jobs.append(lambda: pfa(q8, k8, v8, None, deq_scale1=deq, deq_scale2=deq,
+                            quant_scale1=np.array([50.0], np.float32),
+                            quant_scale2=np.array([2.0], np.float32), num_heads=4,
+                            input_layout="BNSD"))
+    qd, kd, vd = (x(np.float16, 1, n, s, 64) for n, s in ((8, 1), (1, 600), (1, 600)))
+    dkw = dict(num_heads=8, num_key_value_heads=1, input_layout="BNSD", softmax_lse_flag=True)
     jobs.append(lambda: fia(qd, kd, vd, **dkw))
     plan = FiaPlan(qd, kd, vd, **dkw)
     jobs.append(lambda: plan(qd, kd, vd))
@@ -68,8 +69,9 @@ CALLS = textwrap.dedent("""
     jobs.append(lambda: fia(qp, pool_k, pool_v, **pkw))
     paged_plan = FiaPlan(qp, pool_k, pool_v, **pkw)
     jobs.append(lambda: paged_plan(qp, pool_k, pool_v))
-    qs, ks, vs = x(np.float32, 2, 8, 5, 32), x(np.float32, 2, 2, 30, 32), x(np.float32, 2, 2, 30, 32)
-    pre = dict(key_shared_prefix=x(np.float32, 1, 2, 9, 32), value_shared_prefix=x(np.float32, 1, 2, 9, 32))
+    qs, ks, vs = (x(np.float32, 2, n, s, 32) for n, s in ((8, 5), (2, 30), (2, 30)))
+    pre = dict(key_shared_prefix=x(np.float32, 1, 2, 9, 32),
+               value_shared_prefix=x(np.float32, 1, 2, 9, 32))
     jobs.append(lambda: fia(qs, ks, vs, num_heads=8, num_key_value_heads=2, input_layout="BNSD",
                             **pre))
 

@@ -262,3 +262,47 @@ def test_whole_calls_use_the_arguments_as_planned():
     want = fia(q, keys, values, **_kw("BSH", actual_seq_lengths_kv=[10, 20]))[0]
     lens[1] = 3
     assert np.array_equal(plan(q, keys, values)[0], want)
+
+
+@pytest.mark.parametrize("when", ["first call", "after a call"])
+def test_a_plan_refuses_what_the_whole_call_refuses(when):
+    """A masked array (whose mask the kernels would drop) is the whole call's TypeError, on a
+    plan's first call and after the kernel has run; a memoryview is a TypeError, not an
+    AttributeError, when the plan is made and when it is called."""
+    rng = np.random.default_rng(8)
+    q, k, v = _qkv_maker("BNSD", F16, 1, 20)(rng)
+    kw = _kw()
+    masked = np.ma.masked_array(k, mask=rng.random(k.shape) < 0.5)
+    with pytest.raises(TypeError) as whole:
+        fia(q, masked, v, **kw)
+    plan = FiaPlan(q, k, v, **kw)
+    if when == "after a call":
+        plan(q, k, v)
+    with pytest.raises(TypeError) as planned:
+        plan(q, masked, v)
+    assert str(planned.value) == str(whole.value)
+    with pytest.raises(TypeError, match="query must be a NumPy array, a torch tensor or a CUDA "
+                                        "array, got memoryview"):
+        FiaPlan(memoryview(q), k, v, **kw)
+    with pytest.raises(TypeError, match="value must be a float16 NumPy array .* got a memoryview"):
+        plan(q, k, memoryview(v))
+
+
+def test_token_scales_are_read_at_each_call_and_channel_scales_as_planned():
+    """Scales indexed by token (as large as the cache) are read where they lie at each call,
+    like the tensors; the others (here per-channel key scales) are the plan's."""
+    rng = np.random.default_rng(9)
+    q = _x(rng, (B, N, 1, D), F16)
+    k, v = (rng.integers(-128, 128, (B, NKV, 30, D)).astype(np.int8) for _ in range(2))
+    key_scale = np.full((NKV, D), 0.02, np.float16)
+    value_scale = (rng.random((B, 30)) * 0.02 + 0.005).astype(np.float32)
+    kw = _kw(key_antiquant_scale=key_scale, value_antiquant_scale=value_scale,
+             key_antiquant_mode=0, value_antiquant_mode=1)
+    plan = FiaPlan(q, k, v, **kw)
+    assert plan._launch is not None
+    planned_keys = key_scale.copy()
+    key_scale *= 2
+    value_scale[:, :7] *= 3
+    want = fia(q, k, v, **dict(kw, key_antiquant_scale=planned_keys))
+    got = plan(q, k, v)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])

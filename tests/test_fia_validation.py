@@ -117,6 +117,31 @@ CASES = {
                                  value_shared_prefix=np.zeros((1, NKV, 3, D), np.float16),
                                  kv_padding_size=np.array([1])), RuntimeError, "left padding"),
     "heads from PFA's rules": (dict(num_heads=3), RuntimeError, "num_heads"),
+    # dtypes come before the rules of the features they select (docs/fia.md, 'Errors')
+    "int8 key with a float value": (dict(kv="int8 key", antiquant_scale=np.ones(2, np.float16)),
+                                    TypeError, "value dtype must be key's"),
+    "int8 key with a float value, no scales": (dict(kv="int8 key"), TypeError, "value dtype"),
+    "int32 query with an int8 cache": (dict(kv="int32 query"), TypeError, "query dtype.*int32"),
+    "uint8 query with an int8 cache": (dict(kv="uint8 query"), TypeError, "query dtype.*uint8"),
+    "float64 query with an int8 cache": (dict(kv="float64 query"), TypeError,
+                                         "query dtype.*float64"),
+    "float32 key under a float16 query": (dict(kv="float32 kv"), TypeError, "key dtype"),
+    "value rank with a prefix": (dict(PREFIX, kv="value rank 2"), ValueError,
+                                 "value must have rank 4"),
+    "value rank with an int8 cache": (dict(kv="int8 value rank 2",
+                                           antiquant_scale=np.ones(2, np.float16)), ValueError,
+                                      "value must have rank 4"),
+    "prefix with padding names both": (dict(PREFIX, kv_padding_size=np.array([1])),
+                                       RuntimeError, "key_shared_prefix.*kv_padding_size"),
+    "paged with padding names both": (dict(PAGED, query_padding_size=np.array([1]), sq=3,
+                                           paged=True), RuntimeError,
+                                      "block_table.*query_padding_size"),
+    # the pool's own rules come before a decode mask's, which the pool's extent sizes
+    "block axis with a decode mask": (dict(PAGED, block_size=5, atten_mask=np.zeros((B, 12), bool),
+                                           paged=True), RuntimeError,
+                                      r"block axis \(4\) must equal block_size \(5\)"),
+    "zero-stride pools of 2^62 values": (dict(PAGED, block_size=1 << 31, paged="2^62"),
+                                         RuntimeError, "block_table.*block_size.*2\\^62"),
 }
 
 LISTS = {
@@ -151,9 +176,10 @@ def test_list_length_past_its_element():
 def _pools(kind):
     """The key and value block pools of a CASES entry's ``paged`` kind."""
     pool = _pool()
+    huge = np.broadcast_to(np.zeros((), np.float16), (6, 1 << 31, NKV * D))
     return {True: (pool, pool), "4-d with BSH": (pool, pool),
             "rank 2": (pool.reshape(-1, D),) * 2, "shapes differ": (pool, pool[:5]),
-            "hkv 40": (np.zeros((6, 4, 40), np.float16),) * 2}[kind]
+            "hkv 40": (np.zeros((6, 4, 40), np.float16),) * 2, "2^62": (huge, huge)}[kind]
 
 
 def _case_arrays(changes):
@@ -165,6 +191,8 @@ def _case_arrays(changes):
     (q, k, v), kw = _base(sq=changes.pop("sq", 1), **changes)
     if paged:
         k, v = _pools(paged)
+        if paged == "2^62":
+            kw["block_table"] = np.broadcast_to(np.zeros((), np.int32), (B, 1 << 31))
         if paged == "4-d with BSH":
             q = np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(B, 1, N * D))
             kw["input_layout"] = "BSH"
@@ -173,11 +201,23 @@ def _case_arrays(changes):
         kw.update(QUANT)
     elif kv == "value float32":
         v = v.astype(np.float32)
+    elif kv == "int8 key":
+        k = k.astype(np.int8)
+    elif kv in ("int32 query", "uint8 query", "float64 query"):
+        q, k, v = q.astype(kv.split()[0]), k.astype(np.int8), v.astype(np.int8)
+    elif kv == "float32 kv":
+        k, v = k.astype(np.float32), v.astype(np.float32)
+    elif kv == "value rank 2":
+        v = v[0, 0]
+    elif kv == "int8 value rank 2":
+        k, v = k.astype(np.int8), v[0, 0].astype(np.int8)
     return (q, k, v), kw
 
 
 def _snapshot(args, kw):
-    return [(x, x.copy()) for x in list(args) + list(kw.values()) if isinstance(x, np.ndarray)]
+    """(array, copy) of the writeable arrays (a read-only broadcast view cannot be written)."""
+    return [(x, x.copy()) for x in list(args) + list(kw.values())
+            if isinstance(x, np.ndarray) and x.flags.writeable]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -337,3 +377,21 @@ def test_tensors_live_on_the_querys_device():
     keys = [k[b:b + 1] for b in range(B)]
     with pytest.raises(RuntimeError, match=r"value\[1\] is a CUDA array"):
         fia(q, keys, [keys[0], FakeCuda()] + keys[2:], **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("where", ["query", "value", "kv_padding_size"])
+def test_a_torch_tensor_on_another_device_is_a_runtime_error(dtype, where):
+    """A tensor on torch's meta device (neither the CPU nor CUDA), named whatever its dtype."""
+    torch = pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
+    (q, k, v), kw = _base()
+    args = {"query": torch.from_numpy(q).to(getattr(torch, dtype)), "key": torch.from_numpy(k),
+            "value": torch.from_numpy(v), "kv_padding_size": np.array([1])}
+    args["key"] = args["key"].to(args["query"].dtype)
+    args["value"] = args["value"].to(args["query"].dtype)
+    meta = torch.empty(tuple(args[where].shape), dtype=args[where].dtype
+                       if where != "kv_padding_size" else torch.int64, device="meta")
+    args[where] = meta
+    with pytest.raises(RuntimeError, match=f"{where} is a torch tensor on device 'meta'"):
+        fia(args.pop("query"), args.pop("key"), args.pop("value"), **kw,
+            actual_seq_lengths_kv=[3, 4], **args)

@@ -112,3 +112,40 @@ def test_results_do_not_depend_on_which_thread_takes_an_item(dt, monkeypatch):
     assert_matches_reference(outs[0], (q, k, v, m), kw, dtype)
     for o in outs[1:]:
         assert np.array_equal(o.view(np.uint8), outs[0].view(np.uint8))
+
+
+PAGED_INT8 = textwrap.dedent("""
+    import resource, numpy as np
+    from pfa_numba import FiaPlan, fused_infer_attention_score as fia
+    def case(nb, B=2, nkv=8, bs=128, d=128):
+        pool = np.zeros((nb, nkv, bs, d), np.int8)     # pages untouched: not resident
+        planes = {name: np.full((nb, nkv, bs), 0.01, np.float32) for name in (
+            "key_antiquant_scale", "value_antiquant_scale", "key_antiquant_offset",
+            "value_antiquant_offset")}
+        table = np.arange(4 * B, dtype=np.int32).reshape(B, 4)
+        kw = dict(num_heads=32, num_key_value_heads=nkv, input_layout="BNSD", block_table=table,
+                  block_size=bs, actual_seq_lengths_kv=[300, 200], key_antiquant_mode=5,
+                  value_antiquant_mode=5, **planes)
+        return (np.ones((B, 32, 1, d), np.float16), pool, pool), kw
+    args, kw = case(16)                                  # compiled and warm
+    fia(*args, **kw)
+    FiaPlan(*args, **kw)(*args)
+    args, kw = case(4096)                                # 512 MiB pools, 64 MiB of scales
+    rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    r0 = rss()
+    fia(*args, **kw)
+    r1 = rss()
+    FiaPlan(*args, **kw)(*args)
+    print(r1 - r0, rss() - r1)
+""")
+
+
+@pytest.mark.slow
+def test_int8_paged_cache_scales_are_read_where_they_lie():
+    """Per-token-and-head scales and offsets of a paged int8 cache (antiquant mode 5), 64 MiB
+    of them: neither a whole call nor a plan copies them (docs/guarantees.md, 'Memory')."""
+    res = subprocess.run([sys.executable, "-c", PAGED_INT8], capture_output=True, text=True,
+                         timeout=900, env={**os.environ})
+    assert res.returncode == 0, res.stderr
+    call, plan = map(float, res.stdout.split())
+    assert call <= 4 and plan <= 4, f"peak RSS grew {call:.0f} MiB (call), {plan:.0f} MiB (plan)"

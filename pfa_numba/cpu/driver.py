@@ -167,7 +167,7 @@ class Launch:
             flags.reshape(-1)
         args = (q, k, v, o_flat, l_flat, flat_flags, a.mask8, a.mask16, a.pse,
                 a.strides, a.boff, a.lens, work, a.params, a.fparams)
-        cache = (a.kp, a.vp, a.table, a.channel, a.ktok, a.vtok)
+        cache = (a.kp, a.vp, a.table, a.channel) + a.tokens
         if self.kernel == "int8":
             _attention_int8(*args)
         elif self.kernel == "amx":

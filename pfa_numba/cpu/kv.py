@@ -5,15 +5,16 @@ ones dequantized as they load (:mod:`.._antiquant`; the AMX kernel takes none). 
 read K and V rows at the element offsets these functions give; a tile never straddles the
 prefix's end.
 
-cache = (kp, vp, table, channel, ktok, vtok): the prefix arrays, the block table, the channel
-planes and the token planes of the kernel arguments.
+cache = (kp, vp, table, channel, key scales, key offsets, value scales, value offsets): the
+prefix arrays, the block table, the channel planes and the token planes of the kernel
+arguments.
 """
 import numpy as np
 from numba import njit
 
 from .._core import F32_ONE, F32_ZERO, antiquant
-from .._kernel_args import (P_BLOCK, P_DEQUANT, P_KTOK, P_PREFIX, P_VTOK, S_ELEM,
-                            S_HEAD, S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row)
+from .._kernel_args import (P_BLOCK, P_DEQUANT, P_KTOK, P_PREFIX, P_VTOK, S_ELEM, S_HEAD,
+                            S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row)
 from ._jit import LEAF
 from ._vector import wide_vectors
 
@@ -32,14 +33,16 @@ def kv_tile_end(params, j0, tk, jend):
 
 
 @njit(**LEAF)
-def _token(plane, geo, table, t, mode, b, g, j):
-    """(scale, offset) of own row j of kv head g in token plane t (mode 1: by row, 2: by paged
-    slot), or (1, 0) without one."""
+def _token(scales, offsets, geo, table, t, mode, b, g, j):
+    """(scale, offset) of own row j of kv head g in the token planes (geometry rows t, t + 1)
+    of ``mode`` (1: by row, 2: by paged slot), or (1, 0) without them."""
     strides, boff, _, params = geo
     if mode == 0:
         return F32_ONE, F32_ZERO
-    off = kv_row(strides, boff, table, _plane_block(params, mode), t, b, j) + g * strides[t, S_HEAD]
-    return plane[off], plane[off + strides[t, S_ELEM]]
+    block = _plane_block(params, mode)
+    s = kv_row(strides, boff, table, block, t, b, j) + g * strides[t, S_HEAD]
+    o = kv_row(strides, boff, table, block, t + 1, b, j) + g * strides[t + 1, S_HEAD]
+    return scales[s], offsets[o]
 
 
 @njit(**LEAF)
@@ -56,7 +59,7 @@ def kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs):
     offsets in rs[KEY:KEY + 2, c] and rs[VALUE:VALUE + 2, c] (ro[2]: scratch). Returns
     (whether the rows are the prefix's, the key's and the value's element strides)."""
     strides, params = geo[0], geo[3]
-    table, ktok, vtok = cache[2], cache[4], cache[5]
+    table = cache[2]
     P = params[P_PREFIX]
     prefix = _kv_rows(geo, table, T_PK, T_K, b, g, j0, nc, ro[0])
     _kv_rows(geo, table, T_PV, T_V, b, g, j0, nc, ro[1])
@@ -66,10 +69,10 @@ def kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs):
                 rs[KEY, c], rs[KEY + 1, c] = F32_ONE, F32_ZERO
                 rs[VALUE, c], rs[VALUE + 1, c] = F32_ONE, F32_ZERO
         else:
-            _token_rows(ktok, geo, table, T_KT, params[P_KTOK], b, g, j0 - P, nc, ro[2], rs,
-                        KEY)
-            _token_rows(vtok, geo, table, T_VT, params[P_VTOK], b, g, j0 - P, nc, ro[2], rs,
-                        VALUE)
+            _token_rows(cache[4], cache[5], geo, table, T_KT, params[P_KTOK], b, g, j0 - P, nc,
+                        ro[2], rs, KEY)
+            _token_rows(cache[6], cache[7], geo, table, T_VT, params[P_VTOK], b, g, j0 - P, nc,
+                        ro[2], rs, VALUE)
     if prefix:
         return True, strides[T_PK, S_ELEM], strides[T_PV, S_ELEM]
     return False, strides[T_K, S_ELEM], strides[T_V, S_ELEM]
@@ -117,18 +120,20 @@ def _own_rows(out, geo, table, block, t, b, j0, nc, head):
 
 
 @njit(**LEAF)
-def _token_rows(plane, geo, table, t, mode, b, g, j0, nc, offs, rs, row):
-    """rs[row, c], rs[row + 1, c] = (scale, offset) of own row j0 + c of kv head g in token
-    plane t (mode 1: by row, 2: by paged slot), or (1, 0) without one; offs: scratch."""
+def _token_rows(scales, offsets, geo, table, t, mode, b, g, j0, nc, offs, rs, row):
+    """rs[row, c], rs[row + 1, c] = (scale, offset) of own row j0 + c of kv head g in the
+    token planes (geometry rows t, t + 1) of ``mode`` (1: by row, 2: by paged slot), or (1, 0)
+    without them; offs: scratch."""
     if mode == 0:
         for c in range(nc):
             rs[row, c], rs[row + 1, c] = F32_ONE, F32_ZERO
         return
     strides, params = geo[0], geo[3]
-    _own_rows(offs, geo, table, _plane_block(params, mode), t, b, j0, nc, g * strides[t, S_HEAD])
-    elem = strides[t, S_ELEM]
-    for c in range(nc):
-        rs[row, c], rs[row + 1, c] = plane[offs[c]], plane[offs[c] + elem]
+    block = _plane_block(params, mode)
+    for i, plane in ((0, scales), (1, offsets)):
+        _own_rows(offs, geo, table, block, t + i, b, j0, nc, g * strides[t + i, S_HEAD])
+        for c in range(nc):
+            rs[row + i, c] = plane[offs[c]]
 
 
 @njit(**LEAF)
@@ -161,5 +166,5 @@ def kv_value_row(cache, geo, b, g, j):
         return (True, boff[T_PV, b] + g * strides[T_PV, S_HEAD] + j * strides[T_PV, S_ROW],
                 strides[T_PV, S_ELEM], F32_ONE, F32_ZERO)
     off = kv_row(strides, boff, cache[2], params[P_BLOCK], T_V, b, j - P)
-    scale, offset = _token(cache[5], geo, cache[2], T_VT, params[P_VTOK], b, g, j - P)
+    scale, offset = _token(cache[6], cache[7], geo, cache[2], T_VT, params[P_VTOK], b, g, j - P)
     return False, off + g * strides[T_V, S_HEAD], strides[T_V, S_ELEM], scale, offset

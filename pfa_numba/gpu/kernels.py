@@ -66,8 +66,9 @@ def kernel_signature(storage, out_storage=None, int8=False, kv_storage=None, kv_
     or int8 for the int8 kernel), ``out_storage`` of the output (default: ``storage``; int8 for
     quantized outputs; uint16 for the int8 kernel's float16 output), ``kv_storage`` of key and
     value (default: ``storage``; int8 for a kv cache dequantized as it loads). ``kv_cache``
-    (default: the float kernel's) adds the kv cache's arrays (kp, vp, table, channel, ktok,
-    vtok); the int8 and tensor-core kernels take the common arguments only."""
+    (default: the float kernel's) adds the kv cache's arrays (kp, vp, table, channel and the
+    four token planes: kts, kto, vts, vto); the int8 and tensor-core kernels take the common
+    arguments only."""
     from numba import types
     flat = lambda t: types.Array(t, 1, "C")  # noqa: E731
     grid = types.Array(types.int64, 2, "C")
@@ -83,15 +84,17 @@ def kernel_signature(storage, out_storage=None, int8=False, kv_storage=None, kv_
     if not kv_cache:
         return common
     return common + (flat(kv_storage), flat(kv_storage), grid,
-                     types.Array(types.float32, 2, "C"), flat(types.float32), flat(types.float32))
+                     types.Array(types.float32, 2, "C")) + (flat(types.float32),) * 4
 
 
 @array_function
-def _kv_source(strides, boff, table, params, t, t_prefix, t_token, mode, tok, b, g, j):
+def _kv_source(strides, boff, table, params, t, t_prefix, t_token, mode, scales, offsets, b, g,
+               j):
     """Where kv row j (logical: a shared prefix's rows first) of kv head g of batch b lies in
     tensor t (T_K or T_V): (whether in the prefix's array, the element offset of its first
-    value, its element stride, its token scale and offset, (1, 0) without a token plane of
-    ``mode`` 1 by row or 2 by paged slot). The CPU's cpu.kv walks the same rows."""
+    value, its element stride, its token scale and offset, (1, 0) without token planes of
+    ``mode`` 1 by row or 2 by paged slot: scales at geometry row t_token, offsets at the next).
+    The CPU's cpu.kv walks the same rows."""
     P = params[P_PREFIX]
     if j < P:
         return (True, boff[t_prefix, b] + g * strides[t_prefix, S_HEAD]
@@ -103,9 +106,12 @@ def _kv_source(strides, boff, table, params, t, t_prefix, t_token, mode, tok, b,
                      j) + g * strides[t, S_HEAD]
     scale, offset = F32_ONE, F32_ZERO
     if mode != 0:
-        toff = row_offset(boff[t_token, b], strides[t_token, S_ROW], strides[t_token, S_BLOCK],
-                          block if mode == 2 else 0, block_id, j) + g * strides[t_token, S_HEAD]
-        scale, offset = tok[toff], tok[toff + strides[t_token, S_ELEM]]
+        tblock = block if mode == 2 else 0
+        ts, to = t_token, t_token + 1
+        scale = scales[row_offset(boff[ts, b], strides[ts, S_ROW], strides[ts, S_BLOCK], tblock,
+                                  block_id, j) + g * strides[ts, S_HEAD]]
+        offset = offsets[row_offset(boff[to, b], strides[to, S_ROW], strides[to, S_BLOCK],
+                                    tblock, block_id, j) + g * strides[to, S_HEAD]]
     return False, off, strides[t, S_ELEM], scale, offset
 
 
@@ -150,15 +156,16 @@ def _tile_element(e, D, base, row_stride, sd):
 
 
 @array_function
-def _place_rows(places, tokens, strides, boff, table, params, ktok, vtok, b, g, j0, c):
+def _place_rows(places, tokens, strides, boff, table, params, kts, kto, vts, vto, b, g, j0,
+                c):
     """Stage where kv row j0 + c of the tile lies (:func:`_kv_source`), for K (r = 0) and V
     (r = 1): places[3r] whether in the prefix, [3r + 1] offset, [3r + 2] element stride;
     tokens[2r], [2r + 1] its token scale and offset."""
     for r in range(2):
         t, tp, tt = (T_K, T_PK, T_KT) if r == 0 else (T_V, T_PV, T_VT)
-        mode, tok = (params[P_KTOK], ktok) if r == 0 else (params[P_VTOK], vtok)
+        mode, ts, to = (params[P_KTOK], kts, kto) if r == 0 else (params[P_VTOK], vts, vto)
         in_prefix, off, sd, scale, offset = _kv_source(strides, boff, table, params, t, tp, tt,
-                                                       mode, tok, b, g, j0 + c)
+                                                       mode, ts, to, b, g, j0 + c)
         places[3 * r, c] = 1 if in_prefix else 0
         places[3 * r + 1, c] = off
         places[3 * r + 2, c] = sd
@@ -180,14 +187,14 @@ def kernel_source(dpad, bq, bkv):
     """The float kernel's Python source for the given compile-time sizes (before cuda.jit).
 
     Arguments: q, k, v (flat storage), out, lse, mask8, mask16, pse, strides, boff, lens,
-    params, qtiles, fparams, scale2, offset2, kp, vp, table, channel, ktok, vtok (see
+    params, qtiles, fparams, scale2, offset2, kp, vp, table, channel, kts, kto, vts, vto (see
     _kernel_args.KernelArgs; scale2 and offset2 are read only when the output code is CODE_I8).
     K/V rows come through the kv sequence (:func:`_kv_source`): a shared prefix, contiguous or
     paged own rows, int8 ones dequantized as they load."""
     DP, BQ, BKV = dpad, bq, bkv
 
     def attention(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, qtiles,
-                  fparams, scale2, offset2, kp, vp, table, channel, ktok, vtok):
+                  fparams, scale2, offset2, kp, vp, table, channel, kts, kto, vts, vto):
         ks = cuda.shared.array((BKV, DP), float32)
         vs = cuda.shared.array((BKV, DP), float32)
         places = cuda.shared.array((6, BKV), int64)
@@ -218,7 +225,8 @@ def kernel_source(dpad, bq, bkv):
         for t in range(ntiles):
             j0, nc = _tile(t, jstart, jend, BKV)
             for c in range(tid, nc, BQ):
-                _place_rows(places, tokens, strides, boff, table, params, ktok, vtok, b, g, j0, c)
+                _place_rows(places, tokens, strides, boff, table, params, kts, kto, vts, vto, b,
+                            g, j0, c)
             cuda.syncthreads()   # the tile's row places are staged before its loads use them
             for e in range(tid, nc * D, BQ):
                 c = e // D       # consecutive threads read consecutive elements of a row
@@ -277,8 +285,8 @@ def kernel_source(dpad, bq, bkv):
                     acc[d] = F32_ZERO
                 for j in range(mlo, mhi + 1):
                     in_prefix, off, sd, ts, to = _kv_source(
-                        strides, boff, table, params, T_V, T_PV, T_VT, params[P_VTOK], vtok, b,
-                        g, j)
+                        strides, boff, table, params, T_V, T_PV, T_VT, params[P_VTOK], vts, vto,
+                        b, g, j)
                     for d in range(D):
                         acc[d] += _kv_element(v, vp, in_prefix, off + d * sd, kv_code, dequant,
                                               channel, 1, g * D + d, ts, to)

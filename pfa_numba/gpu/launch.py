@@ -113,7 +113,7 @@ def run(p, meta=None, query=None):
             prefixed = cache is not None and cache.P > 0
             args += (dev(a.kp, cache.prefix_key if prefixed else None),
                      dev(a.vp, cache.prefix_value if prefixed else None),
-                     *map(cuda.to_device, (a.table, a.channel, a.ktok, a.vtok)))
+                     *map(cuda.to_device, (a.table, a.channel) + a.tokens))
     kern[(p.B * qtiles, p.N), threads](*args)
     cuda.synchronize()
     if on_device:
