@@ -114,10 +114,41 @@ def _attention_inputs():
     (dict(dropout=0.1), "dropout"),
     (dict(output_attentions=True), "output_attentions"),
     (dict(position_bias=torch.zeros(1, 4, 5, 5)), "position_bias"),
+    (dict(s_aux=torch.zeros(4)), r"s_aux \(given s_aux=tensor of shape \(4,\)"),
+    (dict(sinks=torch.zeros(4)), "sinks"),
+    (dict(head_mask=torch.ones(4)), "head_mask"),
+    (dict(a_keyword_of_tomorrow=1), "a_keyword_of_tomorrow"),
 ])
 def test_arguments_it_cannot_honour_are_refused_by_name(kwargs, named):
+    """An allow-list: whatever changes the computation and is not done is refused, a keyword
+    it does not know included."""
     with pytest.raises(ValueError, match=f"does not support {named}"):
         pfa_hf.attention_forward(*_attention_inputs(), None, **kwargs)
+
+
+def test_keywords_that_change_nothing_are_taken():
+    """The model's bookkeeping, the hints the mask already holds, and features asked off."""
+    module, q, k, v = _attention_inputs()
+    want, _ = pfa_hf.attention_forward(module, q, k, v, None)
+    got, _ = pfa_hf.attention_forward(
+        module, q, k, v, None, sliding_window=3, position_ids=torch.arange(5)[None],
+        use_cache=True, output_router_logits=False, cu_seq_lens_q=None, softcap=None,
+        s_aux=None, output_attentions=False, position_bias=None)
+    assert torch.equal(got, want)
+
+
+def test_a_model_with_attention_sinks_is_refused():
+    """gpt-oss passes its per-head sink logits as s_aux: without them the result is another
+    model's, so the call refuses instead of answering wrongly."""
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=NAME)
+    ids = torch.randint(1, VOCAB, (1, 6))
+    with torch.no_grad(), pytest.raises(ValueError, match="does not support s_aux"):
+        model(input_ids=ids)
 
 
 def test_matches_sdpa_attention_forward_directly():

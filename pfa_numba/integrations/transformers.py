@@ -44,8 +44,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     query (batch, heads, q, head_dim), key / value (batch, kv_heads, kv, head_dim);
     attention_mask the bool mask of ``sdpa_mask`` or a float mask added to the scores, or None.
     Returns (output (batch, q, heads, head_dim), None): no attention weights are formed.
-    Softcapping, dropout, attention weights (``output_attentions``) and ``position_bias``
-    are refused with a ValueError naming them."""
+    A keyword outside :data:`NEUTRAL_KEYWORDS` that asks for something (not None or False:
+    softcapping, attention sinks ``s_aux``, attention weights ``output_attentions``,
+    ``position_bias``, ...), and a nonzero dropout, are refused with a ValueError naming them:
+    the result would otherwise be computed without them."""
     _refuse_unsupported(dropout, kwargs)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_length = query.shape[2]
@@ -57,14 +59,19 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.transpose(1, 2).contiguous(), None
 
 
+#: the keywords models pass to an attention function that change nothing here: the mask holds
+#: the sliding window and packed sequences' bounds (as for transformers' "sdpa"), the others
+#: are the model's bookkeeping
+NEUTRAL_KEYWORDS = frozenset({
+    "sliding_window", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+    "position_ids", "cache_position", "past_key_values", "use_cache", "layer_idx",
+    "output_hidden_states", "output_router_logits", "num_items_in_batch", "return_dict"})
+
+
 def _refuse_unsupported(dropout, kwargs):
-    unsupported = {
-        "softcap": kwargs.get("softcap") is not None,
-        "dropout": dropout != 0.0,
-        "output_attentions": bool(kwargs.get("output_attentions")),
-        "position_bias": kwargs.get("position_bias") is not None,
-    }
-    named = [name for name, given in unsupported.items() if given]
+    named = ["dropout"] if dropout != 0.0 else []
+    named += [name for name, value in kwargs.items()
+              if name not in NEUTRAL_KEYWORDS and value is not None and value is not False]
     if named:
         raise ValueError(f"pfa_numba attention does not support {', '.join(named)} (given "
                          f"{', '.join(f'{n}={_given(n, dropout, kwargs)}' for n in named)}): "
