@@ -68,6 +68,16 @@ class Problem:
         return (self.B, self.N, self.Sq, self.D)
 
     @property
+    def kv_rows_hold_heads(self):
+        """Whether a kv row holds every kv head side by side in the layout (BSH, BSND, TND and
+        the (num_blocks, block_size, Hkv) pools): the layout's arrangement, not that of the
+        strides given, so that a view is tiled (and computed, bit for bit) as its contiguous
+        copy is."""
+        if self.cache is not None and self.cache.block_table is not None:
+            return self.cache.rows_hold_heads
+        return self.layout in ("BSH", "BSND", "TND")
+
+    @property
     def lse_shape(self):
         if self.layout == "TND":
             return (self.q.shape[0], self.N, 1)

@@ -100,6 +100,7 @@ class KvCache:
     prefix_value: Optional[np.ndarray]
     P: int
     kv_off: np.ndarray                     # int64[B]: first physical own row (left padding)
+    rows_hold_heads: bool = False          # pools of (num_blocks, block_size, Hkv) rows
 
 
 @dataclass
@@ -482,7 +483,7 @@ def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
     planes = AQ.plan(call, query.dtype, B, valid.Nkv, valid.D, smax, True, nb, block_size,
                      False) if dequant else None
     kv = KvCache(pools[0], pools[1], planes, table.astype(np.int64), block_size, None, None, 0,
-                 zeros)
+                 zeros, rows_hold_heads=key.ndim == 3)
     return ValidFia(valid, kv, zeros.copy(), decode, lse_flag)
 
 

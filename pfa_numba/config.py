@@ -64,6 +64,10 @@ CPU_PREFETCH_NEXT_KEYS = None
 
 #: Numba threads used by one call (None: numba.get_num_threads() at call time).
 CPU_THREADS = None
+#: Threads a call's work is divided for (split-kv pieces, runs of kv heads), whatever number it
+#: runs on (CPU_THREADS, numba.set_num_threads): a call's bits do not depend on that number.
+#: None: the process's thread pool, numba.config.NUMBA_NUM_THREADS (the cores, by default).
+CPU_WORK_THREADS = None
 
 #: CUDA query rows (= threads) per block.
 CUDA_Q_ROWS = 64

@@ -169,14 +169,16 @@ class FiaPlan:
             raise TypeError(f"FiaPlan takes fused_infer_attention_score's arguments: {e}") \
                 from None
         bound.apply_defaults()
-        read_in_place = FV.TENSORS + AQ.token_arguments(kwargs)
-        self._kwargs = {name: x if name in read_in_place else _snapshot(x)
-                        for name, x in kwargs.items()}
-        call = dataclasses.replace(FV.FiaCall(**bound.arguments), **self._kwargs)
+        call = FV.FiaCall(**bound.arguments)
         device = V.check_placement(call)
         self._launch, self._lse_flag, self._strides = None, False, None
         if device == "cpu" and not V.is_cuda_array(query):
+            # checked before anything is copied; the launch holds its own copies of the
+            # lengths, table and scales
             self._prepare(_host(call), device)
+        read_in_place = FV.TENSORS + AQ.token_arguments(kwargs)
+        self._kwargs = {name: x if name in read_in_place else _snapshot(x)
+                        for name, x in kwargs.items()}
         self._like = tuple(_like(x) for x in (query, key, value))
 
     def _prepare(self, call, device):

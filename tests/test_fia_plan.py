@@ -286,6 +286,17 @@ def test_a_plan_refuses_what_the_whole_call_refuses(when):
         FiaPlan(memoryview(q), k, v, **kw)
     with pytest.raises(TypeError, match="value must be a float16 NumPy array .* got a memoryview"):
         plan(q, k, memoryview(v))
+    torch = pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
+    tensors = [torch.from_numpy(x) for x in (q, k, v)]
+    tensor_plan = FiaPlan(*tensors, **kw)
+    if when == "after a call":
+        tensor_plan(*tensors)
+    grad = torch.from_numpy(k).float().half().requires_grad_()
+    with pytest.raises(RuntimeError) as whole:
+        fia(tensors[0], grad, tensors[2], **kw)
+    with pytest.raises(RuntimeError) as planned:
+        tensor_plan(tensors[0], grad, tensors[2])
+    assert "requires grad" in str(planned.value) and str(planned.value) == str(whole.value)
 
 
 def test_token_scales_are_read_at_each_call_and_channel_scales_as_planned():

@@ -20,8 +20,9 @@ AQ_PAGED = ["paged per-token", "paged per-token-head", "per-head"]
 
 
 @st.composite
-def fia_calls(draw):
-    """(args, keywords, dtype) of one valid call, BNSD (layouts are tested elsewhere)."""
+def fia_calls(draw, forms=FORMS):
+    """(args, keywords, dtype) of one valid call, BNSD (layouts are tested elsewhere), its kv
+    cache of one of ``forms``."""
     rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
     B = draw(st.integers(1, 3))
     nkv = draw(st.sampled_from([1, 2]))
@@ -30,7 +31,7 @@ def fia_calls(draw):
     sq = draw(st.sampled_from([1, 1, 2, 9]))
     S = draw(st.integers(1, 70))
     dtype = draw(st.sampled_from([F16, BF16, F32]))
-    form = draw(st.sampled_from(FORMS))
+    form = draw(st.sampled_from(forms))
     int8 = draw(st.booleans()) and form != "list"
     x = lambda *shape: rng.standard_normal(shape).astype(np.float32).astype(dtype)  # noqa: E731
     kvd = (lambda *shape: rng.integers(-128, 128, shape).astype(np.int8)) if int8 else x

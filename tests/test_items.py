@@ -52,10 +52,11 @@ def test_tiles_are_cut_to_a_short_problem(monkeypatch):
     inf = np.full(2, BAND_INF, np.int64)
     bnsd = np.zeros((2, 1, 100, 8), np.float16)
     decode = SimpleNamespace(B=2, G=4, Nkv=1, D=8, qlen=np.array([1, 1]),
-                             klen=np.array([16, 100]), pre_e=inf, next_e=inf, k=bnsd)
+                             klen=np.array([16, 100]), pre_e=inf, next_e=inf, k=bnsd,
+                             kv_rows_hold_heads=False)
     assert tile_shape(decode) == (4, 128)           # G rows of one position; 100 -> 128 columns
     long = SimpleNamespace(B=1, G=4, qlen=np.array([3000]), klen=np.array([9000]), pre_e=inf[:1],
-                           next_e=inf[:1], k=bnsd)
+                           next_e=inf[:1], k=bnsd, kv_rows_hold_heads=False)
     assert tile_shape(long) == (1024, 512)
     monkeypatch.setattr(config, "CPU_KV_COLS", 7)    # an odd configured tile is kept
     assert tile_shape(decode) == (4, 7)
@@ -74,7 +75,7 @@ def test_streaming_tiles_of_rows_holding_every_head_fit_the_byte_budget(monkeypa
          "paged BSH": rows[:, :128].transpose(0, 2, 1, 3), "TND": rows[0]}[layout]
     inf = np.full(2, BAND_INF, np.int64)
     p = SimpleNamespace(B=2, G=4, Nkv=Nkv, D=D, qlen=np.array([1, 1]), klen=np.array([S, 9]),
-                        pre_e=inf, next_e=inf, k=k)
+                        pre_e=inf, next_e=inf, k=k, kv_rows_hold_heads=layout != "BNSD")
     assert tile_shape(p) == (4, 512 if layout == "BNSD" else 128)   # 2 x 8 x 128 x 2 B a row
     monkeypatch.setattr(config, "CPU_STREAM_TILE_BYTES", 1)
     assert tile_shape(p)[1] == (512 if layout == "BNSD" else 64)      # one panel at least

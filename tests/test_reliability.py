@@ -114,23 +114,36 @@ def test_results_do_not_depend_on_which_thread_takes_an_item(dt, monkeypatch):
         assert np.array_equal(o.view(np.uint8), outs[0].view(np.uint8))
 
 
-PAGED_INT8 = textwrap.dedent("""
-    import resource, numpy as np
+CACHES = textwrap.dedent("""
+    import resource, sys, numpy as np
     from pfa_numba import FiaPlan, fused_infer_attention_score as fia
-    def case(nb, B=2, nkv=8, bs=128, d=128):
-        pool = np.zeros((nb, nkv, bs, d), np.int8)     # pages untouched: not resident
-        planes = {name: np.full((nb, nkv, bs), 0.01, np.float32) for name in (
-            "key_antiquant_scale", "value_antiquant_scale", "key_antiquant_offset",
-            "value_antiquant_offset")}
-        table = np.arange(4 * B, dtype=np.int32).reshape(B, 4)
-        kw = dict(num_heads=32, num_key_value_heads=nkv, input_layout="BNSD", block_table=table,
-                  block_size=bs, actual_seq_lengths_kv=[300, 200], key_antiquant_mode=5,
-                  value_antiquant_mode=5, **planes)
-        return (np.ones((B, 32, 1, d), np.float16), pool, pool), kw
+    B, N, NKV, D = 2, 32, 8, 128
+
+    def case(size):
+        # the caches' pages are never written: only what a call reads (or copies) is resident
+        q = np.ones((B, N, 1, D), np.float16)
+        kw = dict(num_heads=N, num_key_value_heads=NKV, input_layout="BNSD",
+                  actual_seq_lengths_kv=[300, 200])
+        if sys.argv[1] == "paged int8":
+            pool = np.zeros((size, NKV, 128, D), np.int8)
+            planes = {name: np.full((size, NKV, 128), 0.01, np.float32) for name in (
+                "key_antiquant_scale", "value_antiquant_scale", "key_antiquant_offset",
+                "value_antiquant_offset")}
+            kw.update(block_table=np.arange(4 * B, dtype=np.int32).reshape(B, 4),
+                      block_size=128, key_antiquant_mode=5, value_antiquant_mode=5, **planes)
+            return (q, pool, pool), kw
+        k = np.zeros((B, NKV, size * 64, D), np.float16)
+        if sys.argv[1] == "left padded":
+            kw.update(kv_padding_size=np.array([7]))
+        else:                                            # a shared prefix
+            kw.update(key_shared_prefix=k[:1], value_shared_prefix=k[:1])
+            k = k[:, :, :400]
+        return (q, k, k), kw
+
     args, kw = case(16)                                  # compiled and warm
     fia(*args, **kw)
     FiaPlan(*args, **kw)(*args)
-    args, kw = case(4096)                                # 512 MiB pools, 64 MiB of scales
+    args, kw = case(4096)                # 512 MiB int8 pools, 64 MiB of scales; 256 MiB caches
     rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     r0 = rss()
     fia(*args, **kw)
@@ -141,10 +154,12 @@ PAGED_INT8 = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_int8_paged_cache_scales_are_read_where_they_lie():
-    """Per-token-and-head scales and offsets of a paged int8 cache (antiquant mode 5), 64 MiB
-    of them: neither a whole call nor a plan copies them (docs/guarantees.md, 'Memory')."""
-    res = subprocess.run([sys.executable, "-c", PAGED_INT8], capture_output=True, text=True,
+@pytest.mark.parametrize("cache", ["paged int8", "left padded", "prefix"])
+def test_kv_caches_are_read_where_they_lie(cache):
+    """A paged int8 cache with per-token-and-head scales and offsets (antiquant mode 5), a
+    left-padded cache and a shared prefix of hundreds of MiB: neither a whole call nor a plan
+    copies them (docs/guarantees.md, 'Memory')."""
+    res = subprocess.run([sys.executable, "-c", CACHES, cache], capture_output=True, text=True,
                          timeout=900, env={**os.environ})
     assert res.returncode == 0, res.stderr
     call, plan = map(float, res.stdout.split())

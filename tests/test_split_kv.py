@@ -65,9 +65,11 @@ def test_decode_with_padding_and_a_piece_that_keeps_nothing(pieces, dt, inner_pr
 
 
 def test_decode_splits_by_default_when_items_are_fewer_than_threads(monkeypatch):
-    """B = 1, one kv head, 4 threads: one work item, cut into 4 pieces (1 per thread)."""
+    """B = 1, one kv head, work divided for 4 threads: one work item, cut into 4 pieces (1 per
+    thread), whatever number of threads runs them."""
     seen = _record_splits(monkeypatch)
-    monkeypatch.setattr(config, "CPU_THREADS", 4)
+    monkeypatch.setattr(config, "CPU_WORK_THREADS", 4)
+    monkeypatch.setattr(config, "CPU_THREADS", 1)
     rng = np.random.default_rng(8)
     q, k, v = qkv(rng, "BNSD", np.float32, 1, 4, 1, 1, 4096, 64)
     kw = dict(num_heads=4, num_key_value_heads=1, input_layout="BNSD", scale_value=0.125)

@@ -3,9 +3,10 @@ float64 NumPy: K and V rows at scattered offsets in every storage the kernels re
 bfloat16 and float32 bits, int8 values), query-row counts around the four a vector product
 takes, column counts around its blocks of four and the prefetch distance, head dims with a
 masked tail and with a partial slice of accumulator vectors; weights with zeros next to an inf
-in V (a zero weight never meets V), and rows read one at a time (element stride 2); the
-weighted sum prefetches the next K rows as it goes. The tests name the storage and the shape;
-the whole decode path is covered again by tests/test_fia.py.
+in V (a zero weight never meets V); the weighted sum prefetches the next K rows as it goes. The
+tests name the storage and the shape; the whole decode path is covered again by
+tests/test_fia.py, and rows of strided elements (widened before the products) by
+tests/test_determinism.py.
 """
 import ml_dtypes
 import numpy as np
@@ -20,32 +21,30 @@ LDS, N_STORED = 50, 48                   # score row length, rows stored in the 
 
 
 def every_shape(test):
-    """The test over every storage, head dim D, query-row count, column count and element
-    stride of the cache."""
+    """The test over every storage, head dim D, query-row count and column count."""
     for name, values in (("storage", list(STORAGES)), ("D", [128, 80, 17]),
-                         ("nrow", [1, 3, 4, 5, 8]), ("nc", [1, 13, 40]), ("sd", [1, 2])):
+                         ("nrow", [1, 3, 4, 5, 8]), ("nc", [1, 13, 40])):
         test = pytest.mark.parametrize(name, values)(test)
     return test
 
 
-def _cache(rng, storage, D, sd):
-    """A cache of N_STORED rows in ``storage`` (elements sd apart), its flat bits, shuffled row
-    offsets and its values as float64 (rows by offset)."""
+def _cache(rng, storage, D):
+    """A cache of N_STORED rows in ``storage``, its flat bits, shuffled row offsets and its
+    storage code (the products' kv tuple)."""
     dtype, code = STORAGES[storage]
     if storage == "int8":
-        rows = rng.integers(-127, 128, (N_STORED, D * sd)).astype(np.int8)
+        rows = rng.integers(-127, 128, (N_STORED, D)).astype(np.int8)
     else:
-        rows = rng.standard_normal((N_STORED, D * sd)).astype(dtype)
+        rows = rng.standard_normal((N_STORED, D)).astype(dtype)
     bits = rows.view(np.uint16) if rows.dtype.itemsize == 2 else rows
-    offs = rng.permutation(N_STORED).astype(np.int64) * D * sd
-    return rows, (bits.reshape(-1), offs, sd, code)
+    offs = rng.permutation(N_STORED).astype(np.int64) * D
+    return rows, (bits.reshape(-1), offs, code)
 
 
 def _row(rows, kv, c, D):
     """Row c of the kv tuple as float64."""
     flat = rows.astype(np.float64).reshape(-1)
-    off, sd = kv[1][c], kv[2]
-    return flat[off:off + D * sd:sd]
+    return flat[kv[1][c]:kv[1][c] + D]
 
 
 def _tol(a, b):
@@ -54,14 +53,14 @@ def _tol(a, b):
 
 
 @every_shape
-def test_scores_against_numpy(storage, D, nrow, nc, sd):
-    rng = np.random.default_rng([D, nrow, nc, sd])
-    rows, kv = _cache(rng, storage, D, sd)
+def test_scores_against_numpy(storage, D, nrow, nc):
+    rng = np.random.default_rng([D, nrow, nc])
+    rows, kv = _cache(rng, storage, D)
     q = rng.standard_normal((nrow + 2, D)).astype(np.float32)
     r0, c0 = 1, 3
     nc = min(nc, N_STORED - c0)
     s = np.full(nrow * LDS, np.nan, np.float32)
-    stream_scores(s, LDS, q, r0, nrow, kv, c0, nc, np.zeros((1, D), np.float32), kv)
+    stream_scores(s, LDS, q, r0, nrow, kv, c0, nc, kv)
     got = s.reshape(nrow, LDS)
     for r in range(nrow):
         for c in range(nc):
@@ -72,13 +71,13 @@ def test_scores_against_numpy(storage, D, nrow, nc, sd):
 
 
 @every_shape
-def test_weighted_sum_against_numpy(storage, D, nrow, nc, sd):
-    rng = np.random.default_rng([D, nrow, nc, sd, 1])
-    rows, kv = _cache(rng, storage, D, sd)
+def test_weighted_sum_against_numpy(storage, D, nrow, nc):
+    rng = np.random.default_rng([D, nrow, nc, 1])
+    rows, kv = _cache(rng, storage, D)
     c0 = 3
     nc = min(nc, N_STORED - c0)
     if storage != "int8":
-        inf_row = kv[1][c0 + nc - 1] // (D * sd)
+        inf_row = kv[1][c0 + nc - 1] // D
         rows[inf_row, 0] = np.inf                    # weight 0 in every row below
     p = rng.random((nrow, LDS)).astype(np.float32) + np.float32(0.01)
     p[:, nc - 1] = 0

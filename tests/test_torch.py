@@ -102,3 +102,15 @@ def test_merge_attention_of_tensors():
     assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
     np.testing.assert_allclose(out.numpy(), whole.numpy(), atol=1e-6)
     np.testing.assert_allclose(lse.numpy(), whole_lse.numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_tensor_on_another_device_is_a_runtime_error_naming_it(dtype):
+    """A tensor on torch's meta device is neither the CPU's nor CUDA's: a RuntimeError naming
+    the argument, whatever its dtype (NumPy cannot view some of them at all)."""
+    q = torch.zeros(1, 2, 4, 16, dtype=DTYPES[dtype])
+    meta = torch.empty(1, 2, 4, 16, dtype=DTYPES[dtype], device="meta")
+    with pytest.raises(RuntimeError, match="value is a torch tensor on device 'meta'"):
+        prompt_flash_attention(q, q, meta, num_heads=2, input_layout="BNSD")
+    with pytest.raises(RuntimeError, match="query is a torch tensor on device 'meta'"):
+        prompt_flash_attention(meta, q, q, num_heads=2, input_layout="BNSD")

@@ -198,34 +198,66 @@ def _head(heads, hh, R, D, ldv):
 def _stream_tile(ins, extras, geo, item, tile, heads, hh, bufs, no_p3, then):
     """Kv tile tile = (i1, R, j0, j1) of streaming item ``item`` (b, g, i0), head hh of the
     run's buffers: scores, softmax, P V (no_p3: the bf16 parts the in-place softmax does not
-    write). The K rows of the tile read next, then = (kv head, j0, j1), are prefetched during
-    P V where params[P_NEXT_K] asks, unless they are one run of rows (which the hardware
-    prefetcher follows by itself).
+    write). Rows whose elements are not contiguous are widened to float32 rows first (in the
+    K and V tile buffers), so that the products take every cache through the same vector code,
+    in the same order of operations: a strided view gives the bits of its contiguous copy. The
+    K rows of the tile read next, then = (kv head, j0, j1), are prefetched during P V where
+    params[P_NEXT_K] asks, unless they are one run of rows (which the hardware prefetcher
+    follows by itself).
     Without reference counting: it runs once a tile and head."""
     k, v, kp, vp = ins[1], ins[2], ins[3], ins[4]
     params = geo[3]
     b, g, i0 = item
-    i1, R, j0, j1 = tile
-    sb, kb, kx, ro, rs = bufs[1], bufs[4], bufs[6], bufs[7], bufs[8]
+    j0, j1 = tile[2], tile[3]
+    kb, vb, ro = bufs[4], bufs[5], bufs[7]
     D, kvcode = params[P_D], params[P_KVCODE]
-    dequant = params[P_DEQUANT] != 0
-    ldv = f32_widths(params)[0]
-    q2, acc, state, fold = _head(heads, hh, R, D, ldv)
-    buf = kb[:D].reshape(1, D)                    # a K / V row the products take one at a time
-    prefix, sdk, sdv = kv_tile_rows(ins[3:], geo, b, g, j0, j1 - j0, ro, rs)
-    keys = (kp if prefix else k, ro[0], sdk, kvcode)
-    values = (vp if prefix else v, ro[1], sdv, kvcode)
+    prefix, sdk, sdv = kv_tile_rows(ins[3:], geo, b, g, j0, j1 - j0, ro, bufs[8])
     n_next = then[2] - then[1] if sdk == 1 and params[P_NEXT_K] != 0 else 0
     next_prefix = kv_key_rows(ins[3:], geo, b, then[0], then[1], n_next, ro[3])
     if n_next and ro[3, n_next - 1] - ro[3, 0] == (n_next - 1) * D:
         n_next = 0              # one run of rows: the hardware prefetcher follows it
     next_keys = (kp if next_prefix else k, ro[3], n_next)
+    if sdk == 1 and sdv == 1:
+        _stream_segments(extras, geo, item, tile, heads, hh, bufs, no_p3,
+                         (kp if prefix else k, ro[0], kvcode),
+                         (vp if prefix else v, ro[1], kvcode), next_keys)
+        return
+    nc = j1 - j0
+    _widen_rows(kb, kp if prefix else k, ro[0], nc, sdk, D, kvcode)
+    _widen_rows(vb, vp if prefix else v, ro[1], nc, sdv, D, kvcode)
+    _stream_segments(extras, geo, item, tile, heads, hh, bufs, no_p3, (kb, ro[0], CODE_F32),
+                     (vb, ro[1], CODE_F32), next_keys)
+
+
+@njit(**LEAF)
+def _widen_rows(dst, src, offs, nc, sd, D, code):
+    """dst[c * D:][:D] = kv row c of a tile (element offsets offs, element stride sd) as
+    float32 (exact), and offs[c] = c * D, c < nc."""
+    rows = dst[:nc * D].reshape(nc, D)
+    for c in range(nc):
+        _load_row(rows, c, src, offs[c], sd, D, code, F32_ONE)
+        offs[c] = c * D
+
+
+@njit(**LEAF)
+def _stream_segments(extras, geo, item, tile, heads, hh, bufs, no_p3, keys, values, next_keys):
+    """The row segments of :func:`_stream_tile`'s tile: keys, values = (rows' array, element
+    offsets, storage code) of contiguous rows."""
+    params = geo[3]
+    b, g, i0 = item
+    i1, R, j0, j1 = tile
+    sb, tb, kx, rs = bufs[1], bufs[2], bufs[6], bufs[8]
+    D = params[P_D]
+    dequant = params[P_DEQUANT] != 0
+    ldv = f32_widths(params)[0]
+    q2, acc, state, fold = _head(heads, hh, R, D, ldv)
+    buf = tb[:D].reshape(1, D)                    # a V row the weighted sum takes on its own
     r0 = 0
     while r0 < R:
         r1, cl, ch, inside = _segment(params, geo[2], b, i0, i1, j0, j1, r0, R, 1)
         ns, nrow = ch - cl, r1 - r0
         if ns > 0:
-            stream_scores(sb, ns, q2, r0, nrow, keys, cl - j0, ns, buf, values)
+            stream_scores(sb, ns, q2, r0, nrow, keys, cl - j0, ns, values)
             if dequant:
                 unfold_scores(sb, ns, nrow, r0, rs, cl - j0, ns, fold)
             _softmax_rows(sb[:nrow * ns].reshape(nrow, ns), no_p3, kx[:0],
@@ -235,7 +267,7 @@ def _stream_tile(ins, extras, geo, item, tile, heads, hh, bufs, no_p3, then):
             if dequant:
                 fold_weights(sb, ns, nrow, r0, rs, cl - j0, ns, state[2], fold)
             stream_pv(acc[r0 * ldv:], ldv, nrow, sb, ns, values, cl - j0, ns, buf,
-                      next_keys if r0 == 0 else (k, ro[3], 0))
+                      next_keys if r0 == 0 else (next_keys[0], next_keys[1], 0))
         r0 = r1
 
 

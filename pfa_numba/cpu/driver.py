@@ -68,6 +68,13 @@ class _ParallelRegion:
 parallel_region = _ParallelRegion()
 
 
+def work_threads():
+    """The threads a call's work is divided for (config.CPU_WORK_THREADS; None: the process's
+    thread pool), not the threads it runs on: split-kv's pieces, and so the order of its
+    additions, are the same whatever number of threads computes them."""
+    return max(1, int(config.CPU_WORK_THREADS or numba.config.NUMBA_NUM_THREADS))
+
+
 def use_register_blocks():
     """The float32 tile products run on _gemm's register blocks where the host has AVX-512
     (config.CPU_AVX512_GEMM), else on BLAS."""
@@ -108,9 +115,9 @@ def prepare(p):
     # first (as many as split-kv wants), pieces of kv columns only where they are too few
     f32 = p.dtype != np.int8
     runs = kv_head_runs(work, p.qlen, p.G, rows_per_head, stream_rows() if f32 else 0,
-                        work.shape[0] // max(1, runs_wanted(nthreads)))
+                        work.shape[0] // max(1, runs_wanted(work_threads())))
     if f32:
-        work, groups, runs = split_work(p, work, runs, rows_per_head, nthreads)
+        work, groups, runs = split_work(p, work, runs, rows_per_head, work_threads())
     # AMX dequantizes no int8 key / value; items of few rows stream
     float_kv = p.cache is None or p.cache.antiquant is None
     amx = (p.dtype != np.int8 and not groups.shape[0] and float_kv

@@ -148,7 +148,7 @@ def tile_shape(p):
     if p.B:
         q_rows = min(q_rows, p.G * max(1, int(p.qlen.max())))
         kv_cols = min(kv_cols, -(-max(1, int(p.klen.max())) // PANEL) * PANEL)
-        if streams(p, max(1, q_rows // p.G)) and _heads_share_rows(p.k):
+        if streams(p, max(1, q_rows // p.G)) and p.kv_rows_hold_heads:
             kv_cols = min(kv_cols, _interleaved_stream_cols(p))
     return q_rows, kv_cols
 
@@ -169,12 +169,6 @@ def streams(p, rows_per_head):
     """Whether the items of ``p`` (``rows_per_head`` query positions) stream their K / V rows:
     at most stream_rows() rows over the G heads of a kv head."""
     return p.G * min(rows_per_head, int(p.qlen.max(initial=0))) <= stream_rows()
-
-
-def _heads_share_rows(k):
-    """Whether the kv heads of a row lie side by side in ``k`` (B | blocks, Nkv, S, D) or
-    (T, Nkv, D): BSH, BSND, TND and their paged pools."""
-    return k.ndim >= 3 and k.strides[1] == k.shape[-1] * k.itemsize and k.strides[-1] == k.itemsize
 
 
 def _interleaved_stream_cols(p):

@@ -1,11 +1,11 @@
 """The tile products of a work item with few rows (decode: the G query heads of one position):
 each K and V row is read once from the cache and used by every row of the item at once,
-instead of being packed into tiles that few rows would then read. Rows with contiguous
-elements go through the explicit vector code of :mod:`._simd`, four query rows at a time;
-others one at a time through a row buffer.
+instead of being packed into tiles that few rows would then read. Rows go through the explicit
+vector code of :mod:`._simd`, four query rows at a time; their elements are contiguous (the
+caller widens strided rows into a buffer first, :func:`.block_f32._stream_tile`).
 
-``kv`` = (src, offs, sd, code): the rows' array, element offsets and element stride (see
-:mod:`.kv`) and their storage code. int8 rows are read as their integer values: the caller folds
+``kv`` = (src, offs, code): the rows' array, element offsets (see :mod:`.kv`) and their storage
+code. int8 rows are read as their integer values: the caller folds
 their dequantization into the query rows and the weights (see
 :func:`.block_f32._block_stream`), so the products only convert.
 """
@@ -28,40 +28,29 @@ BLOCK = 4
 def _row(buf, t, kv, c, nc):
     """Row c of the tile's nc, as float32, into buf[t, :D]; the row _PF_ROWS on is prefetched
     (paged rows jump from block to block, where the hardware prefetcher starts over)."""
-    src, offs, sd, code = kv
+    src, offs, code = kv
     D = buf.shape[1]
     if c + _PF_ROWS < nc:
-        _prefetch_row(src, offs[c + _PF_ROWS], D * sd)
-    _load_row(buf, t, src, offs[c], sd, D, code, F32_ONE)
+        _prefetch_row(src, offs[c + _PF_ROWS], D)
+    _load_row(buf, t, src, offs[c], 1, D, code, F32_ONE)
 
 
 @njit(**LEAF)
-def stream_scores(s, lds, q2, r0, nrow, kv, c0, nc, buf, values):
+def stream_scores(s, lds, q2, r0, nrow, kv, c0, nc, values):
     """s[r * lds + c] = q2[r0 + r] . K[c0 + c] for r < nrow, c < nc; the tile's V rows of
     ``values`` (kv's form) are prefetched into L2 on the way, so that the weighted sum that
     follows finds them there instead of waiting on memory row after row."""
-    src, offs, sd, code = kv
-    D = buf.shape[1]
-    if sd == 1:
-        for r in range(0, nrow, BLOCK):
-            n = min(BLOCK, nrow - r)
-            nv = nc if r == 0 and values[2] == 1 else 0
-            at = s[r * lds:]
-            if code == CODE_F16:
-                scores_f16(at, lds, q2, r0 + r, n, src, offs, c0, nc, values[0], values[1], nv)
-            elif code == CODE_BF16:
-                scores_bf16(at, lds, q2, r0 + r, n, src, offs, c0, nc, values[0], values[1], nv)
-            else:
-                scores_native(at, lds, q2, r0 + r, n, src, offs, c0, nc, values[0], values[1],
-                              nv)
-        return
-    for c in range(nc):
-        _row(buf, 0, kv, c0 + c, c0 + nc)
-        for r in range(nrow):
-            acc = F32_ZERO
-            for d in range(D):
-                acc += q2[r0 + r, d] * buf[0, d]
-            s[r * lds + c] = acc
+    src, offs, code = kv
+    for r in range(0, nrow, BLOCK):
+        n = min(BLOCK, nrow - r)
+        nv = nc if r == 0 else 0
+        at = s[r * lds:]
+        if code == CODE_F16:
+            scores_f16(at, lds, q2, r0 + r, n, src, offs, c0, nc, values[0], values[1], nv)
+        elif code == CODE_BF16:
+            scores_bf16(at, lds, q2, r0 + r, n, src, offs, c0, nc, values[0], values[1], nv)
+        else:
+            scores_native(at, lds, q2, r0 + r, n, src, offs, c0, nc, values[0], values[1], nv)
 
 
 @njit(**LEAF)
@@ -72,14 +61,13 @@ def stream_pv(acc, ld, nrow, p, lds, kv, c0, nc, buf, next_keys):
     columns one at a time. The K rows the item reads next, next_keys = (src, offs, n; n = 0:
     none), are prefetched into L2 on the way (in the first four rows' pass), so that memory
     keeps working while the sums are computed."""
-    sd = kv[2]
     for r in range(0, nrow, BLOCK):
         n = min(BLOCK, nrow - r)
         a, w = acc[r * ld:], p[r * lds:]
         zeros = _any_zero(w, lds, n, nc)
         c = 0
         while c < nc:
-            e = c if sd != 1 else _next_zero(w, lds, n, c, nc) if zeros else nc
+            e = _next_zero(w, lds, n, c, nc) if zeros else nc
             if e > c:
                 nk = next_keys[2] - (c0 + c) if r == 0 else 0
                 _weighted_sum(a, ld, n, w[c:], lds, kv, c0 + c, e - c, buf.shape[1],
@@ -92,7 +80,7 @@ def stream_pv(acc, ld, nrow, p, lds, kv, c0, nc, buf, next_keys):
 
 @njit(**LEAF_INLINE)
 def _weighted_sum(acc, ld, n, p, lds, kv, c0, nc, D, next_keys):
-    src, offs, code = kv[0], kv[1], kv[3]
+    src, offs, code = kv
     ks, ko, nk = next_keys
     if code == CODE_F16:
         weighted_sum_f16(acc, ld, n, D, p, lds, src, offs, c0, nc, ks, ko, nk)
