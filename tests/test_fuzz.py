@@ -16,6 +16,8 @@ float result matches ``pfa_numba.reference``; otherwise it raises exactly TypeEr
 or RuntimeError -- one allowed by the mutations when the error is predictable -- and nothing
 else. No call ever writes into an input array. Sizes are tiny, so no call can hang.
 
+fused_infer_attention_score and FiaPlan calls have a fuzzer of their own: tests/test_fuzz_fia.py.
+
 Profiles (environment variable ``PFA_HYPOTHESIS_PROFILE``): ``ci`` (default, ~300 examples,
 derandomized) and ``long`` (10,000 examples)::
 
