@@ -154,8 +154,8 @@ def validate(call, device=None):
     key, key_list = _kv_arrays("key", call.key)
     value, value_list = _kv_arrays("value", call.value)
     V.check_rank("query", query, layout)
-    _check_dtypes(query, key if key is not None else key_list[0],
-                  value if value is not None else value_list[0])
+    kdtype = (key if key is not None else key_list[0]).dtype
+    _check_dtypes(query, kdtype, (value if value is not None else value_list[0]).dtype)
     decode = layout != "TND" and query.shape[V.SEQ_AXIS[layout]] == 1
     mask = _plain_mask(call.atten_mask)
     table = _real("block_table", call.block_table)
@@ -173,7 +173,7 @@ def validate(call, device=None):
                               and V.check_int("sparse_mode", call.sparse_mode) == 0)
     listed = key_list is not None or value_list is not None
     prefixed = prefix_k is not None or prefix_v is not None
-    dequant = AQ.applies(call, query.dtype, (key if key is not None else key_list[0]).dtype)
+    dequant = AQ.applies(call, query.dtype, kdtype)
     _exclusions(query, layout, table, padding, listed, prefixed, dequant)
     list_lens = None
     if listed:
@@ -320,7 +320,7 @@ def _pfa_checked(call):
         raise
 
 
-def _check_dtypes(query, key, value):
+def _check_dtypes(query, kdtype, vdtype):
     """The dtypes of docs/fia.md, 'Dtypes' (TypeError), before any rule that depends on them:
     a float16, bfloat16, float32 or int8 query; key and value of one dtype, the query's, or
     int8 under a float query (a cache dequantized as it loads)."""
@@ -328,12 +328,12 @@ def _check_dtypes(query, key, value):
     if q not in (F16, F32, I8) and not is_bf16(q):
         raise TypeError(f"query dtype must be float16, bfloat16, float32 or int8, got "
                         f"{dtype_name(q)}")
-    if value.dtype != key.dtype:
-        raise TypeError(f"value dtype must be key's ({dtype_name(key.dtype)}), got "
-                        f"{dtype_name(value.dtype)}")
-    if key.dtype not in (q, I8):
+    if vdtype != kdtype:
+        raise TypeError(f"value dtype must be key's ({dtype_name(kdtype)}), got "
+                        f"{dtype_name(vdtype)}")
+    if kdtype not in (q, I8):
         raise TypeError(f"key dtype must be the query's ({dtype_name(q)}), or int8 under a "
-                        f"float query, got {dtype_name(key.dtype)}")
+                        f"float query, got {dtype_name(kdtype)}")
 
 
 def _exclusions(query, layout, table, padding, listed, prefixed, dequant):
