@@ -188,13 +188,16 @@ def geometry(p, out, lse):
 
 
 def _put_token_plane(strides, boff, row, plane, paged, B):
-    """An (R0, Nkv, R1) token plane: rows (b, p), or paged slots (block, slot)."""
-    flat, origin, s = flat_view(plane, np.float32)
+    """An (R0, Nkv, R1) token plane: rows (b, p), or paged slots (block, slot). A head axis
+    of stride 0 (one value for every kv head) is taken as one head, so that a plane
+    flat_view must copy (a misaligned one) is copied once, not once a head."""
+    shared = plane.strides[1] == 0
+    flat, origin, s = flat_view(plane[:, :1] if shared else plane, np.float32)
     if paged:
         boff[row, :B] = origin
     else:
         boff[row, :B] = origin + np.arange(B, dtype=np.int64) * s[0]
-    strides[row] = [s[1], s[2], 0, s[0]]
+    strides[row] = [0 if shared else s[1], s[2], 0, s[0]]
     return flat
 
 

@@ -164,3 +164,34 @@ def test_kv_caches_are_read_where_they_lie(cache):
     assert res.returncode == 0, res.stderr
     call, plan = map(float, res.stdout.split())
     assert call <= 4 and plan <= 4, f"peak RSS grew {call:.0f} MiB (call), {plan:.0f} MiB (plan)"
+
+
+def test_a_misaligned_token_scale_plane_is_copied_once_not_once_a_head():
+    """Per-token paged scales (mode 4, one value for every kv head) at an odd address: the one
+    copy a misaligned array takes holds the plane once, not once for each of the 8 kv heads."""
+    import tracemalloc
+    from pfa_numba import fused_infer_attention_score
+
+    rng = np.random.default_rng(3)
+    nb, nkv, bs, d = 512, 8, 128, 32
+
+    def misaligned(x):
+        y = np.zeros(x.nbytes + 1, np.uint8)[1:].view(x.dtype).reshape(x.shape)
+        y[...] = x
+        return y
+    scales = [misaligned((rng.random((nb, bs)) * 0.02).astype(np.float32)) for _ in range(2)]
+    pool = rng.integers(-100, 100, (nb, nkv, bs, d)).astype(np.int8)
+    q = rng.standard_normal((2, 32, 1, d)).astype(np.float16)
+    kw = dict(num_heads=32, num_key_value_heads=nkv, input_layout="BNSD", block_size=bs,
+              block_table=rng.permutation(nb)[:8].reshape(2, 4).astype(np.int32),
+              actual_seq_lengths_kv=[500, 300], key_antiquant_scale=scales[0],
+              value_antiquant_scale=scales[1], key_antiquant_mode=4, value_antiquant_mode=4)
+    fused_infer_attention_score(q, pool, pool, **kw)
+    tracemalloc.start()
+    try:
+        fused_infer_attention_score(q, pool, pool, **kw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    planes = sum(x.nbytes for x in scales)
+    assert peak <= planes + (1 << 20), f"{peak / 2**20:.1f} MiB traced for {planes / 2**20} MiB"
