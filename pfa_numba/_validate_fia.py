@@ -200,7 +200,7 @@ def validate(call, device=None):
         next_tokens=TOKENS_INF if band_ignored else call.next_tokens, input_layout=layout,
         num_key_value_heads=call.num_key_value_heads,
         sparse_mode=(1 if mask is not None else 0) if decode else call.sparse_mode,
-        inner_precise=call.inner_precise, device=device or call.device, return_softmax_lse=True)
+        inner_precise=call.inner_precise, device=device or call.device, return_softmax_lse=lse_flag)
     if table is not None:
         return _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
                       lse_flag, dequant)

@@ -6,6 +6,7 @@ from . import dispatch
 from ._plan import plan
 from . import _torch
 from .gpu.arrays import Staged
+from .plans import Plan
 
 
 def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths=None,
@@ -157,6 +158,37 @@ def _stage(call, device):
     if any(_torch.is_cpu_tensor(getattr(call, name)) for name in V.ARRAY_ARGS):
         return _torch.HostTensors(call, V.ARRAY_ARGS)
     return None
+
+
+class PfaPlan(Plan):
+    """A :func:`prompt_flash_attention` call checked and planned once, to run on many query /
+    key / value arrays of the same geometry (the layers of a model's prefill).
+
+    ``PfaPlan(query, key, value, *args, **kwargs)`` takes prompt_flash_attention's arguments and
+    raises its errors; ``plan(query, key, value)`` returns what
+    ``prompt_flash_attention(query, key, value, *args, **kwargs)`` returns (bit for bit under
+    the configuration the plan was made with) for arrays of the planned kind, dtype, device,
+    shape and strides (a TypeError names a kind or dtype that differs, a RuntimeError a
+    device, shape or strides). Every other argument is the plan's as it was when the plan was
+    made, except attn_mask and pse_shift, which are read at each call. On the CPU a call costs
+    the kernel and a few checks; on CUDA (CUDA arrays) it queues the planned kernels on the
+    caller's stream with nothing copied, allocated or synchronised but the results; arrays the
+    planned kernels cannot read as they read the planned ones (misaligned) and NumPy inputs
+    run with ``device='cuda'`` run whole calls. A plan holds the arrays it was made with.
+    """
+    operator = staticmethod(prompt_flash_attention)
+
+    def _checked(self, arguments):
+        valid = V.validate(V.Call(**arguments), stage=_stage)
+        return plan(valid), valid.staged, valid.want_lse, valid.device
+
+    def _read_at_each_call(self, kwargs):
+        return ("attn_mask", "pse_shift")
+
+    def _results(self, query, out, lse, on_device):
+        if not on_device and _torch.is_tensor(query):
+            out, lse = _torch.as_tensor(out), (None if lse is None else _torch.as_tensor(lse))
+        return (out, lse) if self._lse_flag else out
 
 
 def trans_quant_param(scale):

@@ -76,8 +76,9 @@ CUDA_KV_COLS = 64
 #: float32 values per K and per V tile at most (2 x 16 KiB here): within static shared memory.
 CUDA_TILE_ELEMS = 4096
 
-#: fp16/bf16 on the tensor-core kernel (gpu.tc_kernel) where it fits: off until it has run on a GPU.
-CUDA_TENSOR_CORES = False
+#: fp16/bf16 on the tensor-core kernel (gpu.tc_kernel) where it takes the problem; False: the
+#: portable kernel runs every CUDA call.
+CUDA_TENSOR_CORES = True
 
 #: No CUDA fast-math: numba-cuda's flushes subnormals, breaking _core's exact float16 conversions.
 CUDA_FASTMATH = frozenset()

@@ -9,7 +9,6 @@ sequence directly (:mod:`.cpu.kv`): no cache is gathered or copied. The contract
 docs/fia.md; ``pfa_numba.reference.fused_infer_attention_score`` is its float64 meaning.
 """
 import dataclasses
-import inspect
 
 import numpy as np
 
@@ -19,9 +18,9 @@ from . import _validate as V
 from . import _validate_fia as FV
 from . import dispatch
 from ._band import TOKENS_INF
-from ._kernel_args import flat_view, storage
 from ._plan import plan
-from .gpu.arrays import Staged, checked, to_host, to_kind
+from .gpu.arrays import Staged, checked, to_host
+from .plans import Plan
 
 
 def fused_infer_attention_score(
@@ -89,7 +88,8 @@ def _results(query, out, lse, lse_flag, staged=None):
     if not lse_flag:
         lse = np.zeros(1, np.float32)
         if staged is not None and not staged.copied:     # results computed in place
-            lse = to_kind(lse, query)
+            from .gpu.launch import placeholder_lse
+            lse = placeholder_lse(query)
     if staged is not None:
         return staged.results(out, lse)
     if _torch.is_tensor(query):
@@ -123,13 +123,6 @@ def _host(call):
     return dataclasses.replace(call, **arrays) if arrays else call
 
 
-def _host_array(name, x):
-    """A host tensor argument as the whole call's checks read it: a torch CPU tensor as the
-    NumPy array over its memory, an ndarray subclass as the plain array over its memory; the
-    whole call's error for what they refuse."""
-    return V.check_array(name, _torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x)
-
-
 def _host_element(name, x, on_cuda):
     """One key / value list element on the host; it lives where the query does."""
     if V.is_cuda_array(x) != on_cuda:
@@ -142,7 +135,7 @@ def _host_element(name, x, on_cuda):
     return _torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x
 
 
-class FiaPlan:
+class FiaPlan(Plan):
     """A :func:`fused_infer_attention_score` call checked and planned once, to run on many
     query / key / value arrays of the same geometry: the layers of a model's decode step, which
     share their lengths, block table and masks and differ only in their caches.
@@ -161,116 +154,23 @@ class FiaPlan:
     fused_infer_attention_score (on CUDA its errors are raised there, not when the plan is
     made). A plan holds the arrays it was made with.
     """
+    operator = staticmethod(fused_infer_attention_score)
 
-    def __init__(self, query, key, value, **kwargs):
-        try:
-            bound = _SIGNATURE.bind(query, key, value, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"FiaPlan takes fused_infer_attention_score's arguments: {e}") \
-                from None
-        bound.apply_defaults()
-        call = FV.FiaCall(**bound.arguments)
+    def _checked(self, arguments):
+        call = FV.FiaCall(**arguments)
         device = V.check_placement(call)
-        self._launch, self._lse_flag, self._strides = None, False, None
-        if device == "cpu" and not V.is_cuda_array(query):
-            # checked before anything is copied; the launch holds its own copies of the
-            # lengths, table and scales
-            self._prepare(_host(call), device)
-        read_in_place = FV.TENSORS + AQ.token_arguments(kwargs)
-        self._kwargs = {name: x if name in read_in_place else _snapshot(x)
-                        for name, x in kwargs.items()}
-        self._like = tuple(_like(x) for x in (query, key, value))
+        # checked before anything is copied; a CPU launch holds its own copies of the
+        # lengths, table and scales
+        call = _host(call)
+        staged = Staged(call, device) if V.is_cuda_array(call.query) else None
+        valid = FV.validate(staged.call if staged else call, device)
+        return planned(valid), staged, valid.lse_flag, device
 
-    def _prepare(self, call, device):
-        """The CPU launch of ``call``, where the kernels read its query, key and value in
-        place (a key / value list is gathered into a copy: such plans run whole calls)."""
-        valid = FV.validate(call, device)
-        problem = planned(valid)
-        backend = dispatch.choose(problem, device)
-        if backend.name != "cpu" or isinstance(call.key, (list, tuple)):
-            return
-        launch = backend.prepare(problem)
-        arrays = (call.query, call.key, call.value)
-        if launch.kernel is not None:
-            flats = (launch.args.q, launch.args.k, launch.args.v)
-            if any(not _same_memory(_flat(x), f) for x, f in zip(arrays, flats)):
-                return
-        self._launch, self._lse_flag = launch, valid.lse_flag
-        self._strides = tuple(x.strides for x in arrays)
+    def _read_at_each_call(self, kwargs):
+        return FV.TENSORS + AQ.token_arguments(kwargs)
 
-    def __call__(self, query, key, value):
-        """(attention_out, softmax_lse) of the planned call on these query, key and value."""
-        given = (query, key, value)
-        for name, x, like in zip(_QKV, given, self._like):
-            _check_like(name, x, like)
-        arrays = self._read_in_place(given)
-        if arrays is None:
-            return fused_infer_attention_score(query, key, value, **self._kwargs)
-        out, lse = self._launch.run(*(_flat(x) for x in arrays))
+    def _results(self, query, out, lse, on_device):
+        if on_device:
+            from .gpu.launch import placeholder_lse
+            return out, (lse if self._lse_flag else placeholder_lse(query))
         return _results(query, out, lse, self._lse_flag)
-
-    def _read_in_place(self, given):
-        """The NumPy arrays over the given query, key and value's memory, where the planned
-        kernel call can read them as it read the planned ones (aligned, with the planned byte
-        strides: a torch tensor NumPy cannot see in place has others); else None. Raises what
-        the whole call raises for an array it refuses (a masked array, a tensor that requires
-        grad)."""
-        if self._launch is None:
-            return None
-        arrays = [_host_array(name, x) for name, x in zip(_QKV, given)]
-        if all(x.flags.aligned and x.strides == s for x, s in zip(arrays, self._strides)):
-            return arrays
-        return None
-
-
-_SIGNATURE = inspect.signature(fused_infer_attention_score)
-_QKV = ("query", "key", "value")
-
-
-def _snapshot(x):
-    """A copy of a small argument (lengths, a table, scales) as it is now."""
-    if isinstance(x, np.ndarray):
-        return x.copy()
-    if isinstance(x, (list, tuple)):
-        return type(x)(_snapshot(e) for e in x)
-    return x.clone() if _torch.is_cpu_tensor(x) else x
-
-
-def _like(x):
-    """What a plan's later arrays must share with ``x``: (kind, device, dtype, shape, strides);
-    a key / value list only its kind and length (the whole call checks its elements)."""
-    if isinstance(x, (list, tuple)):
-        return type(x).__name__, None, None, (len(x),), None
-    if _torch.is_tensor(x):
-        return "torch tensor", str(x.device), str(x.dtype), tuple(x.shape), x.stride()
-    if isinstance(x, np.ndarray):
-        return "NumPy array", "cpu", str(x.dtype), x.shape, x.strides
-    if not V.is_cuda_array(x):
-        return type(x).__name__, None, None, None, None
-    return (type(x).__name__, "cuda", str(x.dtype), tuple(x.shape), getattr(x, "strides", None))
-
-
-def _check_like(name, x, like):
-    got = _like(x)
-    if got == like:
-        return
-    error = TypeError if (got[0], got[2]) != (like[0], like[2]) else RuntimeError
-    raise error(f"{name} must be a {_described(like)} like the plan's, got a {_described(got)}")
-
-
-def _described(like):
-    kind, device, dtype, shape, strides = like
-    if dtype is None:
-        return kind if shape is None else f"{kind} of {shape[0]} elements"
-    return (f"{dtype} {kind} on {device}, of shape {V.shape_str(shape)} and strides "
-            f"{strides}")
-
-
-def _flat(x):
-    """The flat storage the kernels read array ``x`` through (:func:`._kernel_args.flat_view`)."""
-    return flat_view(x, storage(x.dtype))[0]
-
-
-def _same_memory(a, b):
-    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and \
-        a.size == b.size

@@ -43,16 +43,19 @@ def test_meta_planning_recovers_every_device_pointer(layout):
                 return_softmax_lse=False)
     real = _plan.plan(V.validate(V.Call(q, k, v, mask, **args)))
     meta = _arrays.Meta()
-    mq, mk, mv, mm = (meta.make(HostBackedCudaArray(x)) for x in (q, k, v, mask))
+    mq, mk, mv, mm = (meta.make(name, HostBackedCudaArray(x)) for name, x in
+                      zip(("query", "key", "value", "attn_mask"), (q, k, v, mask)))
     assert all(isinstance(x, np.ndarray) and not x.flags.writeable for x in (mq, mk, mv, mm))
     planned = _plan.plan(V.validate(V.Call(mq, mk, mv, mm, **args)))
     out = np.zeros(real.out_shape, np.float16)
     lse = np.zeros(real.lse_shape, np.float32)
     g_real = geometry(real, out, lse)
     g_meta = geometry(planned, out, lse)
-    for a, b in zip(g_real[:3] + g_real[4:5], g_meta[:3] + g_meta[4:5]):   # q, k, v, mask8
-        ptr, _ = meta.device_pointer(b)
-        assert ptr == a.__array_interface__["data"][0] and a.size == b.size
+    for name, a, b in zip(("query", "key", "value", "attn_mask"), g_real[:3] + g_real[4:5],
+                          g_meta[:3] + g_meta[4:5]):                  # q, k, v, mask8
+        found, offset = meta.locate(b)
+        assert found == name and a.size == b.size
+        assert meta.pointers[name] + offset == a.__array_interface__["data"][0]
     for a, b in zip(g_real[7:], g_meta[7:]):                                 # strides, offsets
         assert np.array_equal(a, b)
 

@@ -13,7 +13,7 @@ LAYERS = [
     ("_band", "_kernel_args"),                        # the band; the kernels' arguments
     ("cpu", "gpu"),                                   # the backends (packages)
     ("_validate", "_antiquant", "_validate_fia", "_plan"),   # the call: checks, the problem
-    ("dispatch",),                                    # choosing a backend
+    ("dispatch", "plans"),                            # choosing a backend; plans of calls
     ("api", "fia", "merge", "sdpa"),                  # the public functions
     ("distributed", "__init__", "integrations"),      # other libraries' calls onto the API
     ("_bench", "_bench_decode", "__main__"),          # the command line and its benchmarks

@@ -4,6 +4,8 @@ Any object with ``__cuda_array_interface__`` is a CUDA array; PyTorch tensors ar
 their module (a bfloat16 tensor's array interface cannot say bf16, so its dtype comes from
 torch). :class:`Meta` lets the planner work on CUDA arrays through metadata-only NumPy arrays.
 """
+import functools
+
 import numpy as np
 
 from .._dtypes import is_bf16
@@ -71,19 +73,22 @@ def interface(x):
 
 
 class Meta:
-    """A NumPy array with a CUDA array's shape, dtype and strides over a dummy buffer: the
-    planner reads only metadata (views, strides), never data, and the device pointer of any
-    view is recovered from its byte offset."""
+    """NumPy arrays with CUDA arrays' shapes, dtypes and strides over dummy buffers: the planner
+    reads only metadata (views, strides), never data, and any view's place in the device memory
+    is recovered from its byte offset (:meth:`locate`)."""
 
     def __init__(self):
         self.roots = {}
+        self.pointers = {}               # argument name -> device pointer of its element 0
 
-    def make(self, x):
+    def make(self, name, x):
+        """The metadata-only array of CUDA array argument ``name``."""
         dtype, shape, strides, ptr = interface(x)
         root = np.zeros(1, dtype=dtype)
         meta = np.lib.stride_tricks.as_strided(root, shape=shape, strides=strides,
                                                writeable=False)
-        self.roots[id(root)] = (root, meta.__array_interface__["data"][0], ptr, x)
+        self.roots[id(root)] = (root, meta.__array_interface__["data"][0], name)
+        self.pointers[name] = ptr
         return meta
 
     @staticmethod
@@ -97,10 +102,11 @@ class Meta:
         """Whether ``view`` is a view of an array this Meta made (else it is host memory)."""
         return id(self._root(view)) in self.roots
 
-    def device_pointer(self, view):
-        """(device pointer of ``view``'s first element, the CUDA array it lies in)."""
-        _, meta_ptr, dev_ptr, owner = self.roots[id(self._root(view))]
-        return dev_ptr + (view.__array_interface__["data"][0] - meta_ptr), owner
+    def locate(self, view):
+        """(argument name, byte offset of ``view``'s first element from that argument's
+        element 0) of a view this Meta holds."""
+        _, meta_ptr, name = self.roots[id(self._root(view))]
+        return name, view.__array_interface__["data"][0] - meta_ptr
 
 
 def to_kind(x, like):
@@ -155,9 +161,12 @@ class Staged:
         self.query = call.query
         self.copied = device == "cpu" or simulated(call.query)
         self.meta = None if self.copied else Meta()
-        make = to_host if self.copied else self.meta.make
-        self.call = call.with_arrays({name: checked(name, make, x)
+        self.call = call.with_arrays({name: checked(name, self._readable(name), x)
                                       for name, x in call.tensors().items() if x is not None})
+
+    def _readable(self, name):
+        """How argument ``name`` is made readable on the host."""
+        return to_host if self.copied else functools.partial(self.meta.make, name)
 
     def results(self, out, lse):
         """The results as arrays of the query's kind (those computed on host copies are copied

@@ -78,7 +78,7 @@ def kernel_signature(storage, out_storage=None, int8=False, kv_storage=None, kv_
     common = (flat(storage), flat(kv_storage), flat(kv_storage), flat(out_storage),
               flat(types.float32), flat(types.uint8), flat(types.uint16), flat(pse), grid, grid,
               grid, flat(types.int64), types.int64, flat(types.float32), flat(types.float32),
-              flat(types.float32))
+              flat(types.float32), flat(types.int64), types.int64)
     if kv_cache is None:
         kv_cache = not int8
     if not kv_cache:
@@ -113,6 +113,26 @@ def _kv_source(strides, boff, table, params, t, t_prefix, t_token, mode, scales,
         offset = offsets[row_offset(boff[to, b], strides[to, S_ROW], strides[to, S_BLOCK],
                                     tblock, block_id, j) + g * strides[to, S_HEAD]]
     return False, off, strides[t, S_ELEM], scale, offset
+
+
+@cuda.jit
+def fill_kernel(x, value):
+    """x[:] = value (results of a left-padded call: its rows before the windows)."""
+    for e in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        x[e] = value
+
+
+#: fill_kernel's grid: blocks and threads
+FILL_GRID = (256, 256)
+
+
+@array_function
+def runs_here(guard, guard_id):
+    """Whether a portable kernel computes this call: always for guard_id 0; else only where
+    the scan before it (gpu.tc_kernel) found V not finite and wrote guard_id to guard[0] (the
+    tensor-core kernel launched beside it computes the call otherwise). The choice is made on
+    the device, in stream order: no host read."""
+    return guard_id == 0 or guard[0] == guard_id
 
 
 @njit(inline="always", cache=True)
@@ -187,14 +207,19 @@ def kernel_source(dpad, bq, bkv):
     """The float kernel's Python source for the given compile-time sizes (before cuda.jit).
 
     Arguments: q, k, v (flat storage), out, lse, mask8, mask16, pse, strides, boff, lens,
-    params, qtiles, fparams, scale2, offset2, kp, vp, table, channel, kts, kto, vts, vto (see
-    _kernel_args.KernelArgs; scale2 and offset2 are read only when the output code is CODE_I8).
+    params, qtiles, fparams, scale2, offset2, guard, guard_id, kp, vp, table, channel, kts,
+    kto, vts, vto (see _kernel_args.KernelArgs; scale2 and offset2 are read only when the
+    output code is CODE_I8; a guard_id other than 0 runs the call only where guard[0] holds it:
+    :func:`runs_here`).
     K/V rows come through the kv sequence (:func:`_kv_source`): a shared prefix, contiguous or
     paged own rows, int8 ones dequantized as they load."""
     DP, BQ, BKV = dpad, bq, bkv
 
     def attention(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, qtiles,
-                  fparams, scale2, offset2, kp, vp, table, channel, kts, kto, vts, vto):
+                  fparams, scale2, offset2, guard, guard_id, kp, vp, table, channel, kts, kto,
+                  vts, vto):
+        if not runs_here(guard, guard_id):
+            return
         ks = cuda.shared.array((BKV, DP), float32)
         vs = cuda.shared.array((BKV, DP), float32)
         places = cuda.shared.array((6, BKV), int64)
@@ -319,7 +344,9 @@ def kernel_source_int8(dpad, bq, bkv):
     DP, BQ, BKV = dpad, bq, bkv
 
     def attention_int8(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params,
-                       qtiles, fparams, scale2, offset2):
+                       qtiles, fparams, scale2, offset2, guard, guard_id):
+        if not runs_here(guard, guard_id):
+            return
         ks = cuda.shared.array((BKV, DP), float32)
         vs = cuda.shared.array((BKV, DP), float32)
         qv = cuda.local.array(DP, float32)

@@ -1,141 +1,394 @@
-"""Running a planned problem on the GPU: device arrays in place or copied in, one kernel launch,
-results of the query's kind.
+"""Running a planned problem on CUDA: the kernel it gets, its arguments on the device, its
+launches on the caller's stream, and results of the query's kind.
 
-Arrays: NumPy inputs with ``device='cuda'`` are copied in (only the memory their views span) and
-the result is copied out. CUDA arrays (Numba device arrays, CuPy, PyTorch; anything with
-``__cuda_array_interface__``) are read in place, and the result is allocated by the query's
-library (zero-copy). Kernels launch on the default stream and the call synchronises before it
-returns; callers using other streams should synchronise their producers first.
+Arrays. CUDA arrays (Numba device arrays, CuPy, PyTorch; anything with
+``__cuda_array_interface__``) are read in place, and the results are made by the query's
+library on the call's stream. NumPy inputs with ``device='cuda'`` are copied in (only the memory
+their views span) and the results copied out.
+
+Streams. A call runs on its caller's stream (:func:`.device.caller_stream`: the current stream
+of torch or CuPy, a Numba device array's own, else Numba's default) and, for CUDA inputs,
+returns without synchronising: its results are ready in that stream's order, and a fault in a
+kernel surfaces at the caller's next synchronisation. NumPy inputs get finished NumPy results.
+
+Small arguments (geometry, lengths, parameters, scales, the block table, the placeholders of
+absent tensors) travel as one packed buffer (:class:`Packed`): a call copies it into its
+stream's buffer (one host-to-device copy; an allocation only when the buffer is first made or
+grows), a :class:`Launch` kept by a plan holds its own, copied once when the plan is made.
+
+The tensor-core kernel (:mod:`.tc_kernel`) takes the float16 / bfloat16 problems it supports
+except where V holds inf or NaN, and that is decided on the device: a scan of V writes the
+call's guard id into its stream's guard word where it finds one, the tensor-core kernel then
+returns at once and the portable kernel launched behind it computes the call (which otherwise
+returns at once). No host read decides.
 """
 import logging
+import math
+import threading
+from collections import OrderedDict
 
 import numpy as np
-from numba import cuda
 
 from .. import config
 from .._kernel_args import L_ROWS, kernel_args
-from .arrays import array_kind, to_kind
-from .kernels import kernel_for, launch_config
+from . import device
+from .arrays import array_kind
 
-#: the kernel a call gets and why (INFO: why not the tensor-core kernel)
+#: the kernel a call gets and why (INFO)
 log = logging.getLogger("pfa_numba.cuda")
 
+TENSOR_CORE, PORTABLE = "tensor-core", "portable"
+#: host arrays up to this many bytes travel in the packed buffer, larger ones on their own
+SMALL_BYTES = 1 << 20
+#: the packed buffer's alignment of each array (the tensor-core kernel's 16-byte rows)
+ALIGN = 16
+#: streams whose buffers are kept (the least recently used beyond are let go)
+KEPT_STREAMS = 64
 
-class _DeviceSpan:
-    """A flat read-only span of device memory exposed through __cuda_array_interface__."""
 
-    def __init__(self, ptr, n, dtype, owner):
-        self.owner = owner
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": np.dtype(dtype).str,
-                                         "data": (ptr, False), "version": 3, "strides": None}
+class Packed:
+    """Host arrays packed into one byte buffer, each at a multiple of ALIGN bytes, and where
+    each lies (``layout``: (name, byte offset, dtype, shape) per array)."""
+
+    def __init__(self, arrays):
+        arrays = {name: np.ascontiguousarray(x) for name, x in arrays.items()}
+        layout, size = [], 0
+        for name, x in arrays.items():
+            layout.append((name, size, x.dtype.str, x.shape))
+            size += -(-max(x.nbytes, 1) // ALIGN) * ALIGN
+        self.bytes = np.zeros(max(size, ALIGN), np.uint8)
+        for (_, offset, _, _), x in zip(layout, arrays.values()):
+            self.bytes[offset:offset + x.nbytes] = x.reshape(-1).view(np.uint8)
+        self.layout = tuple(layout)
+
+    def views(self, buffer):
+        """{name: device array} over the device byte array ``buffer`` holding these bytes."""
+        return {name: buffer[offset:offset + np.dtype(dtype).itemsize * math.prod(shape)]
+                .view(dtype).reshape(shape)
+                for name, offset, dtype, shape in self.layout}
 
 
-def _output_like(query, shape, dtype):
-    """An uninitialised CUDA array of the query's library (its bf16 as the library holds it)."""
-    kind = array_kind(query)
-    if kind == "torch":
-        import torch
-        tdt = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
-               np.dtype(np.int8): torch.int8}.get(np.dtype(dtype), torch.bfloat16)
-        return torch.empty(shape, dtype=tdt, device=query.device)
-    if kind == "cupy":
-        import cupy
-        return cupy.empty(shape, dtype=dtype)
-    return cuda.device_array(shape, dtype=dtype)
+class _Stream:
+    """What the calls on one stream reuse: the buffer their packed arguments are copied into
+    (and its views per layout), the guard word of the tensor-core route and its last id, and
+    per-call device buffers held until the kernels that read them have run. Its lock keeps one
+    call's copy and launches together (another's copy into the buffer would come between)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.lock = threading.Lock()
+        self.buffer, self.views = None, {}
+        self.guard, self.last_id = device.upload(np.zeros(1, np.int64), stream), 0
+        self.held = []
+
+    def small_args(self, packed):
+        """Device views of ``packed``'s arrays, copied into this stream's buffer."""
+        if self.buffer is None or self.buffer.size < packed.bytes.size:
+            self.hold(self.buffer)           # read by kernels still queued
+            self.buffer = device.empty(max(packed.bytes.size, 4096), np.uint8, self.stream)
+            self.views = {}
+        device.copy_in(self.buffer, packed.bytes, self.stream)
+        views = self.views.get(packed.layout)
+        if views is None:
+            if len(self.views) >= 8:
+                self.views.clear()
+            views = self.views[packed.layout] = packed.views(self.buffer)
+        return views
+
+    def next_guard_id(self):
+        """A guard id no earlier call on this stream had."""
+        self.last_id += 1
+        return self.last_id
+
+    def hold(self, buffers):
+        """Keep ``buffers`` until the work queued so far on the stream has run; let go of
+        those held before whose work has."""
+        self.held = [(event, kept) for event, kept in self.held if not device.done(event)]
+        if buffers is not None and (not isinstance(buffers, list) or buffers):
+            self.held.append((device.mark(self.stream), buffers))
+
+
+_STREAMS = OrderedDict()
+_STREAMS_LOCK = threading.Lock()
+
+
+def _stream_state(stream):
+    key = device.stream_key(stream)
+    with _STREAMS_LOCK:
+        state = _STREAMS.get(key)
+        if state is None:
+            state = _STREAMS[key] = _Stream(stream)
+            while len(_STREAMS) > KEPT_STREAMS:
+                _STREAMS.popitem(last=False)
+        else:
+            _STREAMS.move_to_end(key)
+    return state
 
 
 # ---------------------------------------------------------------------------------------------
-# running a planned problem
+# which kernel
 # ---------------------------------------------------------------------------------------------
+
+def kernel_choice(p, cc=None):
+    """(TENSOR_CORE or PORTABLE, why) for planned problem ``p`` on a device of compute
+    capability ``cc`` (device pointers' alignment aside: :meth:`Launch.aligned`)."""
+    if not config.CUDA_TENSOR_CORES:
+        return PORTABLE, "config.CUDA_TENSOR_CORES is False"
+    from . import tc_kernel as tc
+    why = tc.tensor_core_reason(p, cc)
+    if why is not None:
+        return PORTABLE, why
+    return TENSOR_CORE, "float16 / bfloat16 the tensor-core kernel takes (a V holding inf or " \
+                        "NaN goes to the portable kernel on the device)"
+
+
+def _metadata_array(shape, dtype):
+    """A C-contiguous array of ``shape`` over one element: its strides are all kernel_args
+    reads of an output made elsewhere."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape=shape,
+                                           strides=_c_strides(shape, np.dtype(dtype).itemsize))
+
+
+def _c_strides(shape, itemsize):
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+# the tensor arguments of the kernels, in order, by their KernelArgs field; the float kernel's
+# kv cache ones after the common arguments
+_COMMON_TENSORS = ("q", "k", "v")
+_MASKS = ("mask8", "mask16", "pse")
+_SMALL = ("strides", "boff", "lens", "params")
+_CACHE = ("kp", "vp", "table", "channel", "kts", "kto", "vts", "vto")
+
+
+class Launch:
+    """A planned problem ready to launch on CUDA: its kernels and grids, its small arguments
+    packed, and where each tensor argument comes from: the memory of a CUDA array argument
+    (``("device", argument name, byte offset, values, dtype)``: a view of it, read in place),
+    or a host array (packed when small, copied in by each call otherwise). Made per call, or
+    once by a plan; :meth:`run` computes it."""
+
+    def __init__(self, p, meta=None, cc=None):
+        self.p, self.on_device = p, meta is not None
+        self.empty = p.B == 0 or math.prod(p.out_shape) == 0
+        if self.empty:
+            return
+        a = kernel_args(p, _metadata_array(p.out_shape, p.out_dtype),
+                        _metadata_array(p.lse_shape, np.float32))
+        self.out_storage = a.out.dtype
+        self.left_padded = p.q_off is not None and bool(p.q_off.any())
+        self.kernel, self.reason = kernel_choice(p, cc)
+        self.pointers = meta.pointers if meta is not None else {}
+        host = dict(zip(_SMALL, (a.strides, a.boff, a.lens, a.params)))
+        host.update(fparams=a.fparams, scale2=a.scale2, offset2=a.offset2,
+                    no_lse=np.zeros(1, np.float32), table=a.table, channel=a.channel)
+        self.sources = {}
+        tensors = dict(q=a.q, k=a.k, v=a.v, mask8=a.mask8, mask16=a.mask16, pse=a.pse, kp=a.kp,
+                       vp=a.vp, kts=a.tokens[0], kto=a.tokens[1], vts=a.tokens[2],
+                       vto=a.tokens[3])
+        for field, x in tensors.items():
+            if meta is not None and meta.holds(x):
+                name, offset = meta.locate(x)
+                self.sources[field] = ("device", name, offset, x.size, x.dtype)
+            elif x.nbytes <= SMALL_BYTES:
+                host[field] = x
+            else:
+                self.sources[field] = ("host", x)
+        self.packed = Packed(host)
+        self.rows = int(a.lens[L_ROWS].max())
+        self.own_views = None
+        if not self.aligned(self.pointers):
+            self.kernel, self.reason = PORTABLE, "a query, key or value device pointer is " \
+                                                 "not 16-byte aligned"
+
+    def keep_arguments(self, stream):
+        """Copy the packed arguments to a buffer of this launch's own, once (a plan's): its
+        runs then copy nothing. Waits for the copy (runs on other streams read it)."""
+        buffer = device.upload(self.packed.bytes, stream)
+        device.synchronize(stream)
+        self.own_buffer, self.own_views = buffer, self.packed.views(buffer)
+
+    def aligned(self, pointers):
+        """Whether the tensor-core kernel may read q, k and v at these argument pointers
+        ({argument name: device pointer}): 16-byte-aligned rows (true of any other kernel)."""
+        if self.kernel != TENSOR_CORE:
+            return True
+        return all(pointers[src[1]] + src[2] & 15 == 0 for src in
+                   (self.sources.get(field) for field in _COMMON_TENSORS)
+                   if src is not None and src[0] == "device")
+
+    def run(self, query=None, pointers=None):
+        """(out, lse or None): NumPy arrays for NumPy inputs; for CUDA inputs arrays of
+        ``query``'s kind, made on the call's stream, before the kernels have run (the stream
+        orders them). ``pointers``: {argument name: device pointer} of the CUDA array
+        arguments (those the plan was made with where None)."""
+        p = self.p
+        if self.empty:
+            return _empty_results(p, query if self.on_device else None)
+        like = query if self.on_device else None
+        device.select(device.library_device(like))
+        stream = device.caller_stream(like)
+        state = _stream_state(stream)
+        with state.lock:
+            views = self.own_views if self.own_views is not None else \
+                state.small_args(self.packed)
+            tensors, uploads = self._tensors(views, pointers, stream)
+            out, lse, d_out, d_lse = self._outputs(query, views, stream)
+            guard_id = state.next_guard_id() if self.kernel == TENSOR_CORE else 0
+            for kernel, grid, block, args in self._launches(tensors, views, d_out, d_lse,
+                                                            state.guard, guard_id):
+                device.launch(kernel, grid, block, stream, args)
+            if self.on_device:
+                state.hold(uploads)
+        if self.on_device:
+            return out, lse
+        device.download(d_out, out.reshape(-1).view(self.out_storage), stream)
+        if lse is not None:
+            device.download(d_lse, lse.reshape(-1), stream)
+        device.synchronize(stream)
+        return out, lse
+
+    def _tensors(self, views, pointers, stream):
+        """{KernelArgs field: device array} of the tensor arguments, and the per-call copies
+        made (host arrays too large to pack)."""
+        tensors, uploads = {}, []
+        for field, src in self.sources.items():
+            if src[0] == "device":
+                _, name, offset, n, dtype = src
+                tensors[field] = device.span((pointers or self.pointers)[name] + offset, n,
+                                             dtype)
+            else:
+                tensors[field] = device.upload(src[1], stream)
+                uploads.append(tensors[field])
+        for field in _COMMON_TENSORS + _MASKS + _CACHE:
+            tensors.setdefault(field, views.get(field))
+        return tensors, uploads
+
+    def _outputs(self, query, views, stream):
+        """(out, lse or None) as returned, and the flat device arrays the kernels write."""
+        p, padded = self.p, self.left_padded
+        if self.on_device:
+            out = library_array(query, p.out_shape, p.out_dtype, 0 if padded else None, stream)
+            lse = library_array(query, p.lse_shape, np.float32, -np.inf if padded else None,
+                                stream) if p.want_lse else None
+            d_out = _flat_device(out, self.out_storage)
+            d_lse = _flat_device(lse, np.float32) if lse is not None else views["no_lse"]
+            return out, lse, d_out, d_lse
+        out = np.empty(p.out_shape, p.out_dtype)
+        lse = np.empty(p.lse_shape, np.float32) if p.want_lse else None
+        d_out = _numba_array(out.size, self.out_storage, 0 if padded else None, stream)
+        d_lse = _numba_array(lse.size, np.float32, -np.inf if padded else None, stream) \
+            if lse is not None else views["no_lse"]
+        return out, lse, d_out, d_lse
+
+    def _launches(self, t, views, d_out, d_lse, guard, guard_id):
+        """(kernel, grid, block, arguments) of each launch, in order."""
+        from .kernels import kernel_for, launch_config
+        p = self.p
+        int8 = p.dtype == np.int8
+        small = [views[name] for name in _SMALL]
+        tail = [views["fparams"], views["scale2"], views["offset2"], guard, guard_id]
+        head = [t["q"], t["k"], t["v"], d_out, d_lse, t["mask8"], t["mask16"], t["pse"]]
+        dpad, bq, bkv = launch_config(p)
+        qtiles = max(1, -(-self.rows // bq))
+        portable = head + small + [qtiles] + tail
+        if not int8:
+            portable += [t[field] for field in _CACHE]
+        launches = []
+        if self.kernel == TENSOR_CORE:
+            from . import tc_kernel as tc
+            kind = tc.kind_of(p.dtype)
+            launches.append((tc.nonfinite_scan(kind), *tc.SCAN_GRID,
+                             [t["v"], guard, guard_id]))
+            tc_tiles = max(1, -(-self.rows // tc.ROWS))
+            launches.append((tc.tc_kernel_for(kind, p.D), (p.B * tc_tiles, p.N), tc.THREADS,
+                             head + small + [tc_tiles] + tail))
+        launches.append((kernel_for(dpad, bq, bkv, int8=int8), (p.B * qtiles, p.N), bq,
+                         portable))
+        return launches
+
+
+def _empty_results(p, query):
+    """The results of a problem with nothing to compute: zeros, and -inf lse."""
+    out = np.zeros(p.out_shape, p.out_dtype)
+    lse = np.full(p.lse_shape, -np.inf, np.float32) if p.want_lse else None
+    if query is None:
+        return out, lse
+    from .arrays import to_kind
+    return to_kind(out, query), (to_kind(lse, query) if lse is not None else None)
+
+
+def prepare(p, meta=None):
+    """The :class:`Launch` of planned problem ``p`` over the CUDA arrays ``meta`` made
+    metadata of (:class:`.arrays.Meta`; None for NumPy inputs), its kernel choice logged."""
+    cc = device.compute_capability() if config.CUDA_TENSOR_CORES and p.B else None
+    launch = Launch(p, meta, cc)
+    if not launch.empty:
+        log.info("the %s kernel runs this call: %s", launch.kernel, launch.reason)
+    return launch
+
 
 def run(p, meta=None, query=None):
     """Compute planned problem ``p`` on the GPU.
 
     ``meta`` is None for NumPy inputs (copied in; NumPy results), or the :class:`.arrays.Meta`
-    the plan's arrays were made with (CUDA inputs read in place; results of ``query``'s kind).
-    """
-    on_device = meta is not None
-    out_host = np.empty(p.out_shape, dtype=p.out_dtype)
-    lse_host = np.empty(p.lse_shape, dtype=np.float32)
-    if out_host.size == 0 or p.B == 0:
-        out_host[...] = 0
-        lse_host[...] = -np.inf
-        return _finish(out_host, lse_host if p.want_lse else None, on_device, query, p)
+    the problem's arrays were made with (CUDA inputs read in place; results of ``query``'s kind,
+    queued on the call's stream)."""
+    return prepare(p, meta).run(query)
 
-    a = kernel_args(p, out_host, lse_host)
 
-    def dev(flat, original):
-        """The device array a kernel reads: CUDA memory in place, host memory copied in (also
-        a CUDA call's host-made arrays, such as gathered key/value lists)."""
-        if original is None or not on_device or not meta.holds(original):
-            return cuda.to_device(np.ascontiguousarray(flat))
-        ptr, owner = meta.device_pointer(flat)
-        return cuda.as_cuda_array(_DeviceSpan(ptr, flat.size, flat.dtype, owner))
+# ---------------------------------------------------------------------------------------------
+# results of the caller's library
+# ---------------------------------------------------------------------------------------------
 
-    d_q, d_k, d_v = dev(a.q, p.q), dev(a.k, p.k), dev(a.v, p.v)
-    d_m8 = dev(a.mask8, p.mask if p.mask is not None and p.mask.dtype != np.float16 else None)
-    d_m16 = dev(a.mask16, p.mask if p.mask is not None and p.mask.dtype == np.float16 else None)
-    d_pse = dev(a.pse, p.pse)
+_TORCH_DTYPES = {"float16": "float16", "float32": "float32", "int8": "int8",
+                 "bfloat16": "bfloat16"}
 
-    out_storage = a.out.dtype
-    if on_device:
-        out_dev = _output_like(query, p.out_shape, p.out_dtype)
-        lse_dev = _output_like(query, p.lse_shape, np.float32) if p.want_lse else \
-            cuda.device_array(1, np.float32)
-        d_out = _flat_device(out_dev, out_storage)
-        d_lse = _flat_device(lse_dev, np.float32)
-    else:
-        d_out = cuda.device_array(a.out.size, dtype=out_storage)
-        d_lse = cuda.device_array(a.lse.size if p.want_lse else 1, dtype=np.float32)
-    if p.q_off is not None and p.q_off.any():   # left padding: the rows before the windows
-        d_out.copy_to_device(np.zeros(d_out.size, out_storage))
-        d_lse.copy_to_device(np.full(d_lse.size, -np.inf, np.float32))
 
-    dpad, bq, bkv = launch_config(p)
-    kern, threads = None, bq
-    if config.CUDA_TENSOR_CORES:     # the tensor-core kernel where it applies (gpu.tc_kernel)
-        from . import tc_kernel as tc
-        cc = cuda.get_current_device().compute_capability
-        why = tc.tensor_core_reason(p, cc) or tc.device_reason(p, d_q, d_k, d_v)
-        if why is None:
-            kern, bq, threads = tc.tc_kernel_for(tc.kind_of(p.dtype), p.D), tc.ROWS, tc.THREADS
-        else:
-            log.info("the portable CUDA kernel runs this call, not the tensor-core one: %s", why)
-    qtiles = max(1, -(-int(a.lens[L_ROWS].max()) // bq))
-    int8 = p.dtype == np.int8
-    args = (d_q, d_k, d_v, d_out, d_lse, d_m8, d_m16, d_pse,
-            *map(cuda.to_device, (a.strides, a.boff, a.lens, a.params)), qtiles,
-            *map(cuda.to_device, (a.fparams, a.scale2, a.offset2)))
-    if kern is None:                 # the portable kernels; the float one walks the kv cache
-        kern = kernel_for(dpad, bq, bkv, int8=int8)
-        if not int8:
-            cache = p.cache
-            prefixed = cache is not None and cache.P > 0
-            args += (dev(a.kp, cache.prefix_key if prefixed else None),
-                     dev(a.vp, cache.prefix_value if prefixed else None),
-                     *map(cuda.to_device, (a.table, a.channel) + a.tokens))
-    kern[(p.B * qtiles, p.N), threads](*args)
-    cuda.synchronize()
-    if on_device:
-        return out_dev, (lse_dev if p.want_lse else None)
-    out_host.reshape(-1).view(out_storage)[...] = d_out.copy_to_host()
-    if p.want_lse:
-        lse_host.reshape(-1)[...] = d_lse.copy_to_host()
-    return out_host, (lse_host if p.want_lse else None)
+def library_array(like, shape, dtype, fill, stream):
+    """A new CUDA array of ``like``'s library (torch, CuPy; Numba otherwise) on its device, made
+    on the call's stream: uninitialised (``fill`` None) or filled with ``fill``."""
+    kind = array_kind(like)
+    if kind == "torch":
+        import torch
+        tdt = getattr(torch, _TORCH_DTYPES[np.dtype(dtype).name])
+        if fill is None:
+            return torch.empty(shape, dtype=tdt, device=like.device)
+        return torch.full(shape, fill, dtype=tdt, device=like.device)
+    if kind == "cupy":
+        import cupy
+        if fill is None:
+            return cupy.empty(shape, dtype=dtype)
+        return cupy.full(shape, fill, dtype=dtype)
+    return _numba_array(math.prod(shape), dtype, fill, stream).reshape(shape)
+
+
+def _numba_array(n, dtype, fill, stream):
+    """A new flat Numba device array, filled on ``stream`` unless ``fill`` is None."""
+    from .kernels import FILL_GRID, fill_kernel
+    arr = device.empty(n, dtype, stream)
+    if fill is not None:
+        storage = arr.view(np.uint16) if np.dtype(dtype).itemsize == 2 else arr
+        device.launch(fill_kernel, *FILL_GRID, stream, (storage, storage.dtype.type(fill)))
+    return arr
+
+
+def placeholder_lse(like):
+    """fused_infer_attention_score's softmax_lse without softmax_lse_flag: one float32 zero,
+    made by the query's library on its stream."""
+    device.select(device.library_device(like))
+    return library_array(like, (1,), np.float32, 0, device.caller_stream(like))
 
 
 def _flat_device(arr, storage_dtype):
     """A contiguous CUDA array of ours as a flat Numba device array of its storage type."""
-    kind = array_kind(arr)
-    if kind == "torch":
+    if array_kind(arr) == "torch":
         import torch
         if arr.dtype == torch.bfloat16:
             arr = arr.view(torch.int16)
-    d = cuda.as_cuda_array(arr) if kind != "numba" else arr
+    d = device.as_device(arr) if array_kind(arr) != "numba" else arr
     return d.reshape(d.size).view(storage_dtype)
-
-
-def _finish(out, lse, on_device, query, p):
-    if not on_device:
-        return out, lse
-    return to_kind(out, query), (to_kind(lse, query) if lse is not None else None)

@@ -34,8 +34,9 @@ Not this kernel (:func:`tensor_core_reason` says why; the scalar kernel runs the
 dtypes and head dims, quantized outputs, fused_infer_attention_score's paged, prefixed and int8
 kv caches, scale_value needing a second factor or a power of two,
 rows or strides not 16-byte aligned, compute capability < 8.0, and a V holding inf or NaN (a
-dropped column would reach the rows through 0 * inf in P V, see the warp model; checked per call
-on the device by :func:`v_has_nonfinite`).
+dropped column would reach the rows through 0 * inf in P V, see the warp model: a scan before
+the kernel finds it on the device, and the kernel then leaves the call to the portable kernel
+launched beside it, :func:`nonfinite_scan`).
 """
 import math
 
@@ -147,7 +148,9 @@ def tc_kernel_source(kind, d):
     assert NS == 8                     # _scores2 is called per n-tile and row, written out
 
     def attention_tc(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, qtiles,
-                     fparams, scale2, offset2):
+                     fparams, scale2, offset2, guard, guard_id):
+        if guard[0] == guard_id:       # V holds inf or NaN: the portable kernel runs the call
+            return
         ks = cuda.shared.array(TILE, uint16, alignment=16)
         vs = cuda.shared.array(TILE, uint16, alignment=16)
         qa = cuda.local.array(QREGS, uint32)
@@ -404,8 +407,8 @@ def _strides_aligned(x):
 
 def tensor_core_reason(p, cc=None):
     """None when the tensor-core kernel can run planned problem ``p`` (on a device of compute
-    capability ``cc``, when given), else why not. (Device pointers' alignment and V's
-    finiteness are checked by the launch: :func:`device_reason`.)"""
+    capability ``cc``, when given), else why not. (Device pointers' alignment is checked by
+    the launch, ``launch.Launch.aligned``; V's finiteness on the device, :func:`nonfinite_scan`.)"""
     kind = kind_of(p.dtype)
     if kind is None:
         return f"{np.dtype(p.dtype).name} inputs: the tensor-core kernel takes float16 and bfloat16"
@@ -431,43 +434,37 @@ def tensor_core_reason(p, cc=None):
 def selection_note(cc=None):
     """What CUDA kernel float16 / bfloat16 problems get, and why (for ``info``)."""
     if not config.CUDA_TENSOR_CORES:
-        return ("scalar kernel: config.CUDA_TENSOR_CORES is False (the tensor-core kernel is "
-                "off until it has run on a GPU)")
+        return "portable kernel: config.CUDA_TENSOR_CORES is False"
     if cc is not None and tuple(cc) < (8, 0):
-        return f"scalar kernel: compute capability {cc[0]}.{cc[1]} < 8.0"
-    return (f"tensor-core kernel (mma.sync m16n8k16) for D in {HEAD_DIMS}, 16-byte-aligned rows, "
-            "finite V, plain scale; the scalar kernel otherwise")
+        return f"portable kernel: compute capability {cc[0]}.{cc[1]} < 8.0"
+    return (f"tensor-core kernel (mma.sync m16n8k16) for D in {HEAD_DIMS}, contiguous "
+            "16-byte-aligned rows, plain scale, no paged / prefixed / int8 kv cache, finite V "
+            "(decided on the device); the portable kernel otherwise (the pfa_numba.cuda log "
+            "says which a call gets and why)")
 
 
-def _finite_source(exp_mask):
+def _scan_source(exp_mask):
     mask = np.uint16(exp_mask)
 
-    def nonfinite(x, flag):
+    def nonfinite(x, guard, guard_id):
         for e in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
             if (x[e] & mask) == mask:
-                flag[0] = 1
+                guard[0] = guard_id
     return nonfinite
 
 
-_FINITE = {}
+_SCANS = {}
+
+#: the scan's grid: blocks and threads
+SCAN_GRID = (256, 256)
 
 
-def v_has_nonfinite(d_v, kind):
-    """Whether any 16-bit value of the flat device array ``d_v`` is inf or NaN (all exponent
-    bits set), by one small kernel over its span."""
-    if kind not in _FINITE:
-        _FINITE[kind] = cuda.jit(_finite_source(0x7C00 if kind == "f16" else 0x7F80))
-    flag = cuda.to_device(np.zeros(1, np.int32))
-    _FINITE[kind][256, 256](d_v, flag)
-    return bool(flag.copy_to_host()[0])
-
-
-def device_reason(p, *device_arrays):
-    """None when the tensor-core kernel may run ``p`` on these device arrays (q, k, v first:
-    16-byte-aligned pointers; V finite), else why not."""
-    for name, d in zip(("query", "key", "value"), device_arrays):
-        if d.__cuda_array_interface__["data"][0] % 16:
-            return f"the {name} device pointer is not 16-byte aligned"
-    if v_has_nonfinite(device_arrays[2], kind_of(p.dtype)):
-        return "value holds inf or NaN (a dropped column would reach rows through 0 * inf)"
-    return None
+def nonfinite_scan(kind):
+    """The kernel that writes its guard_id to guard[0] where a 16-bit value of its flat V span
+    is inf or NaN (all exponent bits set). A dropped column of such a V would reach its rows
+    through 0 * inf in P V, so the call is then the portable kernel's: the tensor-core kernel
+    and the portable one are launched behind the scan, and each reads guard[0] on the device
+    (:func:`.kernels.runs_here`): no host round trip decides."""
+    if kind not in _SCANS:
+        _SCANS[kind] = cuda.jit(_scan_source(0x7C00 if kind == "f16" else 0x7F80))
+    return _SCANS[kind]

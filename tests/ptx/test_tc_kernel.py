@@ -2,7 +2,7 @@
 bfloat16 x D 64 / 128 x sm_80 / sm_90, without a GPU, with the scalar kernel's signature; its
 PTX has the tensor-core instructions and no fp64, and ptxas (the nvidia-cuda-nvcc-cu12 wheel's,
 see test_tensor_core_ptx.wheel_ptxas) assembles it. tensor_core_reason picks the problems it
-runs. The kernel has not run on hardware: config.CUDA_TENSOR_CORES stays False until it has.
+runs; config.CUDA_TENSOR_CORES (on by default) lets it run them.
 
 Registers and spill bytes are printed (pytest -s); 0 spill bytes and a 0-byte stack frame are
 asserted for every specialisation (D = 128 sits at 253-255 registers: a change that adds live
@@ -117,8 +117,11 @@ def test_paged_prefixed_and_int8_kv_caches_get_the_portable_kernel():
                                 (9, 0)) is None
 
 
-def test_the_tensor_core_kernel_is_off_by_default_and_info_says_so():
-    assert config.CUDA_TENSOR_CORES is False
+def test_the_tensor_core_kernel_is_on_by_default_and_info_says_so(monkeypatch):
+    assert config.CUDA_TENSOR_CORES is True
+    assert T.selection_note((9, 0)).startswith("tensor-core kernel")
+    assert "compute capability 7.5" in T.selection_note((7, 5))
+    monkeypatch.setattr(config, "CUDA_TENSOR_CORES", False)
     assert "CUDA_TENSOR_CORES is False" in T.selection_note()
 
 
@@ -208,10 +211,18 @@ def test_gpu_float16_additive_mask_and_tnd(monkeypatch):
             dict(num_heads=2, num_key_value_heads=1, input_layout="TND", sparse_mode=3), dt)
 
 
-def test_gpu_nonfinite_v_falls_back_to_the_scalar_kernel(monkeypatch):
+def test_gpu_nonfinite_v_goes_to_the_portable_kernel_on_the_device(monkeypatch):
+    """V holding inf: the tensor-core kernel is launched but the scan's guard word sends the
+    call to the portable kernel launched behind it (the guard holds the call's id); the result
+    is the reference's. A finite V leaves the guard alone."""
+    from pfa_numba.gpu import device, launch as L
     dt = np.dtype(np.float16)
     q, k, v = _qkv(dt, "BNSD", 1, 1, 1, 70, 70, 64, seed=5)
-    v[0, 0, 69] = np.inf          # causal: only the last row keeps it
     m = np.triu(np.ones((2048, 2048), bool), 1)
-    _on_gpu(monkeypatch, (q, k, v, m), dict(num_heads=1, input_layout="BNSD", sparse_mode=2),
-            dt, tc_expected=False)
+    kw = dict(num_heads=1, input_layout="BNSD", sparse_mode=2)
+    _on_gpu(monkeypatch, (q, k, v, m), kw, dt)
+    state = L._STREAMS[device.stream_key(device.caller_stream(None))]
+    assert state.guard.copy_to_host()[0] != state.last_id
+    v[0, 0, 69] = np.inf          # causal: only the last row keeps it
+    _on_gpu(monkeypatch, (q, k, v, m), kw, dt)
+    assert state.guard.copy_to_host()[0] == state.last_id
