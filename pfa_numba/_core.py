@@ -468,6 +468,31 @@ def lse_value(m, l, post_e):
     return times_pow2(m, post_e) + np.float32(math.log(l))
 
 
+_LN2_F32 = np.float32(0.6931471805599453)
+
+
+@jit
+def online_update_log2(m_old, tile_max):
+    """:func:`online_update` in log2 units, for kernels whose scores are t = s * scale * log2 e
+    and whose weights are exp2(t - m) (the tensor-core kernel): (the new running max, the
+    exponent whose exp2 rescales acc and l, the value the tile's weights exp2(t - it) subtract).
+    A row that has kept nothing yet (new max -inf) rescales by exp2(0) = 1 and subtracts 0, so
+    that its dropped scores weigh exp2(-inf) = 0; a first kept tile rescales the zeros by
+    exp2(-inf) = 0; a NaN max makes both NaN (the row is NaN)."""
+    m_old = np.float32(m_old)
+    m_new = max_nan(m_old, tile_max)
+    if m_new == F32_NEG_INF:
+        return m_new, F32_ZERO, F32_ZERO
+    return m_new, m_old - m_new, m_new
+
+
+@jit
+def lse_log2(m, l):
+    """softmax_lse of a finished softmax row from its running max m in log2 units and its sum
+    l: (m + log2 l) * ln 2 (:func:`lse_value` for kernels in log2 units)."""
+    return (np.float32(m) + np.float32(math.log2(np.float32(l)))) * _LN2_F32
+
+
 # ---------------------------------------------------------------------------------------------
 # the int8 pipeline (contract 'Quantization'): scores, softmax weights, and the output deq2 * A / l
 # rounded once to float16

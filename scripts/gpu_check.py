@@ -1,38 +1,98 @@
-"""On a machine with an NVIDIA GPU: check the CUDA kernel at realistic sizes and time it.
+"""On a machine with an NVIDIA GPU: set up, check the CUDA kernels at realistic sizes, time them
+against torch's flash attention, all in one run of a few minutes.
 
-    python scripts/gpu_check.py [--quick] [--tiles] [--tensor-cores]
-    python -m pytest tests/cudasim     # the kernel tests, run on the GPU (no simulator)
-    python -m pytest tests/ptx         # with a GPU: the tensor-core kernel's device tests too
+    python scripts/gpu_check.py [--wheels DIR] [--quick] [--portable] [--profile] [--tiles]
+    python -m pytest tests/cudasim tests/ptx     # the kernel tests, on the device
 
-``--tensor-cores`` turns config.CUDA_TENSOR_CORES on, so fp16 / bf16 run on the tensor-core
-kernel (gpu.tc_kernel) wherever it applies; the first GPU run should check it this way before
-it becomes the default.
+Set-up. numba-cuda 0.30 needs NumPy < 2.5. Where numba-cuda is missing or NumPy is too new
+(an H200 machine with NumPy 2.5 and no package index, say), ``--wheels DIR`` installs the
+wheels of DIR (NumPy < 2.5 and numba-cuda, for this Python: ``pip download --no-deps
+--only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 "numpy<2.5"
+numba-cuda==0.30.4``) into a private folder with ``pip --no-index --no-deps --target`` and
+runs the script again with that folder first on PYTHONPATH and the project second.
 
 1. Correctness: pfa_numba on CUDA (Numba device arrays, and torch tensors when torch has CUDA)
    against pfa_numba.reference (the first kv group's heads) and the CPU path (every head), for
-   fp16, bf16 and fp32, dense / causal / band / user mask / pse / GQA / varlen; every case is
-   reported, then the script fails if any did.
-2. Speed: a side-by-side table of pfa_numba CUDA vs torch SDPA (flash backend, when torch with
-   CUDA is installed) for fp16 and bf16 at (1,16,4096,128) dense and causal and (4,32,1024,128).
-Exits non-zero if a check fails. numba-cuda 0.30 needs NumPy < 2.5 (its first kernel compile
-fails otherwise).
+   fp16, bf16 and fp32, dense / causal / band / user mask / pse / GQA / varlen, and a V holding
+   inf (the tensor-core route's guard); every case is reported, then the script fails if any did.
+2. Speed: for fp16 and bf16 at the shapes of SHAPES, on torch tensors: 50 back-to-back calls
+   between two synchronisations, median of 5 such runs, for a whole call, a planned call
+   (PfaPlan) and torch SDPA's FLASH backend, alternating; beside them the device time of one
+   call (CUDA events around it while the stream is held, so no host time shows) and the host
+   time of a whole and of a planned call (the calls' own time, the stream not waited for).
+3. ``--profile``: an ncu summary (launch, speed of light, occupancy) of one tensor-core launch.
+
+``--portable`` turns config.CUDA_TENSOR_CORES off (every call on the portable kernel).
+Exits non-zero if a check fails.
 """
 import argparse
+import glob
+import os
+import subprocess
 import sys
 import time
 import traceback
 
-import ml_dtypes
-import numpy as np
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SITE = os.path.join("/tmp", "pfa_numba_gpu_site")
 
+#: (B, N, Nkv, S, D, causal) of the speed table
+SHAPES = [(1, 16, 16, 4096, 128, False), (1, 16, 16, 4096, 128, True),
+          (4, 32, 32, 1024, 128, False), (2, 32, 8, 2048, 128, True),
+          (1, 32, 32, 4096, 64, False), (8, 16, 16, 512, 128, False)]
+#: calls between two synchronisations, and such runs a median is taken of
+CALLS, RUNS = 50, 5
+
+
+# ---------------------------------------------------------------------------------------------
+# set-up
+# ---------------------------------------------------------------------------------------------
+
+def _environment_problem():
+    """Why numba-cuda cannot run here, or None."""
+    try:
+        import numpy
+        if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 5):
+            return f"NumPy {numpy.__version__} (numba-cuda 0.30 needs < 2.5)"
+        import numba_cuda  # noqa: F401
+    except ImportError as exc:
+        return f"numba-cuda is not installed ({exc})"
+    return None
+
+
+def set_up(wheels):
+    """None when the environment is ready; else run this script again with the wheels of
+    ``wheels`` installed into SITE first on the path, returning its exit code."""
+    problem = _environment_problem()
+    if problem is None or os.environ.get("PFA_GPU_CHECK_SITE"):
+        return None
+    if not wheels:
+        print(f"set-up: {problem}; pass --wheels DIR with NumPy < 2.5 and numba-cuda wheels")
+        return 2
+    found = sorted(glob.glob(os.path.join(wheels, "*.whl")))
+    print(f"set-up: {problem}; installing {len(found)} wheels from {wheels} into {SITE}")
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", "--no-index",
+                           "--no-deps", "--upgrade", "--target", SITE, *found])
+    env = dict(os.environ, PFA_GPU_CHECK_SITE="1",
+               PYTHONPATH=os.pathsep.join([SITE, ROOT, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.call([sys.executable, *sys.argv], env=env)
+
+
+# ---------------------------------------------------------------------------------------------
+# correctness
+# ---------------------------------------------------------------------------------------------
 
 def _cases(quick):
+    import ml_dtypes
+    import numpy as np
     s = 256 if quick else 1024
     return [
         ("fp16 dense GQA", np.float16, dict(B=1, N=8, Nkv=2, S=s, D=128, mode=0)),
         ("bf16 causal", ml_dtypes.bfloat16, dict(B=1, N=4, Nkv=4, S=s, D=64, mode=3)),
         ("fp32 band", np.float32, dict(B=2, N=4, Nkv=4, S=s, D=80, mode=4)),
         ("fp16 mask+pse varlen", np.float16, dict(B=2, N=4, Nkv=4, S=s // 2, D=128, mode=1)),
+        ("fp16 causal, V with inf", np.float16, dict(B=1, N=4, Nkv=2, S=s, D=128, mode=3,
+                                                     inf=True)),
     ]
 
 
@@ -43,20 +103,24 @@ def check(quick):
             ok &= _check_case(name, dt, c)
         except Exception:                   # report every case, then fail
             traceback.print_exc()
-            print(f"  {name:24s} FAIL (exception above)", flush=True)
+            print(f"  {name:26s} FAIL (exception above)", flush=True)
             ok = False
     return ok
 
 
 def _check_case(name, dt, c):
+    import numpy as np
+    from numba import cuda
+
     from pfa_numba import prompt_flash_attention, reference
     from pfa_numba.gpu.arrays import numba_device_array
     rng = np.random.default_rng(0)
-    ok = True
     b, n, nkv, s, d = c["B"], c["N"], c["Nkv"], c["S"], c["D"]
     q = rng.standard_normal((b, n, s, d)).astype(dt)
     k = rng.standard_normal((b, nkv, s, d)).astype(dt)
     v = rng.standard_normal((b, nkv, s, d)).astype(dt)
+    if c.get("inf"):
+        v[:, :, s - 1] = np.inf                  # causal: only the last rows keep it
     kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BNSD",
               scale_value=d ** -0.5, sparse_mode=c["mode"], pre_tokens=100, next_tokens=20)
     mask = pse = lens = None
@@ -66,106 +130,166 @@ def _check_case(name, dt, c):
         mask = rng.random((b, 1, s, s)) < 0.2
         pse = rng.standard_normal((1, n, s, s)).astype(dt)
         lens = [s, s // 3][:b]
-    args = (q, k, v, mask, lens, None, pse)
     t0 = time.perf_counter()
     dev = [None if x is None else numba_device_array(x) for x in (q, k, v, mask)]
     dpse = None if pse is None else numba_device_array(pse)
     out_dev = prompt_flash_attention(*dev, lens, None, dpse, **kw).copy_to_host()
+    cuda.synchronize()
     t_gpu = time.perf_counter() - t0
-    out_cpu = prompt_flash_attention(*args, **kw)
+    out_cpu = prompt_flash_attention(q, k, v, mask, lens, None, pse, **kw)
     g = n // nkv
-    sub = (q[:, :g], k[:, :1], v[:, :1], mask, lens, None,
-           None if pse is None else pse[:, :g])
-    ref = reference.prompt_flash_attention(*sub, **dict(kw, num_heads=g,
-                                                        num_key_value_heads=0))
-    err_gpu = np.abs(out_dev[:, :g].astype(np.float64) - ref).max()
-    err_cpu = np.abs(out_cpu[:, :g].astype(np.float64) - ref).max()
-    # every head (the reference covers the first kv group): cuda against the cpu path
-    diff = np.abs(out_dev.astype(np.float64) - out_cpu.astype(np.float64))
-    err_all = diff.max() if np.isfinite(diff).all() else np.inf
+    sub = (q[:, :g], k[:, :1], v[:, :1], mask, lens, None, None if pse is None else pse[:, :g])
+    ref = reference.prompt_flash_attention(*sub, **dict(kw, num_heads=g, num_key_value_heads=0))
+
+    def err(a, b):
+        a, b = a.astype(np.float64), np.asarray(b, np.float64)
+        if not np.array_equal(np.isfinite(a), np.isfinite(b)):
+            return np.inf
+        fin = np.isfinite(b)
+        return np.abs(a[fin] - b[fin]).max(initial=0.0)
+
+    err_gpu, err_cpu = err(out_dev[:, :g], ref), err(out_cpu[:, :g], ref)
+    err_all = err(out_dev, out_cpu)              # every head: cuda against the cpu path
     good = err_gpu <= 2 * err_cpu + 1e-3 and err_all <= 2 * err_cpu + 2e-3
-    ok &= bool(good)
-    print(f"  {name:24s} max err vs reference: cuda {err_gpu:.2e}, cpu {err_cpu:.2e}; "
+    print(f"  {name:26s} max err vs reference: cuda {err_gpu:.2e}, cpu {err_cpu:.2e}; "
           f"all heads |cuda - cpu| {err_all:.2e} ({t_gpu:.2f} s incl. JIT)  "
           f"{'OK' if good else 'FAIL'}", flush=True)
+    torch = _torch_cuda()
+    if torch is None:
+        return bool(good)
+    to = prompt_flash_attention(*(None if x is None else _to_torch(torch, x)
+                                  for x in (q, k, v, mask)), lens, None,
+                                None if pse is None else _to_torch(torch, pse), **kw)
+    torch.cuda.synchronize()
+    same = np.array_equal(_from_torch(torch, to).view(np.uint8), out_dev.view(np.uint8))
+    print(f"  {'':26s} torch tensors in/out: {'identical' if same else 'DIFFER'}")
+    return bool(good) and same
+
+
+def _torch_cuda():
     try:
         import torch
     except ImportError:
-        return ok
-    if torch.cuda.is_available():
-        tq, tk, tv = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()
-                      if dt == ml_dtypes.bfloat16 else torch.from_numpy(x).cuda()
-                      for x in (q, k, v))
-        tm = None if mask is None else torch.from_numpy(mask).cuda()
-        tp = None if pse is None else (torch.from_numpy(pse.view(np.int16)).view(
-            torch.bfloat16).cuda() if dt == ml_dtypes.bfloat16 else torch.from_numpy(pse).cuda())
-        to = prompt_flash_attention(tq, tk, tv, tm, lens, None, tp, **kw)
-        assert isinstance(to, torch.Tensor) and to.is_cuda
-        same = np.array_equal(
-            (to.view(torch.int16) if to.dtype == torch.bfloat16 else to).cpu().numpy().view(
-                np.uint8), out_dev.view(np.uint8))
-        ok &= same
-        print(f"  {'':24s} torch tensors in/out: {'identical' if same else 'DIFFER'}")
-    return ok
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def _to_torch(torch, x):
+    import numpy as np
+    if x.dtype.itemsize == 2 and x.dtype != np.float16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()
+    return torch.from_numpy(x).cuda()
+
+
+def _from_torch(torch, t):
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).cpu().numpy()
+
+
+# ---------------------------------------------------------------------------------------------
+# speed
+# ---------------------------------------------------------------------------------------------
+
+def _back_to_back(torch, fn):
+    """(seconds a call over CALLS calls between two synchronisations, the host's seconds a
+    call: the calls' own time, the stream not waited for)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / CALLS, (t1 - t0) / CALLS
+
+
+def _device_time(torch, fn):
+    """The device time of one call: CUDA events around it, queued while the stream is held by
+    a sleeping kernel, so that the host's time does not show between them."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def bench(quick):
+    import numpy as np
+
+    from pfa_numba import PfaPlan, prompt_flash_attention
+    torch = _torch_cuda()
+    if torch is None:
+        print("\nspeed: torch with CUDA is not installed, no table")
+        return
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    shapes = SHAPES[:2] if quick else SHAPES
+    print(f"\nspeed: {CALLS} calls between two synchronisations, median of {RUNS} runs "
+          "(ms a call); device: one call's device time; host: a call's own time")
+    print(f"  {'case':38s} {'pfa':>7s} {'plan':>7s} {'torch':>7s} {'x torch':>7s} "
+          f"{'device':>7s} {'TF/s':>6s} {'host':>7s} {'plan host':>9s}")
+    for dt_name, tdt in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        for b, n, nkv, s, d, causal in shapes:
+            q = torch.randn(b, n, s, d, device="cuda", dtype=tdt)
+            k, v = (torch.randn(b, nkv, s, d, device="cuda", dtype=tdt) for _ in range(2))
+            mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device="cuda"), 1) \
+                if causal else None
+            kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BNSD",
+                      scale_value=d ** -0.5, sparse_mode=3 if causal else 0)
+            plan = PfaPlan(q, k, v, mask, **kw)
+            fns = {"pfa": lambda: prompt_flash_attention(q, k, v, mask, **kw),
+                   "plan": lambda: plan(q, k, v)}
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                fns["torch"] = lambda: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal, enable_gqa=nkv != n)
+                for fn in fns.values():               # compiles, caches, allocator
+                    fn()
+                times = {name: [] for name in fns}
+                for _ in range(RUNS):                 # alternating
+                    for name, fn in fns.items():
+                        times[name].append(_back_to_back(torch, fn))
+            wall = {name: float(np.median([t[0] for t in ts])) for name, ts in times.items()}
+            host = {name: float(np.median([t[1] for t in ts])) for name, ts in times.items()}
+            device = _device_time(torch, fns["plan"])
+            flop = 4.0 * b * n * s * s * d * (0.5 if causal else 1.0)
+            case = f"{dt_name} {'causal' if causal else 'dense'} {(b, n, nkv, s, d)}"
+            print(f"  {case:38s} {wall['pfa'] * 1e3:7.3f} {wall['plan'] * 1e3:7.3f} "
+                  f"{wall['torch'] * 1e3:7.3f} {wall['torch'] / wall['pfa']:7.3f} "
+                  f"{device * 1e3:7.3f} {flop / device / 1e12:6.1f} "
+                  f"{host['pfa'] * 1e6:5.0f}us {host['plan'] * 1e6:7.0f}us", flush=True)
+
+
+def profile():
+    """An ncu summary of one tensor-core launch (fp16 dense (1, 16, 4096, 128))."""
+    cmd = ["ncu", "--clock-control", "none", "--section", "LaunchStats", "--section",
+           "SpeedOfLight", "--section", "Occupancy", "-k", "regex:attention_tc", "-c", "1",
+           sys.executable, os.path.abspath(__file__), "--one-launch"]
+    print("\nprofile: " + " ".join(cmd[:-3]), flush=True)
+    try:
+        subprocess.call(cmd, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [SITE if os.environ.get("PFA_GPU_CHECK_SITE") else "", ROOT,
+             os.environ.get("PYTHONPATH", "")])))
+    except FileNotFoundError:
+        print("  ncu is not on PATH")
+
+
+def one_launch():
+    """What --profile runs under ncu."""
+    import numpy as np
     from numba import cuda
 
     from pfa_numba import prompt_flash_attention
     from pfa_numba.gpu.arrays import numba_device_array
-    try:
-        import torch
-        import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:
-        torch = None
-    shapes = [(1, 16, 4096, 128, "dense"), (1, 16, 4096, 128, "causal"),
-              (4, 32, 1024, 128, "dense")]
-    if quick:
-        shapes = [(1, 8, 1024, 128, "dense")]
-    print(f"\n  {'case':34s} {'pfa_numba cuda':>15s} {'TFLOP/s':>8s} {'torch flash':>12s} "
-          f"{'TFLOP/s':>8s} {'torch/pfa':>9s}")
-    for dt_name, dt in (("fp16", np.float16), ("bf16", ml_dtypes.bfloat16)):
-        for b, n, s, d, mode in shapes:
-            rng = np.random.default_rng(1)
-            host = [rng.standard_normal((b, n, s, d)).astype(dt) for _ in range(3)]
-            dev = [numba_device_array(x) for x in host]
-            mask = cuda.to_device(np.triu(np.ones((2048, 2048), bool), 1)) if mode == "causal" \
-                else None
-            kw = dict(num_heads=n, input_layout="BNSD", scale_value=d ** -0.5,
-                      sparse_mode=3 if mode == "causal" else 0)
-            run = lambda: prompt_flash_attention(*dev, mask, **kw)  # noqa: E731
-            run()
-            cuda.synchronize()
-            t = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                run()
-                cuda.synchronize()
-                t.append(time.perf_counter() - t0)
-            t_pfa = float(np.median(t))
-            t_torch = float("nan")
-            if torch is not None and torch.cuda.is_available():
-                tdt = torch.float16 if dt == np.float16 else torch.bfloat16
-                tq, tk, tv = (torch.randn(b, n, s, d, device="cuda", dtype=tdt) for _ in range(3))
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    f = lambda: F.scaled_dot_product_attention(  # noqa: E731
-                        tq, tk, tv, is_causal=mode == "causal")
-                    f()
-                    torch.cuda.synchronize()
-                    t = []
-                    for _ in range(5):
-                        t0 = time.perf_counter()
-                        f()
-                        torch.cuda.synchronize()
-                        t.append(time.perf_counter() - t0)
-                t_torch = float(np.median(t))
-            flop = 4.0 * b * n * s * s * d * (0.5 if mode == "causal" else 1.0)
-            print(f"  {dt_name + ' ' + mode + ' ' + str((b, n, s, d)):34s} {t_pfa * 1e3:12.2f} ms "
-                  f"{flop / t_pfa / 1e12:8.2f} {t_torch * 1e3:9.2f} ms "
-                  f"{flop / t_torch / 1e12:8.2f} {t_torch / t_pfa:9.3f}", flush=True)
+    x = numba_device_array(np.random.default_rng(0).standard_normal((1, 16, 4096, 128))
+                           .astype(np.float16))
+    prompt_flash_attention(x, x, x, num_heads=16, input_layout="BNSD", scale_value=128 ** -0.5)
+    cuda.synchronize()
 
+
+# ---------------------------------------------------------------------------------------------
+# tile sizes of the portable kernel
+# ---------------------------------------------------------------------------------------------
 
 #: (CUDA_Q_ROWS, CUDA_KV_COLS, CUDA_TILE_ELEMS) to time against the defaults: threads per
 #: block, kv columns per shared-memory tile, and the cap on a tile's float32 values (a tile's
@@ -176,24 +300,26 @@ TILE_VARIANTS = [(64, 64, 4096), (32, 64, 4096), (128, 64, 4096), (256, 64, 4096
 
 
 def tiles(quick, shape=None):
-    """Time the kernel's tile sizes on one problem (fp16, dense; ``shape`` (B, N, S, D) or the
-    default); each variant's output is compared with the first's (tile sizes must not change
-    the result beyond rounding)."""
+    """Time the portable kernel's tile sizes on one problem (float32, dense; ``shape`` (B, N,
+    S, D) or the default); each variant's output is compared with the first's."""
+    import numpy as np
+    from numba import cuda
+
     from pfa_numba import config, prompt_flash_attention
     from pfa_numba.gpu.arrays import numba_device_array
-    from numba import cuda
     b, n, s, d = shape or ((1, 8, 1024, 128) if quick else (1, 16, 2048, 128))
     rng = np.random.default_rng(2)
-    dev = [numba_device_array(rng.standard_normal((b, n, s, d)).astype(np.float16))
+    dev = [numba_device_array(rng.standard_normal((b, n, s, d)).astype(np.float32))
            for _ in range(3)]
     kw = dict(num_heads=n, input_layout="BNSD", scale_value=d ** -0.5)
     saved = (config.CUDA_Q_ROWS, config.CUDA_KV_COLS, config.CUDA_TILE_ELEMS)
     first = None
-    print(f"\n  tile sizes, fp16 dense {(b, n, s, d)}: (rows per block, kv columns, tile cap)")
+    print(f"\n  portable kernel tile sizes, fp32 dense {(b, n, s, d)}: (rows per block, kv "
+          "columns, tile cap)")
     try:
         for rows, cols, elems in TILE_VARIANTS:
             config.CUDA_Q_ROWS, config.CUDA_KV_COLS, config.CUDA_TILE_ELEMS = rows, cols, elems
-            out = prompt_flash_attention(*dev, **kw).copy_to_host().astype(np.float32)
+            out = prompt_flash_attention(*dev, **kw).copy_to_host()
             first = out if first is None else first
             t = []
             for _ in range(5):
@@ -210,25 +336,46 @@ def tiles(quick, shape=None):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--wheels", help="a folder of NumPy < 2.5 and numba-cuda wheels to set up "
+                                     "from when they are missing")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, two table rows")
+    ap.add_argument("--portable", action="store_true",
+                    help="every call on the portable kernel (config.CUDA_TENSOR_CORES off)")
+    ap.add_argument("--profile", action="store_true", help="an ncu summary of one launch")
     ap.add_argument("--tiles", action="store_true",
-                    help="also time the kernel's tile sizes (TILE_VARIANTS)")
-    ap.add_argument("--tensor-cores", action="store_true",
-                    help="fp16 / bf16 on the tensor-core kernel (config.CUDA_TENSOR_CORES)")
+                    help="also time the portable kernel's tile sizes (TILE_VARIANTS)")
+    ap.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from pfa_numba import config
-    config.CUDA_TENSOR_CORES = args.tensor_cores
+    rc = set_up(args.wheels)
+    if rc is not None:
+        return rc
+    if args.one_launch:
+        return one_launch()
     from numba import cuda
+
+    import numba
+    import numpy
+
+    from pfa_numba import config
+    config.CUDA_TENSOR_CORES = not args.portable
     if not cuda.is_available():
         print("no CUDA device: nothing to check here")
         return 1
-    print(f"device: {cuda.get_current_device().name}")
+    torch = _torch_cuda()
+    print(f"device: {cuda.get_current_device().name}; numba {numba.__version__}, NumPy "
+          f"{numpy.__version__}, torch {getattr(torch, '__version__', 'absent')}; "
+          f"tensor cores {'on' if config.CUDA_TENSOR_CORES else 'off'}")
+    t0 = time.perf_counter()
     print("correctness at realistic sizes:")
     ok = check(args.quick)
     bench(args.quick)
     if args.tiles:
         tiles(args.quick)
+    if args.profile:
+        profile()
+    print(f"\n{time.perf_counter() - t0:.0f} s in all")
     return 0 if ok else 1
 
 

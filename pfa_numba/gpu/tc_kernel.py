@@ -38,8 +38,6 @@ dropped column would reach the rows through 0 * inf in P V, see the warp model: 
 the kernel finds it on the device, and the kernel then leaves the call to the portable kernel
 launched beside it, :func:`nonfinite_scan`).
 """
-import math
-
 import numpy as np
 from llvmlite import ir
 from numba import cuda, float32, uint16, uint32
@@ -48,9 +46,9 @@ from numba.cuda.extending import intrinsic
 
 from .. import config
 from .._band import ROW_MEAN, ROW_SOFTMAX, block_kv_range, row_band, row_outcome
-from .._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_ZERO,
+from .._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ZERO,
                      MASK_ADD_F16, MASK_DISCARD, bf16_to_f32, f16_to_f32, f32_to_bf16,
-                     f32_to_f16, jit, max_nan)
+                     f32_to_f16, jit, lse_log2, max_nan, online_update_log2)
 from .._dtypes import F16, is_bf16
 from .._kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_G, P_IP, P_LSE,
                             P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, scale_factors)
@@ -64,7 +62,6 @@ ROWS, THREADS, BKV = WARP_ROWS * WARPS, F.WARP * WARPS, 64
 HEAD_DIMS = (64, 128)
 FULL = 0xFFFFFFFF
 LOG2E = np.float32(1.4426950408889634)
-LN2 = np.float32(0.6931471805599453)
 BIAS_F16 = np.float32(F16_MASK_SCALE * LOG2E)       # the float16 mask's -10000, in log2 units
 
 
@@ -259,9 +256,8 @@ def tc_kernel_source(kind, d):
                     tm1 = max_nan(tm1, cuda.shfl_xor_sync(FULL, tm1, sh))
                 # the online step, per row half: new max, rescale factor, weights, sums
                 for h in range(2):
-                    m_new = max_nan(mr[h], tm0 if h == 0 else tm1)
-                    alpha = F32_ONE if m_new == F32_NEG_INF else X.exp2_approx(mr[h] - m_new)
-                    m_sub = F32_ZERO if m_new == F32_NEG_INF else m_new
+                    m_new, shift, m_sub = online_update_log2(mr[h], tm0 if h == 0 else tm1)
+                    alpha = X.exp2_approx(shift)
                     part = F32_ZERO
                     for nt in range(NS):
                         for e in range(2):
@@ -338,7 +334,7 @@ def tc_kernel_source(kind, d):
                 if params[P_LSE] != 0 and t4 == 0:
                     val = F32_NEG_INF
                     if outcome == ROW_SOFTMAX:
-                        val = (mr[h] + math.log2(lr[h])) * LN2
+                        val = lse_log2(mr[h], lr[h])
                     lse[boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]] = val
 
     return attention_tc

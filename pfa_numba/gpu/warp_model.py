@@ -18,7 +18,8 @@ semantics:
 :func:`fa2_block` runs one warp's block of 16 query rows of one head over its kv tiles:
 S = Q K^T (Q fragments loaded once, K by plain ldmatrix), the band predicate
 (``_band.row_band``) and a user discard mask per accumulator (row, column), the online softmax
-in log2 units with the scale folded in (t = s * scale * log2 e, p = exp2(t - m)), P re-packed
+in log2 units with the scale folded in (t = s * scale * log2 e, p = exp2(t - m); the step is
+``_core.online_update_log2`` and the lse ``_core.lse_log2``, as in the kernel), P re-packed
 from the S accumulators into A fragments (``p_from_s``: no shuffles) in the input's 16-bit
 type, O += P V (V by ldmatrix.trans), l kept per lane and reduced over the quad at the end,
 the division deferred to the end, and the rows of contract 'Empty rows' by ``_band.row_outcome``.
@@ -27,8 +28,8 @@ swap in a wrong map and see a check fail.
 
 What the model shows the kernel must also do: a V value that is inf or NaN in a column a row
 drops still reaches that row (0 * inf = NaN in the product), where contract 'The computation' says
-it contributes nothing; the kernel needs a guard (for example a finite-V flag, else the scalar
-kernel).
+it contributes nothing; so the launch scans V on the device and such calls are computed by the
+portable kernel (``tc_kernel.nonfinite_scan``).
 """
 import functools
 from typing import Callable, NamedTuple
@@ -37,10 +38,10 @@ import ml_dtypes
 import numpy as np
 
 from .._band import ROW_MEAN, ROW_SOFTMAX, band_edges, block_kv_range, row_band, row_outcome
+from .._core import lse_log2, online_update_log2
 from . import fragments as F
 
 LOG2E = np.float32(1.4426950408889634)
-LN2 = np.float32(0.6931471805599453)
 DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 #: query rows of one warp (the m of the mma)
 ROWS = F.MMA_M
@@ -246,10 +247,9 @@ def fa2_block(q, k, v, i0, ql, kl, pre_e, next_e, scale, discard=None, inner_pre
         for tv in tl:
             for h in (0, 1):
                 tmax[:, h] = np.maximum(tmax[:, h], np.maximum(tv[:, 2 * h], tv[:, 2 * h + 1]))
-        m_new = np.maximum(m, quad_allreduce(tmax, np.maximum))
+        m_new, shift, m_sub = _online_update(m, quad_allreduce(tmax, np.maximum))
         with np.errstate(invalid="ignore", over="ignore"):
-            alpha = np.where(m_new == -np.inf, np.float32(1), np.exp2(m - m_new))
-            m_sub = np.where(m_new == -np.inf, np.float32(0), m_new)
+            alpha = np.exp2(shift)
             p = [np.exp2(tv - m_sub[:, half]).astype(np.float32) for tv in tl]
         l = _rescaled_sum(l, alpha, p)
         m = m_new
@@ -264,6 +264,13 @@ def fa2_block(q, k, v, i0, ql, kl, pre_e, next_e, scale, discard=None, inner_pre
                 o[2 * dp + 1] = mma(pa, vb[:, 2:4], o[2 * dp + 1], dtype, maps)
     return _finish(o, m, quad_allreduce(l, np.add), v, i0, ql, kl, pre_e, next_e,
                    inner_precise, maps)
+
+
+def _online_update(m, tile_max):
+    """_core.online_update_log2, the kernel's online step, per lane and row half: (new max,
+    rescale exponent, the value the weights subtract), each (32, 2)."""
+    steps = [online_update_log2(a, b) for a, b in zip(m.ravel(), tile_max.ravel())]
+    return tuple(np.array(x, np.float32).reshape(m.shape) for x in zip(*steps))
 
 
 def _rescaled_sum(l, alpha, p):
@@ -291,7 +298,7 @@ def _finish(o, m, l, v, i0, ql, kl, pre_e, next_e, inner_precise, maps):
                                                 i, pre_e, next_e, kl)
             keep[lane, h], denom[lane, h] = outcome == ROW_SOFTMAX, dv
             if outcome == ROW_SOFTMAX:
-                lse[r] = (m[lane, h] + np.log2(l[lane, h])) * LN2
+                lse[r] = lse_log2(m[lane, h], l[lane, h])
             elif outcome == ROW_MEAN:
                 out[r] = v[mlo:mhi + 1].astype(np.float32).sum(axis=0) / np.float32(dv)
     for dt, ov in enumerate(o):
