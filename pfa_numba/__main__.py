@@ -185,10 +185,18 @@ def info(args):
 
 
 def cuda_ptx(args):
-    """Write the tensor-core kernel's PTX files (tc_<dtype>_d<D>_sm<arch>.ptx)."""
-    from pfa_numba.gpu import tc_kernel
+    """Write the tensor-core kernel's PTX files (tc_<dtype>_d<D>_sm<arch>.ptx) and their SASS
+    summaries (.sass.txt: registers, spills, the kv loop's instruction mix, store widths)."""
+    from pfa_numba.gpu import sass, tc_kernel
+    missing = sass.missing_tools()
+    if missing:
+        print(f"no SASS summaries: the wheels of {', '.join(missing)} are not installed (the "
+              "test extra has them)", file=sys.stderr)
     for path in tc_kernel.write_ptx(args.out, args.filter):
         print(path)
+        if path.endswith(".sass.txt"):
+            with open(path) as f:
+                print(f.read(), end="")
     return 0
 
 
@@ -218,9 +226,9 @@ def main(argv=None):
     p.set_defaults(fn=warmup)
     p = sub.add_parser("info", help="versions, backends, threads, cache location")
     p.set_defaults(fn=info)
-    p = sub.add_parser("cuda-ptx", help="write the tensor-core kernel's PTX, one file a "
-                                        "specialisation (needs numba-cuda, not a GPU)")
-    p.add_argument("--out", required=True, help="folder for the .ptx files")
+    p = sub.add_parser("cuda-ptx", help="write the tensor-core kernel's PTX and SASS summary, "
+                                        "one pair a specialisation (needs numba-cuda, not a GPU)")
+    p.add_argument("--out", required=True, help="folder for the .ptx and .sass.txt files")
     p.add_argument("--filter", default="", help="only files whose name contains this")
     p.set_defaults(fn=cuda_ptx)
     args = parser.parse_args(argv)

@@ -375,16 +375,26 @@ def ptx_names():
 
 def write_ptx(out_dir, name_filter=""):
     """Write the PTX of every specialisation whose file name contains ``name_filter`` into
-    ``out_dir``; returns the paths written."""
+    ``out_dir`` and, where the SASS tools' wheels are installed (:mod:`.sass`), its SASS summary
+    beside it (``tc_f16_d128_sm90.sass.txt``); returns the paths written."""
     import os
+
+    from . import sass
     os.makedirs(out_dir, exist_ok=True)
+    with_sass = not sass.missing_tools()
     paths = []
     for name, spec in ptx_names().items():
         if name_filter in name:
             path = os.path.join(out_dir, name)
+            ptx = tc_ptx(*spec)
             with open(path, "w") as f:
-                f.write(tc_ptx(*spec))
+                f.write(ptx)
             paths.append(path)
+            if with_sass:
+                path = os.path.join(out_dir, name[:-len(".ptx")] + ".sass.txt")
+                with open(path, "w") as f:
+                    f.write(sass.format_summary(name, sass.of_ptx(ptx, spec[2])))
+                paths.append(path)
     return paths
 
 

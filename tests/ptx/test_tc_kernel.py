@@ -32,10 +32,15 @@ def tc_ptx(kind, d, cc):
 
 def test_cuda_ptx_command_writes_one_file_a_specialisation(tmp_path):
     from pfa_numba.__main__ import main
+    from pfa_numba.gpu import sass
     assert len(T.ptx_names()) == 8 and "tc_bf16_d128_sm90.ptx" in T.ptx_names()
     assert main(["cuda-ptx", "--out", str(tmp_path), "--filter", "tc_f16_d64_sm80"]) == 0
     written = sorted(p.name for p in tmp_path.iterdir())
-    assert written == ["tc_f16_d64_sm80.ptx"]
+    with_sass = ["tc_f16_d64_sm80.sass.txt"] if not sass.missing_tools() else []
+    assert written == ["tc_f16_d64_sm80.ptx"] + with_sass
+    if with_sass:
+        text = (tmp_path / with_sass[0]).read_text()
+        assert "instructions per HMMA" in text and "spill bytes            0" in text
     ptx = (tmp_path / written[0]).read_text()
     assert ".target sm_80" in ptx and "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
     assert not F64.search(ptx)
@@ -59,6 +64,29 @@ def test_tc_kernel_compiles_with_the_tensor_core_instructions(kind, d, cc, tmp_p
     log, _ = assemble(ptx, cc, tmp_path, f"tc {kind} D={d}")
     smem = re.search(r"(\d+) bytes smem", log)
     assert smem and int(smem.group(1)) == 2 * 64 * d * 2       # one K and one V tile
+    _holds_the_sass_ceilings(kind, d, cc, tmp_path / f"tc {kind} D={d}.cubin", log)
+
+
+#: (instructions per HMMA in the kv loop, IMAD.WIDE in it) of each specialisation, as the kernel
+#: stands (static counts: the loop holds the mask / pse code a dense call branches over); a
+#: change that adds to either fails here. The issue's targets (<= 8 a HMMA, no IMAD.WIDE,
+#: 16-byte output stores) are not met yet: docs/cuda.md, 'The instruction mix'.
+SASS_CEILINGS = {(64, (8, 0)): (74.9, 180), (64, (9, 0)): (76.3, 180),
+                 (128, (8, 0)): (42.0, 196), (128, (9, 0)): (43.7, 196)}
+
+
+def _holds_the_sass_ceilings(kind, d, cc, cubin, log):
+    from pfa_numba.gpu import sass
+    missing = sass.missing_tools()
+    if missing:
+        pytest.skip(f"the wheels of {missing} (test extra) are not installed: no SASS")
+    s = sass.summary(sass.disassemble(str(cubin)), log)
+    print(sass.format_summary(f"tc_{kind}_d{d}_sm{cc[0]}{cc[1]}", s))
+    per_hmma, imad_wide = SASS_CEILINGS[d, cc]
+    assert s["spill_bytes"] == 0 and s["registers"] <= 255, s
+    assert s["loop_hmma"] == 2 * 8 * d // 16, s                # the kv loop holds every HMMA
+    assert s["instructions_per_hmma"] <= per_hmma and s["loop_imad_wide"] <= imad_wide, s
+    assert set(s["store_bits"]) <= {16, 32}, s      # bf16 / f16 output and float32 lse stores
 
 
 # ---------------------------------------------------------------------------------------------
