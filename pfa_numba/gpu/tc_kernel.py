@@ -9,7 +9,8 @@ NumPy warp model :func:`.warp_model.fa2_block`: the loop, the masking order and 
 (:mod:`.fragments`) are the model's.
 
 One block: 4 warps x 16 query rows (64 rows) of one (batch, query head), 128 threads; the grid
-is today's (B x query-row blocks, N). The block's kv columns [jstart, jend) (``block_kv_range``:
+is (B x query-row blocks, N), each batch's blocks in reverse row order (a causal band's longest
+blocks first). The block's kv columns [jstart, jend) (``block_kv_range``:
 tiles outside the band are never visited) go in tiles of 64 keys, staged by ``cp.async`` (rows
 at or past jend zero-filled) into XOR-swizzled shared memory: one K and one V buffer, each
 loaded while the other is in use (FA2's interleave: V(t) arrives during S = Q K(t)^T, K(t+1)
@@ -160,7 +161,9 @@ def tc_kernel_source(kind, d):
         lane, w = tid & 31, tid >> 5
         g4, t4 = lane >> 2, lane & 3
         b = cuda.blockIdx.x // qtiles
-        i0 = (cuda.blockIdx.x - b * qtiles) * ROWS
+        # the last query rows first: under a causal band they have the most tiles, so the
+        # longest blocks start in the first wave and the grid ends without a long tail
+        i0 = (qtiles - 1 - (cuda.blockIdx.x - b * qtiles)) * ROWS
         n = cuda.blockIdx.y
         gh = n // params[P_G]
         ql, kl, pre_e, next_e = lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b]
