@@ -4,7 +4,8 @@ ldmatrix address and register maps, and the XOR swizzle of the shared-memory til
 Written once and used twice: inlined into the ``@cuda.jit`` tensor-core kernel (they are
 ``@njit(inline='always')`` scalar functions over integers, like :mod:`pfa_numba._core`), and
 called from Python by the NumPy model of one warp, :mod:`.warp_model`, which CI checks against
-:mod:`pfa_numba.reference` (the simulator cannot run inline PTX). A lane is 0..31; in every map
+:mod:`pfa_numba.reference` (and by :mod:`.warp_sim`, which runs
+the kernel's warp instructions under the CUDA simulator). A lane is 0..31; in every map
 g = lane >> 2 (the "groupID" of the PTX ISA) and t = lane & 3 ("threadID_in_group").
 
 Sources: PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type" (A, B, C/D

@@ -4,9 +4,10 @@ Each function below is a ``numba.cuda.extending.intrinsic`` that emits one PTX i
 a short scoped block) through ``llvmlite.ir.InlineAsm``, the mechanism numba-cuda itself uses
 for ``activemask`` or ``tanh.approx.f32``. Fragments are plain SSA values (uint32 / float32 and
 tuples of them), so they live in registers; nothing is linked. They can be called from
-``@cuda.jit`` code only; they compile without a GPU (``cuda.compile_ptx``), and the CUDA
-simulator cannot run them. Importing this module needs numba-cuda but no GPU; ``import
-pfa_numba`` does not import it.
+``@cuda.jit`` code only; they compile without a GPU (``cuda.compile_ptx``). Under the CUDA
+simulator (which cannot run inline PTX) the same names are bound to the Python forms of
+:mod:`.warp_sim`, so a kernel written with them runs there too. Importing this module needs
+numba-cuda but no GPU; ``import pfa_numba`` does not import it.
 
 Which lane holds which element of each fragment is written once, as plain functions, in
 :mod:`.fragments` (used by the kernel and by the NumPy model :mod:`.warp_model`); the layouts
@@ -22,7 +23,9 @@ Shared arrays read by ``ldmatrix`` or written by ``cp.async`` need 16-byte align
 
 Requires sm_80 or newer (``cvt.rn.bf16x2.f32``, bf16 ``mma``, ``cp.async``).
 """
+import numba
 from llvmlite import ir
+from numba import cuda
 from numba.cuda import types
 from numba.cuda.extending import intrinsic
 
@@ -294,3 +297,36 @@ def exp2_approx(typingctx, x):
                          side_effect=False)
 
     return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# float16 -> float32, and the quad shuffle
+# ---------------------------------------------------------------------------------------------
+
+@intrinsic
+def cvt_f32_f16(typingctx, h):
+    """IEEE half bits (the low 16 of an integer) -> float32 by ``cvt.f32.f16`` (exact: subnormals,
+    inf and NaN): one instruction where _core.f16_to_f32's bit steps, written out per
+    accumulator, cost registers and compile time."""
+    if not isinstance(h, types.Integer):
+        return None
+    sig = types.float32(h)
+
+    def codegen(ctx, builder, sig, args):
+        bits = builder.trunc(ctx.cast(builder, args[0], sig.args[0], types.uint32), ir.IntType(16))
+        return _call_asm(builder, _F32, [ir.IntType(16)], "cvt.f32.f16 $0, $1;", "=f,h", [bits],
+                         side_effect=False)
+
+    return sig, codegen
+
+
+#: ``shfl.sync.bfly``: numba-cuda's own, named here so that the simulator can stand in for it
+shfl_xor_sync = getattr(cuda, "shfl_xor_sync", None)
+
+
+if numba.config.ENABLE_CUDASIM:     # the same names, rebound for the kernels that import them
+    from .warp_sim import (cp_async_16, cp_async_16_zfill, cp_async_commit,  # noqa: F401,F811
+                           cp_async_wait, cvt_f32_f16, exp2_approx,  # noqa: F401,F811
+                           ldmatrix_x4, ldmatrix_x4_trans,  # noqa: F401,F811
+                           mma_m16n8k16_bf16, mma_m16n8k16_f16,  # noqa: F401,F811
+                           pack_bf16x2, pack_f16x2, shfl_xor_sync)  # noqa: F401,F811

@@ -39,22 +39,21 @@ dropped column would reach the rows through 0 * inf in P V, see the warp model: 
 the kernel finds it on the device, and the kernel then leaves the call to the portable kernel
 launched beside it, :func:`nonfinite_scan`).
 """
+import numba
 import numpy as np
-from llvmlite import ir
 from numba import cuda, float32, uint16, uint32
-from numba.cuda import types
-from numba.cuda.extending import intrinsic
 
 from .. import config
 from .._band import ROW_MEAN, ROW_SOFTMAX, block_kv_range, row_band, row_outcome
 from .._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ZERO,
                      MASK_ADD_F16, MASK_DISCARD, bf16_to_f32, f16_to_f32, f32_to_bf16,
-                     f32_to_f16, jit, lse_log2, max_nan, online_update_log2)
+                     f32_to_f16, lse_log2, max_nan, online_update_log2)
 from .._dtypes import F16, is_bf16
 from .._kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_G, P_IP, P_LSE,
                             P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, scale_factors)
 from . import fragments as F
 from . import ptx as X
+from .kernels import array_function
 
 #: query rows per warp / warps per block / rows per block / threads per block / keys per tile
 WARP_ROWS, WARPS = F.MMA_M, 4
@@ -62,28 +61,14 @@ ROWS, THREADS, BKV = WARP_ROWS * WARPS, F.WARP * WARPS, 64
 #: head dims with a specialisation
 HEAD_DIMS = (64, 128)
 FULL = 0xFFFFFFFF
+#: under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the kernel runs as Python, its warp-level
+#: instructions those of .warp_sim
+SIMULATOR = numba.config.ENABLE_CUDASIM
 LOG2E = np.float32(1.4426950408889634)
 BIAS_F16 = np.float32(F16_MASK_SCALE * LOG2E)       # the float16 mask's -10000, in log2 units
 
 
-@intrinsic
-def _f16_to_f32_hw(typingctx, h):
-    """IEEE half bits (the low 16 of an integer) -> float32 by ``cvt.f32.f16`` (exact: subnormals,
-    inf and NaN): one instruction where _core.f16_to_f32's bit steps, written out 32 times per
-    tile, cost registers and compile time."""
-    if not isinstance(h, types.Integer):
-        return None
-    sig = types.float32(h)
-
-    def codegen(ctx, builder, sig, args):
-        bits = builder.trunc(ctx.cast(builder, args[0], sig.args[0], types.uint32), ir.IntType(16))
-        fnty = ir.FunctionType(ir.FloatType(), [ir.IntType(16)])
-        return builder.call(ir.InlineAsm(fnty, "cvt.f32.f16 $0, $1;", "=f,h"), [bits])
-
-    return sig, codegen
-
-
-@jit
+@array_function
 def _score(sv, j, row, p_off, m_off, ex):
     """t of one S accumulator (key j): -inf outside the row's band (row = (i < qL, lo,
     hi)) or where the user mask discards; else s * scale * log2 e plus pse and the float16 mask
@@ -95,29 +80,29 @@ def _score(sv, j, row, p_off, m_off, ex):
     tv = sv * c2
     if has_pse:
         raw = pse[p_off + j * ps2]
-        tv += (_f16_to_f32_hw(raw) if code == CODE_F16 else bf16_to_f32(raw)) * LOG2E
+        tv += (X.cvt_f32_f16(raw) if code == CODE_F16 else bf16_to_f32(raw)) * LOG2E
     if mask_kind == MASK_ADD_F16:
-        tv += BIAS_F16 * _f16_to_f32_hw(mask16[m_off + j * ms2])
+        tv += BIAS_F16 * X.cvt_f32_f16(mask16[m_off + j * ms2])
     elif mask_kind == MASK_DISCARD:
         if mask8[m_off + j * ms2] != 0:
             tv = F32_NEG_INF
     return tv
 
 
-@jit
+@array_function
 def _scores2(s0, s1, j, row, p_off, m_off, ex):
     """_score of the two accumulators of one row in one n-tile (keys j, j + 1)."""
     return _score(s0, j, row, p_off, m_off, ex), _score(s1, j + 1, row, p_off, m_off, ex)
 
 
-@jit
+@array_function
 def _row(boff, strides, t, b, head, j):
     """Element offset of row j of head ``head`` of batch b of tensor t (a T_* row): read from
     the arrays where used, so that nothing of it is held in registers across the tile loop."""
     return boff[t, b] + head * strides[t, 0] + j * strides[t, 1]
 
 
-@jit
+@array_function
 def _warp_busy(lens, b, wi, j0):
     """Whether any of the warp's rows [wi, wi + 16) keeps a column of the tile [j0, j0 + 64)
     (else the warp skips the tile: its scores would all be -inf)."""
@@ -144,13 +129,14 @@ def tc_kernel_source(kind, d):
     to_bits = f32_to_f16 if kind == "f16" else f32_to_bf16
     CODE = CODE_F16 if kind == "f16" else CODE_BF16
     assert NS == 8                     # _scores2 is called per n-tile and row, written out
+    ALIGN = None if SIMULATOR else 16  # the simulator's shared arrays take no alignment
 
     def attention_tc(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, qtiles,
                      fparams, scale2, offset2, guard, guard_id):
         if guard[0] == guard_id:       # V holds inf or NaN: the portable kernel runs the call
             return
-        ks = cuda.shared.array(TILE, uint16, alignment=16)
-        vs = cuda.shared.array(TILE, uint16, alignment=16)
+        ks = cuda.shared.array(TILE, uint16, alignment=ALIGN)
+        vs = cuda.shared.array(TILE, uint16, alignment=ALIGN)
         qa = cuda.local.array(QREGS, uint32)
         o = cuda.local.array(OACC, float32)
         s = cuda.local.array(SACC, float32)
@@ -255,8 +241,8 @@ def tc_kernel_source(kind, d):
                     tm0 = max_nan(tm0, max_nan(s[4 * nt], s[4 * nt + 1]))
                     tm1 = max_nan(tm1, max_nan(s[4 * nt + 2], s[4 * nt + 3]))
                 for sh in (1, 2):
-                    tm0 = max_nan(tm0, cuda.shfl_xor_sync(FULL, tm0, sh))
-                    tm1 = max_nan(tm1, cuda.shfl_xor_sync(FULL, tm1, sh))
+                    tm0 = max_nan(tm0, X.shfl_xor_sync(FULL, tm0, sh))
+                    tm1 = max_nan(tm1, X.shfl_xor_sync(FULL, tm1, sh))
                 # the online step, per row half: new max, rescale factor, weights, sums
                 for h in range(2):
                     m_new, shift, m_sub = online_update_log2(mr[h], tm0 if h == 0 else tm1)
@@ -306,7 +292,7 @@ def tc_kernel_source(kind, d):
         # lse, the output
         for h in range(2):
             for sh in (1, 2):
-                lr[h] += cuda.shfl_xor_sync(FULL, lr[h], sh)
+                lr[h] += X.shfl_xor_sync(FULL, lr[h], sh)
         rows_b, sv2 = lens[L_ROWS, b], strides[T_V, 2]
         # (re-read, not held in registers through the tile loop)
         ql, kl, pre_e, next_e = lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b]
@@ -349,8 +335,8 @@ _KERNELS = {}
 def tc_kernel_for(kind, d):
     """The compiled (lazily, on first launch) tensor-core kernel for ``kind`` and ``d``."""
     if (kind, d) not in _KERNELS:
-        _KERNELS[kind, d] = cuda.jit(tc_kernel_source(kind, d), fastmath=False,
-                                     launch_bounds=(THREADS,))
+        bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
+        _KERNELS[kind, d] = cuda.jit(tc_kernel_source(kind, d), fastmath=False, **bounds)
     return _KERNELS[kind, d]
 
 
@@ -464,8 +450,9 @@ def _scan_source(exp_mask):
 
 _SCANS = {}
 
-#: the scan's grid: blocks and threads
-SCAN_GRID = (256, 256)
+#: the scan's grid: blocks and threads (a grid-stride loop: any grid covers V; the simulator
+#: runs each thread as a Python thread)
+SCAN_GRID = (1, 32) if SIMULATOR else (256, 256)
 
 
 def nonfinite_scan(kind):

@@ -1,8 +1,8 @@
 """A NumPy model of one warp of the tensor-core (FA2) kernel: what it computes, register by
 register, through the maps of :mod:`.fragments` that the kernel itself uses.
 
-The CUDA simulator cannot run inline PTX, so this is how the tensor-core path is tested without
-a GPU: every lane's registers are rows of NumPy arrays ((32, 4) uint32 for an A fragment,
+The specification of the tensor-core kernel, tested without a GPU (the kernel's own source
+runs under the CUDA simulator too, through :mod:`.warp_sim`): every lane's registers are rows of NumPy arrays ((32, 4) uint32 for an A fragment,
 (32, 2) for B, (32, 4) float32 for C/D), and each instruction is modelled from its documented
 semantics:
 

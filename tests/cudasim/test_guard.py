@@ -1,8 +1,8 @@
 """The tensor-core route's rule for a V holding inf or NaN, decided on the device: the scan
 kernel writes the call's guard id where it finds one, and the portable kernel launched behind
-the tensor-core kernel computes the call only then. Run under the CUDA simulator (which cannot
-run the tensor-core kernel's inline PTX: its launch is left out here, the portable kernel's
-part is what is checked) or on a GPU."""
+the tensor-core kernel computes the call only then. Run under the CUDA simulator or on a GPU;
+the tensor-core launch is left out here: the portable kernel's part is what is checked
+(test_tc_sim.py runs the tensor-core kernel)."""
 import os
 import sys
 
