@@ -8,24 +8,23 @@ without a GPU. :mod:`.ptx` binds these names in place of its intrinsics under th
 
 A warp-collective instruction (``mma.sync``, ``ldmatrix``, ``shfl.sync``) is an exchange: each
 lane of the calling warp leaves its operands and waits for the other lanes; the last to arrive
-computes the warp's result through the lane maps of :mod:`.fragments` (the PTX ISA's layouts),
-and each lane takes its registers from it. The products are exact in float64 and rounded once
-to float32. ``cp.async`` copies at once (its
+computes the warp's result, and each lane takes its registers from it. The results are those of
+the NumPy warp model, the kernel's specification (:func:`.warp_model.mma`, ``ldmatrix_x4``,
+``pack``: the PTX ISA's lane maps of :mod:`.fragments`). ``cp.async`` copies at once (its
 commit and wait do nothing): a kernel that reads a tile before its barrier is not caught here,
 one that overwrites a tile other warps still read can be.
 """
 import threading
 
-import ml_dtypes
 import numpy as np
 
 from . import fragments as F
+from . import warp_model as M
 
 #: how long a lane waits for the rest of its warp before the simulation is declared stuck
 WAIT_S = 120.0
 
-_WARPS = {}
-_WARPS_LOCK = threading.Lock()
+_LOCK = threading.Lock()
 
 
 class _Exchange:
@@ -41,17 +40,17 @@ class _Exchange:
 
 
 def _exchanges_of(thread):
-    """(the two alternating exchanges of the warp of ``thread``, its lane): warps are keyed by
-    block and warp index, with as many lanes as the block gives that warp."""
+    """(the two alternating exchanges of the warp of ``thread``, its lane), kept on the
+    simulator's manager of the thread's block, with as many lanes as the block gives that
+    warp."""
     warp_index, lane = divmod(thread.thread_id, F.WARP)
-    key = (id(thread._manager), warp_index)
-    with _WARPS_LOCK:
-        pair = _WARPS.get(key)
-        if pair is None:
-            block_threads = int(np.prod(thread._manager._block_dim))
-            lanes = min(F.WARP, block_threads - warp_index * F.WARP)
-            pair = _WARPS[key] = (_Exchange(lanes), _Exchange(lanes))
-    return pair, lane
+    block = thread._manager
+    with _LOCK:
+        warps = block.__dict__.setdefault("warp_sim_exchanges", {})
+        if warp_index not in warps:
+            lanes = min(F.WARP, int(np.prod(block._block_dim)) - warp_index * F.WARP)
+            warps[warp_index] = (_Exchange(lanes), _Exchange(lanes))
+    return warps[warp_index], lane
 
 
 def _collective(value, combine):
@@ -69,69 +68,34 @@ def _collective(value, combine):
     return ex.result, lane
 
 
-def _values(bits, kind):
-    """float64 of 16-bit ``kind`` ("f16" / "bf16") bit patterns."""
-    bits = np.asarray(bits, np.uint16)
-    if kind == "f16":
-        return bits.view(np.float16).astype(np.float64)
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
-def _scatter(regs, rows, cols, step, shape):
-    """The 16-bit matrix of ``shape`` the (lane, register) values ``regs`` hold: the low half
-    at (rows, cols), the high half one ``step`` (row, column) further."""
-    m = np.zeros(shape, np.uint16)
-    regs = np.asarray(regs, np.uint32)
-    m[rows, cols] = regs & 0xFFFF
-    m[rows + step[0], cols + step[1]] = regs >> 16
-    return m
-
-
-_A = F.lane_table(F.mma_a, F.A_REGS)
-_B = F.lane_table(F.mma_b, F.B_REGS)
-_C = F.lane_table(F.mma_c, F.C_REGS)
-
-
-def _mma(kind):
+def _mma(dtype, name):
     def product(slots):
-        a = _scatter([s[0] for s in slots], *_A, (0, 1), (F.MMA_M, F.MMA_K))
-        b = _scatter([s[1] for s in slots], *_B, (1, 0), (F.MMA_K, F.MMA_N))
-        c = np.zeros((F.MMA_M, F.MMA_N), np.float64)
-        c[_C] = np.array([s[2] for s in slots], np.float32)
-        return (_values(a, kind) @ _values(b, kind) + c).astype(np.float32)[_C]
+        a, b, c = (np.array([lane[x] for lane in slots]) for x in range(3))
+        return M.mma(a.astype(np.uint32), b.astype(np.uint32), c.astype(np.float32), dtype)
 
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         d, lane = _collective(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)), product)
         return tuple(d[lane])
 
-    mma.__name__ = f"mma_m16n8k16_{kind}"
-    mma.__doc__ = f"mma.sync m16n8k16 ({kind}) as the simulator runs it (see :mod:`.ptx`)."
+    mma.__name__ = f"mma_m16n8k16_{name}"
+    mma.__doc__ = f"mma.sync m16n8k16 ({name}) as the simulator runs it: warp_model.mma."
     return mma
 
 
-mma_m16n8k16_f16 = _mma("f16")
-mma_m16n8k16_bf16 = _mma("bf16")
+mma_m16n8k16_f16 = _mma(M.DTYPES[0], "f16")
+mma_m16n8k16_bf16 = _mma(M.DTYPES[1], "bf16")
 
 
 def _ldmatrix(trans):
-    # (row, column) inside each 8x8 matrix of the low / high value of every lane's registers
-    low = F.lane_table(lambda lane, reg: F.ldsm_element(lane, 0, trans), 4)
-    high = F.lane_table(lambda lane, reg: F.ldsm_element(lane, 1, trans), 4)
-    matrix = np.broadcast_to(np.arange(4), (F.WARP, 4))
-
     def load(slots):
-        smem = slots[0][0]
-        rows = np.stack([smem[off:off + F.CHUNK] for _, off in slots]).reshape(4, 8, F.CHUNK)
-        lo = rows[matrix, low[0], low[1]].astype(np.uint32)
-        hi = rows[matrix, high[0], high[1]].astype(np.uint32)
-        return lo | hi << 16
+        return M.ldmatrix_x4(slots[0][0], [off for _, off in slots], trans)
 
     def ldmatrix(smem, off):
         regs, lane = _collective((smem, int(off)), load)
         return tuple(regs[lane])
 
     ldmatrix.__name__ = "ldmatrix_x4_trans" if trans else "ldmatrix_x4"
-    ldmatrix.__doc__ = "ldmatrix .x4 as the simulator runs it (see :mod:`.ptx`)."
+    ldmatrix.__doc__ = "ldmatrix .x4 as the simulator runs it: warp_model.ldmatrix_x4."
     return ldmatrix
 
 
@@ -140,15 +104,13 @@ ldmatrix_x4_trans = _ldmatrix(True)
 
 
 def pack_f16x2(lo, hi):
-    """cvt.rn.f16x2.f32: two float32 rounded to float16, ``lo`` in the low half."""
-    bits = np.array([lo, hi], np.float32).astype(np.float16).view(np.uint16)
-    return np.uint32(int(bits[0]) | int(bits[1]) << 16)
+    """cvt.rn.f16x2.f32: warp_model.pack."""
+    return M.pack(lo, hi, M.DTYPES[0])[()]
 
 
 def pack_bf16x2(lo, hi):
-    """cvt.rn.bf16x2.f32: two float32 rounded to bfloat16, ``lo`` in the low half."""
-    bits = np.array([lo, hi], np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
-    return np.uint32(int(bits[0]) | int(bits[1]) << 16)
+    """cvt.rn.bf16x2.f32: warp_model.pack."""
+    return M.pack(lo, hi, M.DTYPES[1])[()]
 
 
 def cvt_f32_f16(h):
