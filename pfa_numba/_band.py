@@ -162,3 +162,22 @@ def tile_inside_band(i0, i1, j0, j1, pre_e, next_e):
     """True when every (row, column) of rows [i0, i1) x columns [j0, j1) is inside the band:
     such a tile needs no per-element band mask."""
     return (i1 - 1) - pre_e <= j0 and j1 - 1 <= i0 + next_e
+
+
+@jit
+def interior_tiles(i0, i1, jstart, jend, width, pre_e, next_e):
+    """The tiles [ta, tb) of the columns [jstart, jend) cut in tiles of ``width`` (tile t:
+    columns jstart + t * width ..) that are whole (they end at or before jend) and inside the
+    band of every row of [i0, i1) (:func:`tile_inside_band`): a contiguous run, since a tile
+    is inside when it starts at or after (i1 - 1) - pre_e and ends at or before i0 + next_e.
+    The other tiles need the per-element band test; tb == ta when there is no such tile."""
+    ntiles = (jend - jstart + width - 1) // width if jend > jstart else 0
+    first = (i1 - 1) - pre_e - jstart                      # tile t needs t * width >= first
+    ta = max(0, (first + width - 1) // width) if first > 0 else 0
+    last = min(i0 + next_e + 1, jend) - jstart             # and t * width + width <= last
+    tb = min(ntiles, last // width) if last >= 0 else 0
+    if ta > ntiles:
+        ta = ntiles
+    if tb < ta:
+        tb = ta
+    return ta, tb

@@ -82,3 +82,9 @@ CUDA_TENSOR_CORES = True
 
 #: No CUDA fast-math: numba-cuda's flushes subnormals, breaking _core's exact float16 conversions.
 CUDA_FASTMATH = frozenset()
+
+#: The tensor-core kernel's softmax weights exp2(t - m) by ``ex2.approx.ftz`` (one instruction,
+#: where keeping subnormals costs four): a weight or rescale factor below 2^-126 becomes 0. Both
+#: are relative to the row's largest weight (1) and its sum (>= 1), so no result moves by more
+#: than 2^-126 of itself; inf and NaN are kept. False: ``ex2.approx`` with subnormals.
+CUDA_EXP2_FTZ = True

@@ -5,6 +5,8 @@ from fractions import Fraction
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from numba import njit
 
 from pfa_numba import _core as C
@@ -277,3 +279,20 @@ def test_int8_out_f16_as_a_python_function():
     got = [C.int8_out_f16.py_func(x, y, z) for x, y, z in zip(a, d, ll)]
     assert np.array_equal(np.array(got, np.uint16), want)
     _check_int8_out(list(zip(a.tolist(), d, ll)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(i0=st.integers(0, 300), rows=st.integers(1, 80), jstart=st.integers(0, 200),
+       cols=st.integers(0, 400), width=st.sampled_from([1, 8, 64]),
+       pre_e=st.integers(-100, 400), next_e=st.integers(-100, 400))
+def test_interior_tiles_are_exactly_the_whole_tiles_inside_the_band(i0, rows, jstart, cols,
+                                                                    width, pre_e, next_e):
+    from pfa_numba._band import interior_tiles, tile_inside_band
+    jend = jstart + cols
+    ntiles = -(-cols // width)
+    inside = [jstart + (t + 1) * width <= jend
+              and tile_inside_band(i0, i0 + rows, jstart + t * width, jstart + (t + 1) * width,
+                                   pre_e, next_e) for t in range(ntiles)]
+    ta, tb = interior_tiles(i0, i0 + rows, jstart, jend, width, pre_e, next_e)
+    assert 0 <= ta <= tb <= ntiles
+    assert inside == [ta <= t < tb for t in range(ntiles)]

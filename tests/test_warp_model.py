@@ -134,6 +134,19 @@ def test_swizzle_is_a_permutation_of_each_row(d):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
+def test_swizzle_step_moves_by_constants(d):
+    """What the kernel relies on to compute one address per lane: every (row, column) of a
+    tile reached from the lane's base in the first 8 x 16 block by swizzle_step."""
+    for row in range(8):
+        for col in range(16):
+            base = F.swizzle(row, col, d)
+            for row_step in range(0, 64, 8):
+                for col_step in range(0, d, 16):
+                    assert (F.swizzle_step(base, row_step, col_step, d)
+                            == F.swizzle(row + row_step, col + col_step, d))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_swizzle_has_no_bank_conflicts(d):
     check_conflict_free(W.MAPS, d)
 

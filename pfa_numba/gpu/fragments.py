@@ -116,6 +116,17 @@ def swizzle(row, col, row_elems):
 
 
 @jit
+def swizzle_step(base, row_step, col_step, row_elems):
+    """swizzle(row + row_step, col + col_step, row_elems) from ``base`` = swizzle(row, col,
+    row_elems), for ``row_step`` a multiple of 8 (the XOR pattern repeats every 8 rows),
+    ``col_step`` a multiple of 16, col < 16, col + col_step < row_elems and ``row_elems`` a
+    power of two: the column moves by XOR (col + col_step = col | col_step, and the swizzle is
+    an XOR of the column), the row by an add. A kernel walking a tile computes one base per
+    lane and reaches every other address by a constant, with no swizzle arithmetic."""
+    return (base ^ col_step) + row_step * row_elems
+
+
+@jit
 def tile_chunk(idx, row_elems):
     """(row, first column) of the ``idx``-th 16-byte chunk of a tile with ``row_elems``
     16-bit values per row, in the order threads copy them: consecutive threads take

@@ -16,8 +16,9 @@ are the PTX ISA's ("Matrix fragments for mma.m16n8k16", "ldmatrix").
 Packing convention: a uint32 register holding two 16-bit values holds the element with the
 lower column (A, C) or lower k (B) in its low half.
 
-Shared-memory operands are given as (a shared ``uint16`` array, an element offset): the asm
-turns the array's generic data pointer into a shared address with ``cvta.to.shared.u64``.
+Shared-memory operands are given as (a shared ``uint16`` array, an element offset): the
+instruction gets a 32-bit shared-window address, the array's base (``cvta.to.shared``, once)
+plus the offset in 32 bits.
 Shared arrays read by ``ldmatrix`` or written by ``cp.async`` need 16-byte alignment
 (``cuda.shared.array(n, uint16, alignment=16)``) and offsets that are multiples of 8 elements.
 
@@ -46,6 +47,18 @@ def _address(ctx, builder, arr_type, arr, off_type, off):
     data = ctx.make_array(arr_type)(ctx, builder, arr).data
     idx = ctx.cast(builder, off, off_type, types.int64)
     return builder.ptrtoint(builder.gep(data, [idx]), _I64)
+
+
+def _shared_address(ctx, builder, arr_type, arr, off_type, off):
+    """The 32-bit shared-window address of element ``off`` of the shared array ``arr``: the
+    array's base converted once (a pure asm the compiler hoists), the offset added in 32 bits,
+    so that an address in a loop is one integer add, not a 64-bit multiply-add and a cvta."""
+    data = ctx.make_array(arr_type)(ctx, builder, arr).data
+    base = _call_asm(builder, _I64, [_I64], "cvta.to.shared.u64 $0, $1;", "=l,l",
+                     [builder.ptrtoint(data, _I64)], side_effect=False)
+    size = ctx.get_abi_sizeof(ctx.get_data_type(arr_type.dtype))
+    idx = builder.trunc(ctx.cast(builder, off, off_type, types.int64), _I32)
+    return builder.add(builder.trunc(base, _I32), builder.mul(idx, ir.Constant(_I32, size)))
 
 
 def _is_u16_array(t):
@@ -104,7 +117,7 @@ mma_m16n8k16_bf16 = _mma("bf16")
 
 def _ldmatrix(trans):
     op = "ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "") + ".shared.b16"
-    text = "{ .reg .u64 sa; cvta.to.shared.u64 sa, $4; " + op + " {$0,$1,$2,$3}, [sa]; }"
+    text = op + " {$0,$1,$2,$3}, [$4];"
 
     def ldmatrix(typingctx, arr, off):
         if not (_is_u16_array(arr) and isinstance(off, types.Integer)):
@@ -112,9 +125,9 @@ def _ldmatrix(trans):
         sig = types.UniTuple(types.uint32, 4)(arr, off)
 
         def codegen(ctx, builder, sig, args):
-            addr = _address(ctx, builder, sig.args[0], args[0], sig.args[1], args[1])
-            st = _call_asm(builder, ir.LiteralStructType([_I32] * 4), [_I64], text,
-                           "=r,=r,=r,=r,l,~{memory}", [addr])
+            addr = _shared_address(ctx, builder, sig.args[0], args[0], sig.args[1], args[1])
+            st = _call_asm(builder, ir.LiteralStructType([_I32] * 4), [_I32], text,
+                           "=r,=r,=r,=r,r,~{memory}", [addr])
             return _tuple_of(ctx, builder, sig.return_type, st, 4)
 
         return sig, codegen
@@ -184,14 +197,14 @@ pack_bf16x2 = _pack("bf16")
 
 def _cp_async_codegen(text, zfill):
     def codegen(ctx, builder, sig, args):
-        vals = [_address(ctx, builder, sig.args[0], args[0], sig.args[1], args[1]),
+        vals = [_shared_address(ctx, builder, sig.args[0], args[0], sig.args[1], args[1]),
                 _address(ctx, builder, sig.args[2], args[2], sig.args[3], args[3])]
-        arg_types = [_I64, _I64]
+        arg_types = [_I32, _I64]
         if zfill:
             vals.append(ctx.cast(builder, args[4], sig.args[4], types.uint32))
             arg_types.append(_I32)
         _call_asm(builder, ir.VoidType(), arg_types, text,
-                  "l,l," + ("r," if zfill else "") + "~{memory}", vals)
+                  "r,l," + ("r," if zfill else "") + "~{memory}", vals)
         return ctx.get_dummy_value()
 
     return codegen
@@ -204,8 +217,8 @@ def _cp_async_args_ok(dst, src, *offsets):
 
 def _cp_async(zfill):
     size = ", $2" if zfill else ""
-    text = ("{ .reg .u64 sa, ga; cvta.to.shared.u64 sa, $0; cvta.to.global.u64 ga, $1; "
-            f"cp.async.cg.shared.global [sa], [ga], 16{size}; }}")
+    text = ("{ .reg .u64 ga; cvta.to.global.u64 ga, $1; "
+            f"cp.async.cg.shared.global [$0], [ga], 16{size}; }}")
     codegen = _cp_async_codegen(text, zfill)
 
     if zfill:
@@ -272,28 +285,158 @@ def cp_async_wait(typingctx, n):
 
 
 # ---------------------------------------------------------------------------------------------
-# exp2 for the online softmax
+# the output's way out: packed pairs into shared memory, 16 bytes at a time to global memory
 # ---------------------------------------------------------------------------------------------
 
 @intrinsic
-def exp2_approx(typingctx, x):
-    """2 ** x in float32 on the SFU: PTX ``ex2.approx.f32 $0, $1;`` (one MUFU.EX2 plus the
-    range scaling that keeps subnormals).
-
-    Deliberately without ``.ftz``: config.CUDA_FASTMATH keeps subnormals (no flush anywhere in
-    the CUDA path), and this one keeps them too. Special values are what the online softmax
-    needs: 2^-inf = +0 (a dropped score weighs nothing), 2^+inf = +inf, NaN stays NaN, 2^0 = 1
-    exactly. The ISA gives a maximum relative error of about 2^-22 (a few float32 ulp), far
-    below the 16-bit rounding P then goes through. The softmax uses it with the scale folded
-    in: p = exp2(s * (scale * log2 e) - m) with m the running max of the same products.
-    """
-    if not isinstance(x, (types.Float, types.Integer)):
+def st_shared_u32(typingctx, smem, off, value):
+    """Store the 32 bits of ``value`` (two packed 16-bit values, low half first) at element
+    ``off`` (even) of the shared uint16 array ``smem``: one ``st.shared.b32``."""
+    if not (_is_u16_array(smem) and isinstance(off, types.Integer)
+            and isinstance(value, types.Integer)):
         return None
-    sig = types.float32(x)
+    sig = types.void(smem, off, value)
 
     def codegen(ctx, builder, sig, args):
-        val = ctx.cast(builder, args[0], sig.args[0], types.float32)
-        return _call_asm(builder, _F32, [_F32], "ex2.approx.f32 $0, $1;", "=f,f", [val],
+        addr = _shared_address(ctx, builder, sig.args[0], args[0], sig.args[1], args[1])
+        val = ctx.cast(builder, args[2], sig.args[2], types.uint32)
+        _call_asm(builder, ir.VoidType(), [_I32, _I32], "st.shared.b32 [$0], $1;",
+                  "r,r,~{memory}", [addr, val])
+        return ctx.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def copy_16_shared_to_global(typingctx, dst, dst_off, smem, smem_off):
+    """Copy 16 bytes from element ``smem_off`` of the shared uint16 array ``smem`` to element
+    ``dst_off`` of the global array ``dst`` (both 16-byte aligned): one ``ld.shared.v4`` and
+    one ``st.global.v4``, the coalesced store of a staged output row segment."""
+    if not (_is_u16_array(smem) and isinstance(dst, types.Array)
+            and isinstance(dst_off, types.Integer) and isinstance(smem_off, types.Integer)):
+        return None
+    sig = types.void(dst, dst_off, smem, smem_off)
+    text = ("{ .reg .u64 ga; .reg .b32 w0, w1, w2, w3; cvta.to.global.u64 ga, $0; "
+            "ld.shared.v4.b32 {w0, w1, w2, w3}, [$1]; st.global.v4.b32 [ga], {w0, w1, w2, w3}; }")
+
+    def codegen(ctx, builder, sig, args):
+        vals = [_address(ctx, builder, sig.args[0], args[0], sig.args[1], args[1]),
+                _shared_address(ctx, builder, sig.args[2], args[2], sig.args[3], args[3])]
+        _call_asm(builder, ir.VoidType(), [_I64, _I32], text, "l,r,~{memory}", vals)
+        return ctx.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def syncwarp(typingctx):
+    """Every lane of the warp arrives before any goes on, and each then sees the shared-memory
+    writes the others made before it. PTX: ``bar.warp.sync -1;``"""
+    sig = types.void()
+
+    def codegen(ctx, builder, sig, args):
+        _call_asm(builder, ir.VoidType(), [], "bar.warp.sync -1;", "~{memory}", [])
+        return ctx.get_dummy_value()
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# exp2 for the online softmax
+# ---------------------------------------------------------------------------------------------
+
+def _exp2(ftz):
+    text = "ex2.approx" + (".ftz" if ftz else "") + ".f32 $0, $1;"
+
+    def exp2(typingctx, x):
+        if not isinstance(x, (types.Float, types.Integer)):
+            return None
+        sig = types.float32(x)
+
+        def codegen(ctx, builder, sig, args):
+            val = ctx.cast(builder, args[0], sig.args[0], types.float32)
+            return _call_asm(builder, _F32, [_F32], text, "=f,f", [val], side_effect=False)
+
+        return sig, codegen
+
+    exp2.__name__ = "exp2_approx_ftz" if ftz else "exp2_approx"
+    exp2.__doc__ = f"""2 ** x in float32 on the SFU: PTX ``{text}``.
+
+    {"Subnormal inputs and results flush to 0 (one MUFU.EX2)." if ftz else
+     "Subnormals kept (a MUFU.EX2 plus the range scaling around it)."} Special values are what
+    the online softmax needs: 2^-inf = +0 (a dropped score weighs nothing), 2^+inf = +inf, NaN
+    stays NaN, 2^0 = 1 exactly. The ISA gives a maximum relative error of about 2^-22 (a few
+    float32 ulp), far below the 16-bit rounding P then goes through. The softmax uses it with
+    the scale folded in: p = exp2(s * (scale * log2 e) - m) with m the running max of the same
+    products; config.CUDA_EXP2_FTZ picks the form.
+    """
+    return intrinsic(exp2)
+
+
+exp2_approx = _exp2(False)
+exp2_approx_ftz = _exp2(True)
+
+
+def _load_if(bits):
+    text = ("{ .reg .pred p; .reg .u64 ga; setp.ne.u32 p, $2, 0; cvta.to.global.u64 ga, $1; "
+            f"mov.u32 $0, 0; @p ld.global.nc.u{bits} $0, [ga]; }}")
+
+    def load_if(typingctx, arr, off, pred):
+        if not (isinstance(arr, types.Array) and arr.dtype == getattr(types, f"uint{bits}")
+                and isinstance(off, types.Integer)
+                and isinstance(pred, (types.Boolean, types.Integer))):
+            return None
+        sig = types.uint32(arr, off, pred)
+
+        def codegen(ctx, builder, sig, args):
+            vals = [_address(ctx, builder, sig.args[0], args[0], sig.args[1], args[1]),
+                    ctx.cast(builder, args[2], sig.args[2], types.uint32)]
+            return _call_asm(builder, _I32, [_I64, _I32], text, "=r,l,r", vals,
+                             side_effect=False)
+
+        return sig, codegen
+
+    load_if.__name__ = f"load_u{bits}_if"
+    load_if.__doc__ = f"""``arr[off]`` (a read-only global uint{bits} array) where ``pred``, else
+    0, as a uint32, with no branch: a predicated ``ld.global.nc.u{bits}`` (the element is not
+    read, so it may lie outside the array, where ``pred`` is false). PTX::
+
+        {text}
+    """
+    return intrinsic(load_if)
+
+
+load_u8_if = _load_if(8)
+load_u16_if = _load_if(16)
+
+
+@intrinsic
+def fma_f32(typingctx, a, b, c):
+    """a * b + c in float32 with one rounding: PTX ``fma.rn.f32`` (the weights' exponent
+    s * scale - m in one instruction)."""
+    if not all(isinstance(x, types.Float) for x in (a, b, c)):
+        return None
+    sig = types.float32(a, b, c)
+
+    def codegen(ctx, builder, sig, args):
+        vals = [ctx.cast(builder, x, t, types.float32) for x, t in zip(args, sig.args)]
+        return _call_asm(builder, _F32, [_F32] * 3, "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
+                         vals, side_effect=False)
+
+    return sig, codegen
+
+
+@intrinsic
+def max_nan_f32(typingctx, a, b):
+    """:func:`pfa_numba._core.max_nan` in one instruction: PTX ``max.NaN.f32`` (sm_80), the
+    larger of two float32, NaN when either is NaN."""
+    if not (isinstance(a, types.Float) and isinstance(b, types.Float)):
+        return None
+    sig = types.float32(a, b)
+
+    def codegen(ctx, builder, sig, args):
+        vals = [ctx.cast(builder, x, t, types.float32) for x, t in zip(args, sig.args)]
+        return _call_asm(builder, _F32, [_F32, _F32], "max.NaN.f32 $0, $1, $2;", "=f,f,f", vals,
                          side_effect=False)
 
     return sig, codegen
@@ -326,7 +469,10 @@ shfl_xor_sync = getattr(cuda, "shfl_xor_sync", None)
 
 if numba.config.ENABLE_CUDASIM:     # the same names, rebound for the kernels that import them
     from .warp_sim import (cp_async_16, cp_async_16_zfill, cp_async_commit,  # noqa: F401,F811
-                           cp_async_wait, cvt_f32_f16, exp2_approx,  # noqa: F401,F811
+                           copy_16_shared_to_global, cp_async_wait,  # noqa: F401,F811
+                           cvt_f32_f16, exp2_approx, exp2_approx_ftz,  # noqa: F401,F811
+                           fma_f32, load_u8_if, load_u16_if,  # noqa: F401,F811
+                           max_nan_f32, st_shared_u32, syncwarp,  # noqa: F401,F811
                            ldmatrix_x4, ldmatrix_x4_trans,  # noqa: F401,F811
                            mma_m16n8k16_bf16, mma_m16n8k16_f16,  # noqa: F401,F811
                            pack_bf16x2, pack_f16x2, shfl_xor_sync)  # noqa: F401,F811

