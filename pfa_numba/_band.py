@@ -173,11 +173,6 @@ def interior_tiles(i0, i1, jstart, jend, width, pre_e, next_e):
     The other tiles need the per-element band test; tb == ta when there is no such tile."""
     ntiles = (jend - jstart + width - 1) // width if jend > jstart else 0
     first = (i1 - 1) - pre_e - jstart                      # tile t needs t * width >= first
-    ta = max(0, (first + width - 1) // width) if first > 0 else 0
     last = min(i0 + next_e + 1, jend) - jstart             # and t * width + width <= last
-    tb = min(ntiles, last // width) if last >= 0 else 0
-    if ta > ntiles:
-        ta = ntiles
-    if tb < ta:
-        tb = ta
-    return ta, tb
+    ta = min(ntiles, max(0, -(-first // width)))
+    return ta, max(ta, min(ntiles, last // width))

@@ -30,7 +30,6 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import config
-from .._core import MASK_NONE
 from .._kernel_args import L_ROWS, kernel_args
 from . import device
 from .arrays import array_kind
@@ -306,9 +305,8 @@ class Launch:
             launches.append((tc.nonfinite_scan(kind), *tc.SCAN_GRID,
                              [t["v"], guard, guard_id]))
             tc_tiles = max(1, -(-self.rows // tc.ROWS))
-            masked = p.mask_kind != MASK_NONE or p.pse is not None
-            launches.append((tc.tc_kernel_for(kind, p.D, masked), (p.B * tc_tiles, p.N),
-                             tc.THREADS, head + small + [tc_tiles] + tail))
+            launches.append((tc.tc_kernel_for(kind, p.D, tc.reads_mask_or_pse(p)),
+                             (p.B * tc_tiles, p.N), tc.THREADS, head + small + [tc_tiles] + tail))
         launches.append((kernel_for(dpad, bq, bkv, int8=int8), (p.B * qtiles, p.N), bq,
                          portable))
         return launches

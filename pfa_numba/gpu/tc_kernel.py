@@ -102,13 +102,13 @@ def _row(boff, strides, t, b, head, j):
 
 
 @array_function
-def _stage(smem, dst, src, base, off, step, rows_left, chunks, row_step, row_elems):
+def _stage(smem, dst, src, base, row, stride, rows_left, chunks, row_step, row_elems):
     """cp.async this thread's ``chunks`` 16-byte chunks of a tile into ``smem``: its first at
-    shared offset ``dst`` from global element ``base + off``, each next ``row_step`` rows below
-    (``step`` elements further in global memory). ``off`` and ``step`` are 32-bit (the span
-    of one head's rows, tensor_core_reason) and advanced by an add: no multiply per chunk.
-    Chunks of rows at or past ``rows_left`` are zero-filled (read from ``base``, a valid
-    address, for 0 bytes)."""
+    shared offset ``dst`` from row ``row`` of ``src`` past element ``base`` (rows ``stride``
+    elements apart), each next ``row_step`` rows below. The row offsets are 32-bit (the span a
+    tensor_core_reason bounds) and advanced by an add: no multiply per chunk. Chunks of rows at
+    or past ``rows_left`` are zero-filled (read from ``base``, a valid address, for 0 bytes)."""
+    off, step = np.int32(np.int32(row) * np.int32(stride)), np.int32(row_step * stride)
     rows_left = np.int32(rows_left)
     for c in range(chunks):
         ok = np.int32(c * row_step) < rows_left
@@ -168,8 +168,7 @@ def tc_kernel_source(kind, d, masked=False):
         crosses it (``band``)."""
         a_at, b_at, g4, t4, wi = lane_at
         lens, b, ql, kl, pre_e, next_e, c2 = rows
-        ia, ib = wi + g4, wi + g4 + 8
-        jc = j0 + 2 * t4
+        ia, jc = wi + g4, j0 + 2 * t4            # the lane's first row and key
         if MASKED:
             pse, mask8, mask16, has_pse, mask_kind, p_rows, m_rows = ex
             for h in range(2):
@@ -202,13 +201,12 @@ def tc_kernel_source(kind, d, masked=False):
                                 s[4 * nt + 2 * h + e] = F32_NEG_INF
             return
         if band:
-            lo_a, hi_a = _band32(ia, ql, jc, pre_e, next_e, kl)
-            lo_b, hi_b = _band32(ib, ql, jc, pre_e, next_e, kl)
-            for nt in range(NS):
-                for e in range(2):
-                    j = np.int32(8 * nt + e)
-                    s[4 * nt + e] = _banded(s[4 * nt + e], j, lo_a, hi_a)
-                    s[4 * nt + 2 + e] = _banded(s[4 * nt + 2 + e], j, lo_b, hi_b)
+            for h in range(2):
+                lo, hi = _band32(ia + 8 * h, ql, jc, pre_e, next_e, kl)
+                for nt in range(NS):
+                    for e in range(2):
+                        x = 4 * nt + 2 * h + e
+                        s[x] = _banded(s[x], np.int32(8 * nt + e), lo, hi)
 
     def make_tile_step(band):
         """One tile of the kv loop (``band``: the tile crosses the band of some row)."""
@@ -220,8 +218,8 @@ def tc_kernel_source(kind, d, masked=False):
             X.cp_async_wait(0)
             cuda.syncthreads()              # K(j0) landed; every warp is done with V(before)
             # (a tile inside the band is whole: its rows need no zero-fill test)
-            _stage(vs, c_at, v, v_base, np.int32(np.int32(j0 + crow) * vs1),
-                   np.int32(RSTEP * vs1), jend - j0 - crow if band else BKV, CPT, RSTEP, D)
+            _stage(vs, c_at, v, v_base, j0 + crow, vs1, jend - j0 - crow if band else BKV, CPT,
+                   RSTEP, D)
             X.cp_async_commit()
             # (inside the band, a warp with a row below qL keeps every column of the tile)
             busy = _warp_busy(rows[0], rows[1], wi, j0) if band else wi < rows[2]
@@ -275,8 +273,7 @@ def tc_kernel_source(kind, d, masked=False):
             X.cp_async_wait(0)
             cuda.syncthreads()              # V(j0) landed; every warp is done with K(j0)
             if jn >= 0:                     # the next tile's K, during O += P V
-                _stage(ks, c_at, k, k_base, np.int32(np.int32(jn + crow) * ks1),
-                       np.int32(RSTEP * ks1), jend - jn - crow, CPT, RSTEP, D)
+                _stage(ks, c_at, k, k_base, jn + crow, ks1, jend - jn - crow, CPT, RSTEP, D)
                 X.cp_async_commit()
             if busy:
                 # O += P V, V by ldmatrix.trans
@@ -338,8 +335,8 @@ def tc_kernel_source(kind, d, masked=False):
         crow, ccol = F.tile_chunk(tid, D)
         c_at = F.swizzle(crow, ccol, D)
         kv = (k, v, _row(boff, strides, T_K, b, gh, 0) + ccol,
-              _row(boff, strides, T_V, b, gh, 0) + ccol, np.int32(strides[T_K, 1]),
-              np.int32(strides[T_V, 1]), c_at, crow, jend)
+              _row(boff, strides, T_V, b, gh, 0) + ccol, strides[T_K, 1], strides[T_V, 1], c_at,
+              crow, jend)
         # the scale in log2 units, made >= 0 (a negative one negates Q instead: exact, and
         # it keeps the max of the scores the max of the weights' exponents)
         c2 = fparams[F_SCALE] * LOG2E
@@ -353,8 +350,8 @@ def tc_kernel_source(kind, d, masked=False):
         smem, frag = (ks, vs), (qa, o, s, pa, mr, lr)
         if ntiles > 0:
             # Q: through the K buffer into registers, once
-            _stage(ks, c_at, q, _row(boff, strides, T_Q, b, n, i0 + crow) + ccol, np.int32(0),
-                   np.int32(RSTEP * strides[T_Q, 1]), ql - i0 - crow, CPT, RSTEP, D)
+            _stage(ks, c_at, q, _row(boff, strides, T_Q, b, n, i0) + ccol, crow,
+                   strides[T_Q, 1], ql - i0 - crow, CPT, RSTEP, D)
             X.cp_async_commit()
             X.cp_async_wait(0)
             cuda.syncthreads()
@@ -367,8 +364,7 @@ def tc_kernel_source(kind, d, masked=False):
                     qa[x] ^= SIGNS
             cuda.syncthreads()              # every warp has its Q before the first K overwrites it
             j = jstart + _tile_order(0, ta, tb) * BKV
-            _stage(ks, c_at, k, kv[2], np.int32(np.int32(j + crow) * kv[4]),
-                   np.int32(RSTEP * kv[4]), jend - j - crow, CPT, RSTEP, D)
+            _stage(ks, c_at, k, kv[2], j + crow, kv[4], jend - j - crow, CPT, RSTEP, D)
             X.cp_async_commit()
         # the tiles inside the band, then those crossing it (FA2's unmasked and masked steps):
         # two loops, so that the first has no band test at all
@@ -425,6 +421,12 @@ def tc_kernel_source(kind, d, masked=False):
 
 
 _KERNELS = {}
+
+
+def reads_mask_or_pse(p):
+    """Whether planned problem ``p`` needs the masked variant: a user mask the sparse mode
+    reads, or pse."""
+    return p.mask_kind != MASK_NONE or p.pse is not None
 
 
 def tc_kernel_for(kind, d, masked):
@@ -533,23 +535,19 @@ def tensor_core_reason(p, cc=None):
     for name, x in (("query", p.q), ("key", p.k), ("value", p.v)):
         if not _strides_aligned(x):
             return f"{name} rows are not contiguous 16-byte-aligned runs (strides {x.strides})"
-    for name, x in (("atten_mask", p.mask if p.mask_kind != MASK_NONE else None),
-                    ("pse_shift", p.pse)):
-        if x is not None and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+    for name, x in (("atten_mask", p.mask), ("pse_shift", p.pse)):
+        if (reads_mask_or_pse(p) and x is not None and x.shape[-1] > 1
+                and x.strides[-1] != x.itemsize):
             return (f"{name}'s columns are not contiguous (strides {x.strides}): the "
                     "tensor-core kernel reads them at constant offsets")
-    for name, x in (("key", p.k), ("value", p.v)):
-        if _head_span(x, p.packed) >= 2 ** 31:
-            return (f"{name}'s rows of one head span 2^31 elements or more: the tensor-core "
-                    "kernel's kv row offsets are 32-bit")
+    axis = 0 if p.packed else 2                 # the row axis of the planned views
+    for name, x, rows in (("query", p.q, ROWS), ("key", p.k, p.k.shape[axis] + BKV),
+                          ("value", p.v, p.v.shape[axis] + BKV)):
+        if rows * abs(x.strides[axis]) // x.itemsize + x.shape[-1] >= 2 ** 31:
+            return (f"{name}'s rows span 2^31 elements or more: the tensor-core kernel's row "
+                    "offsets are 32-bit (a block's 64 query rows, one head's key and value "
+                    "rows and a tile past them)")
     return None
-
-
-def _head_span(x, packed):
-    """The elements the rows of one head of planned tensor ``x`` ((B, N, S, D) views, or
-    (T, N, D) packed) span, 64 rows past its end included (a tile's last rows)."""
-    axis = 0 if packed else 2
-    return (x.shape[axis] + BKV) * abs(x.strides[axis]) // x.itemsize + x.shape[-1]
 
 
 def selection_note(cc=None):
