@@ -2,11 +2,12 @@
 
 * lane "cpu": the CPU tests (tests/, one process), then the notebooks (executed with nbmake),
   then the docs site (Sphinx, warnings as errors, into a fresh folder, so the notebooks run
-  again). These share the CPU kernels' Numba cache, which the CPU tests fill.
-* lane "cuda": the PTX checks (tests/ptx: ``cuda.compile_ptx`` needs the real numba.cuda), then
-  the CUDA-simulator tests (tests/cudasim, when present: NUMBA_ENABLE_CUDASIM=1 must be set
-  before Numba is imported, so they get a process of their own). They compile CUDA kernels,
-  one core's work that the CPU lane does not wait for.
+  again), which share the CPU kernels' Numba cache the CPU tests fill; then the
+  CUDA-simulator tests (tests/cudasim, when present: NUMBA_ENABLE_CUDASIM=1 must be set
+  before Numba is imported, so they get a process of their own).
+* lane "cuda": the PTX checks (tests/ptx: ``cuda.compile_ptx`` needs the real numba.cuda): they
+  compile and assemble CUDA kernels, the longest single step, one core's work that the CPU
+  lane does not wait for.
 
 Each process must pass and each pytest process must run at least one test (pytest's exit code
 5, "no tests ran", counts as a failure). A step's output is printed whole when it ends. Extra
@@ -26,16 +27,13 @@ def lanes(site):
     """{lane: [(name, command, environment, takes the extra pytest arguments)]}, each lane's
     steps in order."""
     py = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    cuda = [("ptx", py + ["tests/ptx"], {}, True)]
+    cpu = [("cpu", py + ["tests", "--ignore=tests/ptx", "--ignore=tests/cudasim"], {}, True),
+           ("notebooks", py + ["--nbmake", "--nbmake-timeout=600", "notebooks"], {}, True),
+           ("docs", [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+                     "docs", site], {}, False)]
     if os.path.isdir(os.path.join(ROOT, "tests", "cudasim")):
-        cuda.append(("cudasim", py + ["tests/cudasim"], {"NUMBA_ENABLE_CUDASIM": "1"}, True))
-    return {
-        "cpu": [("cpu", py + ["tests", "--ignore=tests/ptx", "--ignore=tests/cudasim"], {}, True),
-                ("notebooks", py + ["--nbmake", "--nbmake-timeout=600", "notebooks"], {}, True),
-                ("docs", [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b",
-                          "html", "docs", site], {}, False)],
-        "cuda": cuda,
-    }
+        cpu.append(("cudasim", py + ["tests/cudasim"], {"NUMBA_ENABLE_CUDASIM": "1"}, True))
+    return {"cpu": cpu, "cuda": [("ptx", py + ["tests/ptx"], {}, True)]}
 
 
 def run_lane(steps, extra, results, printing):
