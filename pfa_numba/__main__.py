@@ -185,14 +185,15 @@ def info(args):
 
 
 def cuda_ptx(args):
-    """Write the tensor-core kernel's PTX files (tc_<dtype>_d<D>_sm<arch>.ptx) and their SASS
-    summaries (.sass.txt: registers, spills, the kv loop's instruction mix, store widths)."""
-    from pfa_numba.gpu import sass, tc_kernel
+    """Write the tensor-core kernels' PTX files (tc_<dtype>_d<D>_sm<arch>.ptx, decode_...) and
+    their SASS summaries (.sass.txt: registers, spills, the kv loops' instruction mix, store
+    widths)."""
+    from pfa_numba.gpu import sass
     missing = sass.missing_tools()
     if missing:
         print(f"no SASS summaries: the wheels of {', '.join(missing)} are not installed (the "
               "test extra has them)", file=sys.stderr)
-    for path in tc_kernel.write_ptx(args.out, args.filter):
+    for path in sass.write_ptx(args.out, args.filter):
         print(path)
         if path.endswith(".sass.txt"):
             with open(path) as f:
@@ -226,7 +227,7 @@ def main(argv=None):
     p.set_defaults(fn=warmup)
     p = sub.add_parser("info", help="versions, backends, threads, cache location")
     p.set_defaults(fn=info)
-    p = sub.add_parser("cuda-ptx", help="write the tensor-core kernel's PTX and SASS summary, "
+    p = sub.add_parser("cuda-ptx", help="write the tensor-core kernels' PTX and SASS summaries, "
                                         "one pair a specialisation (needs numba-cuda, not a GPU)")
     p.add_argument("--out", required=True, help="folder for the .ptx and .sass.txt files")
     p.add_argument("--filter", default="", help="only files whose name contains this")

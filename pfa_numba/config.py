@@ -76,9 +76,15 @@ CUDA_KV_COLS = 64
 #: float32 values per K and per V tile at most (2 x 16 KiB here): within static shared memory.
 CUDA_TILE_ELEMS = 4096
 
-#: fp16/bf16 on the tensor-core kernel (gpu.tc_kernel) where it takes the problem; False: the
-#: portable kernel runs every CUDA call.
+#: fp16/bf16 on the tensor-core kernels (gpu.tc_kernel, and gpu.decode_kernel for calls of at
+#: most 16 query rows a kv head) where they take the problem; False: the portable kernel runs
+#: every CUDA call.
 CUDA_TENSOR_CORES = True
+
+#: The decode kernel's split of the kv range: enough (batch, kv head, split) blocks for this many
+#: a multiprocessor, each split at least CUDA_DECODE_MIN_TILES tiles of 64 keys.
+CUDA_DECODE_BLOCKS_PER_SM = 4
+CUDA_DECODE_MIN_TILES = 4
 
 #: No CUDA fast-math: numba-cuda's flushes subnormals, breaking _core's exact float16 conversions.
 CUDA_FASTMATH = frozenset()

@@ -2,6 +2,7 @@
 against torch's flash attention, all in one run of a few minutes.
 
     python scripts/gpu_check.py [--wheels DIR] [--quick] [--portable] [--profile] [--tiles]
+    python scripts/gpu_check.py --decode [--wheels DIR] [--quick]
     python -m pytest tests/cudasim tests/ptx     # the kernel tests, on the device
 
 Set-up. numba-cuda 0.30 needs NumPy < 2.5. Where numba-cuda is missing or NumPy is too new
@@ -20,7 +21,12 @@ runs the script again with that folder first on PYTHONPATH and the project secon
    (PfaPlan) and torch SDPA's FLASH backend, alternating; beside them the device time of one
    call (CUDA events around it while the stream is held, so no host time shows) and the host
    time of a whole and of a planned call (the calls' own time, the stream not waited for).
-3. ``--profile``: an ncu summary (launch, speed of light, occupancy) of one tensor-core launch.
+3. ``--decode`` instead: fused_infer_attention_score decode steps (N 32, Nkv 8, D 128; B 1, 8,
+   32; kv lengths 1k-32k and 128k at B 1; fp16 and bf16; contiguous and paged caches, block
+   sizes 16 and 128 in a shuffled table) through a planned call, against torch SDPA with
+   enable_gqa on the contiguous cache: ms, the cache's bytes a second and their share of a
+   device copy's bandwidth, and each output's error against torch's.
+4. ``--profile``: an ncu summary (launch, speed of light, occupancy) of one tensor-core launch.
 
 ``--portable`` turns config.CUDA_TENSOR_CORES off (every call on the portable kernel).
 Exits non-zero if a check fails.
@@ -260,6 +266,104 @@ def bench(quick):
                   f"{host['pfa'] * 1e6:5.0f}us {host['plan'] * 1e6:7.0f}us", flush=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------------------------
+
+#: (B, kv lengths) of the decode table (N 32, Nkv 8, D 128); forms of the cache
+DECODE_SHAPES = [(1, (1024, 4096, 32768, 131072)), (8, (1024, 4096, 32768)),
+                 (32, (1024, 4096, 32768))]
+DECODE_FORMS = ("contiguous", "paged 16", "paged 128")
+
+
+def _copy_bandwidth(torch):
+    """Bytes a second of a 1 GiB device-to-device copy (read + write)."""
+    src = torch.empty(1 << 29, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    wall, _ = _back_to_back(torch, lambda: dst.copy_(src))
+    return 2 * src.numel() * 2 / wall
+
+
+def _decode_cache(torch, form, k, v):
+    """(key, value, extra FIA arguments) of cache ``k``, ``v`` (B, Nkv, L, D) in ``form``:
+    contiguous BNSD, or paged pools (blocks, Nkv, block_size, D) in a shuffled table."""
+    if form == "contiguous":
+        return k, v, {}
+    bs = int(form.split()[1])
+    b, nkv, length, d = k.shape
+    per = length // bs
+    order = torch.randperm(b * per, device="cuda")
+    table = order.reshape(b, per).to(torch.int32)
+    pools = []
+    for x in (k, v):
+        pool = torch.empty(b * per, nkv, bs, d, dtype=x.dtype, device="cuda")
+        pool[order] = x.reshape(b, nkv, per, bs, d).permute(0, 2, 1, 3, 4).reshape(
+            b * per, nkv, bs, d)
+        pools.append(pool)
+    return pools[0], pools[1], dict(block_table=table, block_size=bs)
+
+
+def decode(quick):
+    """Decode steps (N 32, Nkv 8, D 128) through a planned FiaPlan call against torch SDPA with
+    enable_gqa (its fastest backend) on the same contiguous cache: ms a call, the cache's bytes
+    a second and their share of the copy bandwidth; each case's output against torch's."""
+    import numpy as np
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from pfa_numba import FiaPlan
+    torch = _torch_cuda()
+    if torch is None:
+        print("\ndecode: torch with CUDA is not installed, no table")
+        return True
+    copy = _copy_bandwidth(torch)
+    print(f"\ndecode (N 32, Nkv 8, D 128; planned calls; {CALLS} calls between two "
+          f"synchronisations, median of {RUNS}); copy bandwidth {copy / 1e12:.2f} TB/s")
+    print(f"  {'case':34s} {'ms':>8s} {'TB/s':>6s} {'copy':>6s} {'torch ms':>9s} "
+          f"{'x torch':>7s} {'max err':>8s}")
+    ok = True
+    shapes = DECODE_SHAPES[:1] if quick else DECODE_SHAPES
+    backends = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+    for dt_name, tdt in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        for b, lengths in shapes:
+            for length in lengths[:2] if quick else lengths:
+                q = torch.randn(b, 32, 1, 128, device="cuda", dtype=tdt)
+                k, v = (torch.randn(b, 8, length, 128, device="cuda", dtype=tdt)
+                        for _ in range(2))
+                ref, t_torch = None, None
+                for backend in backends:
+                    with sdpa_kernel(backend):
+                        fn = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                            q, k, v, scale=128 ** -0.5, enable_gqa=True)
+                        try:
+                            ref = fn()
+                        except RuntimeError:
+                            continue
+                        t = float(np.median([_back_to_back(torch, fn)[0] for _ in range(RUNS)]))
+                        t_torch = t if t_torch is None else min(t_torch, t)
+                nbytes = 2 * k.numel() * k.element_size()
+                for form in DECODE_FORMS:
+                    kc, vc, extra = _decode_cache(torch, form, k, v)
+                    plan = FiaPlan(q, kc, vc, num_heads=32, num_key_value_heads=8,
+                                   input_layout="BNSD", scale=128 ** -0.5, **extra)
+                    out, _ = plan(q, kc, vc)
+                    err = float((out.float() - ref.float()).abs().max()) if ref is not None \
+                        else float("nan")
+                    ok &= err <= 2e-2
+                    t = float(np.median([_back_to_back(torch, lambda: plan(q, kc, vc))[0]
+                                         for _ in range(RUNS)]))
+                    ratio = f"{t_torch / t:7.2f}" if t_torch else "      -"
+                    case = f"{dt_name} B {b} L {length} {form}"
+                    print(f"  {case:34s} {t * 1e3:8.3f} {nbytes / t / 1e12:6.2f} "
+                          f"{nbytes / t / copy:6.2f} "
+                          f"{(t_torch or float('nan')) * 1e3:9.3f} {ratio} {err:8.1e}",
+                          flush=True)
+                torch.cuda.empty_cache()
+    print("  int8 caches run on the portable kernel (decode_kernel.decode_reason): not timed")
+    return ok
+
+
 def profile():
     """An ncu summary of one tensor-core launch (fp16 dense (1, 16, 4096, 128))."""
     cmd = ["ncu", "--clock-control", "none", "--section", "LaunchStats", "--section",
@@ -344,6 +448,8 @@ def main():
     ap.add_argument("--portable", action="store_true",
                     help="every call on the portable kernel (config.CUDA_TENSOR_CORES off)")
     ap.add_argument("--profile", action="store_true", help="an ncu summary of one launch")
+    ap.add_argument("--decode", action="store_true",
+                    help="the decode table (fused_infer_attention_score steps) only")
     ap.add_argument("--tiles", action="store_true",
                     help="also time the portable kernel's tile sizes (TILE_VARIANTS)")
     ap.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
@@ -368,6 +474,10 @@ def main():
           f"{numpy.__version__}, torch {getattr(torch, '__version__', 'absent')}; "
           f"tensor cores {'on' if config.CUDA_TENSOR_CORES else 'off'}")
     t0 = time.perf_counter()
+    if args.decode:
+        ok = decode(args.quick)
+        print(f"\n{time.perf_counter() - t0:.0f} s in all")
+        return 0 if ok else 1
     print("correctness at realistic sizes:")
     ok = check(args.quick)
     bench(args.quick)

@@ -54,8 +54,8 @@ class Shim:
     def __init__(self, monkeypatch):
         self.counts = dict(allocations=0, h2d=0, d2h=0, syncs=0, launches=0, events=0)
         self.launches = []
-        for name in ("compute_capability", "library_device", "select", "caller_stream", "span",
-                     "as_device", "empty", "upload", "copy_in", "download", "synchronize",
+        for name in ("compute_capability", "multiprocessor_count", "library_device", "select",
+                     "caller_stream", "span", "as_device", "empty", "upload", "copy_in", "download", "synchronize",
                      "launch", "mark", "done"):
             monkeypatch.setattr(device, name, getattr(self, name))
         monkeypatch.setattr(dispatch.CudaBackend, "environment_problems", lambda self: [])
@@ -67,6 +67,9 @@ class Shim:
 
     def compute_capability(self):
         return (9, 0)
+
+    def multiprocessor_count(self):
+        return 132
 
     def library_device(self, like):
         return None
@@ -187,22 +190,64 @@ def test_the_portable_kernel_launches_once(shim, dtype):
 
 
 def test_an_fia_decode_step_and_its_plan(shim):
-    """fused_infer_attention_score's decode on CUDA arrays, whole and planned: the lse and its
-    placeholder (a Numba array here, zeroed on the stream by a fill launch) come from the call,
-    with no copy; the budgets hold."""
+    """fused_infer_attention_score's decode on CUDA arrays, whole and planned: the split-kv
+    decode kernel and the finish kernel behind it read the caller's key and value in place
+    and the stream's workspace (made by the first call only); the lse and its placeholder (a
+    Numba array here, zeroed on the stream by a fill launch) come from the call, with no
+    copy; one decode row a head needs no guard (every row keeps the same columns)."""
     q, k, v = _qkv(np.float16, sq=1, skv=512)
     kw = dict(num_heads=8, num_key_value_heads=2, input_layout="BNSD", scale=0.088)
     fia(q, k, v, **kw)
     shim.reset()
     out, lse = fia(q, k, v, **kw)
-    _budget(shim, launches=4, h2d=1, results=2)       # the output and the placeholder lse
-    assert _kernel_names(shim)[-1] == "fill_kernel" and lse.shape == (1,)
+    _budget(shim, launches=3, h2d=1, results=2)       # the output and the placeholder lse
+    assert _kernel_names(shim) == ["decode_split", "decode_finish", "fill_kernel"]
+    (_, grid, block, args), (_, fgrid, _, fargs) = shim.launches[:2]
+    assert [a.ptr for a in args[:3]] == [q.ptr, k.ptr, v.ptr] and block == 128
+    assert args[11] is fargs[0] and args[-1] == fargs[-1] == 0       # workspace; no guard
+    assert grid[1] == 2 and grid[0] % 2 == 0 and fgrid == (2, 2)
     plan = FiaPlan(q, k, v, **kw, softmax_lse_flag=True)
     plan(q, k, v)
     shim.reset()
     out, lse = plan(q, k, v)
-    _budget(shim, launches=3, h2d=0, results=2)
+    _budget(shim, launches=2, h2d=0, results=2)
     assert lse.shape == (2, 8, 1, 1)
+
+
+def test_speculative_rows_take_the_guard(shim):
+    """4 query rows a head (causal: rows keep different columns of a tile): the V scan, the
+    decode kernels and the portable kernel behind them share one guard id."""
+    q, k, v = _qkv(np.float16, sq=4, skv=512)
+    kw = dict(num_heads=8, num_key_value_heads=2, input_layout="BNSD", scale=0.088,
+              sparse_mode=3, atten_mask=FakeCuda((2048, 2048), np.bool_))
+    fia(q, k, v, **kw)
+    shim.reset()
+    fia(q, k, v, **kw)
+    assert _kernel_names(shim) == ["nonfinite", "decode_split", "decode_finish", "attention",
+                                   "fill_kernel"]
+    scan, split, finish, portable = (args for _, _, _, args in shim.launches[:4])
+    assert scan[2] == split[-1] == finish[-1] == portable[17] != 0
+    assert scan[1] is split[-2] is finish[-2] is portable[16]
+
+
+def test_splits_follow_the_multiprocessors_and_the_cache(monkeypatch):
+    """split_plan: enough (batch, kv head, split) blocks for CUDA_DECODE_BLOCKS_PER_SM a
+    multiprocessor, no split shorter than CUDA_DECODE_MIN_TILES tiles, whole tiles covered."""
+    from pfa_numba.gpu import decode_kernel as DK
+    monkeypatch.setattr(config, "CUDA_DECODE_MIN_TILES", 4)
+    monkeypatch.setattr(config, "CUDA_DECODE_BLOCKS_PER_SM", 4)
+
+    class P:
+        B, Nkv = 2, 8
+    far = 1 << 31                                 # lens rows: qL, kL, preE, nextE, rows
+    lens = np.array([[1, 1], [32768, 4096], [far, far], [far, far], [1, 1]], np.int64)
+    splits, per = DK.split_plan(P, lens, 132)
+    assert (splits - 1) * per < 512 <= splits * per          # 512 tiles of 64 keys
+    # 33 splits wanted (4 x 132 blocks over 16), 16 tiles each: 32 splits hold them all
+    assert (splits, per) == (32, 16)
+    short = np.array([[1, 1], [300, 64], [far, far], [far, far], [1, 1]], np.int64)
+    assert DK.split_plan(P, short, 132) == (1, 5)             # 5 tiles: one split
+    assert DK.split_plan(P, lens, 1) == (1, 512)              # 16 blocks fill one SM
 
 
 def test_numpy_inputs_on_cuda_return_finished_arrays(shim):

@@ -17,6 +17,12 @@ def compute_capability():
     return cuda.get_current_device().compute_capability
 
 
+def multiprocessor_count():
+    """Streaming multiprocessors of the current device (None where it does not say: the CUDA
+    simulator)."""
+    return getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", None)
+
+
 def library_device(like):
     """The ordinal of the GPU a torch or CuPy array lives on (None: the current one)."""
     kind = array_kind(like)

@@ -37,11 +37,13 @@ from .arrays import array_kind
 #: the kernel a call gets and why (INFO)
 log = logging.getLogger("pfa_numba.cuda")
 
-TENSOR_CORE, PORTABLE = "tensor-core", "portable"
+TENSOR_CORE, DECODE, PORTABLE = "tensor-core", "decode", "portable"
 #: host arrays up to this many bytes travel in the packed buffer, larger ones on their own
 SMALL_BYTES = 1 << 20
 #: the packed buffer's alignment of each array (the tensor-core kernel's 16-byte rows)
 ALIGN = 16
+#: multiprocessors assumed where the device does not say (the CUDA simulator)
+DEFAULT_SMS = 4
 #: streams whose buffers are kept (the least recently used beyond are let go)
 KEPT_STREAMS = 64
 
@@ -80,6 +82,15 @@ class _Stream:
         self.buffer, self.views = None, {}
         self.guard, self.last_id = device.upload(np.zeros(1, np.int64), stream), 0
         self.held = []
+        self.work = None
+
+    def workspace(self, floats):
+        """A float32 device buffer of at least ``floats`` values, this stream's (its calls run
+        in stream order, so one after another may reuse it); made again only to grow."""
+        if self.work is None or self.work.size < floats:
+            self.hold(self.work)             # read by kernels still queued
+            self.work = device.empty(max(floats, 1 << 16), np.float32, self.stream)
+        return self.work
 
     def small_args(self, packed):
         """Device views of ``packed``'s arrays, copied into this stream's buffer."""
@@ -130,14 +141,19 @@ def _stream_state(stream):
 # ---------------------------------------------------------------------------------------------
 
 def kernel_choice(p, cc=None):
-    """(TENSOR_CORE or PORTABLE, why) for planned problem ``p`` on a device of compute
+    """(DECODE, TENSOR_CORE or PORTABLE, why) for planned problem ``p`` on a device of compute
     capability ``cc`` (device pointers' alignment aside: :meth:`Launch.aligned`)."""
     if not config.CUDA_TENSOR_CORES:
         return PORTABLE, "config.CUDA_TENSOR_CORES is False"
+    from . import decode_kernel as dk
     from . import tc_kernel as tc
+    not_decode = dk.decode_reason(p, cc)
+    if not_decode is None:
+        return DECODE, (f"{p.G} query heads x {p.Sq} query rows a kv head: the split-kv "
+                        "decode kernel reads each K/V row once for them all")
     why = tc.tensor_core_reason(p, cc)
     if why is not None:
-        return PORTABLE, why
+        return PORTABLE, f"{why} (and not the decode kernel: {not_decode})"
     return TENSOR_CORE, "float16 / bfloat16 the tensor-core kernel takes (a V holding inf or " \
                         "NaN goes to the portable kernel on the device)"
 
@@ -172,7 +188,7 @@ class Launch:
     or a host array (packed when small, copied in by each call otherwise). Made per call, or
     once by a plan; :meth:`run` computes it."""
 
-    def __init__(self, p, meta=None, cc=None):
+    def __init__(self, p, meta=None, cc=None, sms=None):
         self.p, self.on_device = p, meta is not None
         self.empty = p.B == 0 or math.prod(p.out_shape) == 0
         if self.empty:
@@ -200,10 +216,14 @@ class Launch:
                 self.sources[field] = ("host", x)
         self.packed = Packed(host)
         self.rows = int(a.lens[L_ROWS].max())
+        if self.kernel == DECODE:
+            from .decode_kernel import split_plan
+            self.splits, self.per_split = split_plan(p, a.lens, sms or DEFAULT_SMS)
         self.own_views = None
         if not self.aligned(self.pointers):
             self.kernel, self.reason = PORTABLE, "a query, key or value device pointer is " \
                                                  "not 16-byte aligned"
+        self.guarded = self.kernel == TENSOR_CORE or (self.kernel == DECODE and p.Sq > 1)
 
     def keep_arguments(self, stream):
         """Copy the packed arguments to a buffer of this launch's own, once (a plan's): its
@@ -214,11 +234,12 @@ class Launch:
 
     def aligned(self, pointers):
         """Whether the tensor-core kernel may read q, k and v at these argument pointers
-        ({argument name: device pointer}): 16-byte-aligned rows (true of any other kernel)."""
-        if self.kernel != TENSOR_CORE:
+        ({argument name: device pointer}): 16-byte-aligned rows (true of any other kernel);
+        the decode kernel's key and value (and a shared prefix's) alike."""
+        if self.kernel == PORTABLE:
             return True
         return all(pointers[src[1]] + src[2] & 15 == 0 for src in
-                   (self.sources.get(field) for field in _COMMON_TENSORS)
+                   (self.sources.get(field) for field in _COMMON_TENSORS + ("kp", "vp"))
                    if src is not None and src[0] == "device")
 
     def run(self, query=None, pointers=None):
@@ -238,9 +259,9 @@ class Launch:
                 state.small_args(self.packed)
             tensors, uploads = self._tensors(views, pointers, stream)
             out, lse, d_out, d_lse = self._outputs(query, views, stream)
-            guard_id = state.next_guard_id() if self.kernel == TENSOR_CORE else 0
+            guard_id = state.next_guard_id() if self.guarded else 0
             for kernel, grid, block, args in self._launches(tensors, views, d_out, d_lse,
-                                                            state.guard, guard_id):
+                                                            state, guard_id):
                 device.launch(kernel, grid, block, stream, args)
             if self.on_device:
                 state.hold(uploads)
@@ -285,10 +306,10 @@ class Launch:
             if lse is not None else views["no_lse"]
         return out, lse, d_out, d_lse
 
-    def _launches(self, t, views, d_out, d_lse, guard, guard_id):
+    def _launches(self, t, views, d_out, d_lse, state, guard_id):
         """(kernel, grid, block, arguments) of each launch, in order."""
         from .kernels import kernel_for, launch_config
-        p = self.p
+        p, guard = self.p, state.guard
         int8 = p.dtype == np.int8
         small = [views[name] for name in _SMALL]
         tail = [views["fparams"], views["scale2"], views["offset2"], guard, guard_id]
@@ -299,17 +320,36 @@ class Launch:
         if not int8:
             portable += [t[field] for field in _CACHE]
         launches = []
-        if self.kernel == TENSOR_CORE:
-            from . import tc_kernel as tc
-            kind = tc.kind_of(p.dtype)
+        from . import tc_kernel as tc
+        kind = tc.kind_of(p.dtype)
+        if guard_id != 0:
             launches.append((tc.nonfinite_scan(kind), *tc.SCAN_GRID,
                              [t["v"], guard, guard_id]))
+        if self.kernel == DECODE:
+            launches += self._decode_launches(kind, t, views, d_out, d_lse, state, guard_id)
+            if guard_id == 0:
+                return launches
+        elif self.kernel == TENSOR_CORE:
             tc_tiles = max(1, -(-self.rows // tc.ROWS))
             launches.append((tc.tc_kernel_for(kind, p.D, tc.reads_mask_or_pse(p)),
                              (p.B * tc_tiles, p.N), tc.THREADS, head + small + [tc_tiles] + tail))
         launches.append((kernel_for(dpad, bq, bkv, int8=int8), (p.B * qtiles, p.N), bq,
                          portable))
         return launches
+
+    def _decode_launches(self, kind, t, views, d_out, d_lse, state, guard_id):
+        """The split kernel's and the finish kernel's launches."""
+        from . import decode_kernel as dk
+        p, splits = self.p, self.splits
+        split, finish = dk.decode_kernels_for(kind, p.D, dk.walks(p))
+        ws = state.workspace(dk.workspace_floats(p, splits))
+        geo = [t["table"], views["strides"], views["boff"], views["lens"], views["params"],
+               views["fparams"]]
+        (sgrid, sblock), (fgrid, fblock) = dk.grids(p, splits)
+        return [(split, sgrid, sblock, [t["q"], t["k"], t["v"], t["kp"], t["vp"], *geo, ws,
+                                        p.Sq, self.per_split, splits, state.guard, guard_id]),
+                (finish, fgrid, fblock, [ws, d_out, d_lse, t["v"], t["vp"], *geo, p.Sq, splits,
+                                         state.guard, guard_id])]
 
 
 def _empty_results(p, query):
@@ -325,8 +365,9 @@ def _empty_results(p, query):
 def prepare(p, meta=None):
     """The :class:`Launch` of planned problem ``p`` over the CUDA arrays ``meta`` made
     metadata of (:class:`.arrays.Meta`; None for NumPy inputs), its kernel choice logged."""
-    cc = device.compute_capability() if config.CUDA_TENSOR_CORES and p.B else None
-    launch = Launch(p, meta, cc)
+    on = config.CUDA_TENSOR_CORES and p.B
+    cc = device.compute_capability() if on else None
+    launch = Launch(p, meta, cc, device.multiprocessor_count() if on else None)
     if not launch.empty:
         log.info("the %s kernel runs this call: %s", launch.kernel, launch.reason)
     return launch

@@ -159,3 +159,37 @@ def format_summary(name, s, loop_names=()):
                   f"    IMAD.WIDE              {loop['imad_wide']}"]
     lines.append(f"  global stores          {stores}")
     return "\n".join(lines) + "\n"
+
+
+def families():
+    """The CUDA kernels with PTX specialisations: (ptx_names, ptx of a spec, loop_names of a
+    spec) of the tensor-core prefill kernel and of the split-kv decode kernel."""
+    from . import decode_kernel, tc_kernel
+    return ((tc_kernel.ptx_names, lambda spec: tc_kernel.tc_ptx(*spec),
+             lambda spec: tc_kernel.loop_names(spec[3])),
+            (decode_kernel.ptx_names, lambda spec: decode_kernel.decode_ptx(*spec),
+             lambda spec: decode_kernel.loop_names(spec[3])))
+
+
+def write_ptx(out_dir, name_filter=""):
+    """Write the PTX of every specialisation of every kernel (:func:`families`) whose file
+    name contains ``name_filter`` into ``out_dir`` and, where the tools' wheels are installed,
+    its SASS summary beside it (``tc_f16_d128_sm90.sass.txt``); returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    with_sass = not missing_tools()
+    paths = []
+    for names, ptx_of, loops_of in families():
+        for name, spec in names().items():
+            if name_filter not in name:
+                continue
+            path = os.path.join(out_dir, name)
+            ptx = ptx_of(spec)
+            with open(path, "w") as f:
+                f.write(ptx)
+            paths.append(path)
+            if with_sass:
+                path = os.path.join(out_dir, name[:-len(".ptx")] + ".sass.txt")
+                with open(path, "w") as f:
+                    f.write(format_summary(name, of_ptx(ptx, spec[2]), loops_of(spec)))
+                paths.append(path)
+    return paths

@@ -471,43 +471,28 @@ def loop_names(masked):
     return ("kv loop, tiles inside the band", "kv loop, tiles crossing the band")
 
 
-def write_ptx(out_dir, name_filter=""):
-    """Write the PTX of every specialisation whose file name contains ``name_filter`` into
-    ``out_dir`` and, where the SASS tools' wheels are installed (:mod:`.sass`), its SASS summary
-    beside it (``tc_f16_d128_sm90.sass.txt``); returns the paths written."""
-    import os
-
-    from . import sass
-    os.makedirs(out_dir, exist_ok=True)
-    with_sass = not sass.missing_tools()
-    paths = []
-    for name, spec in ptx_names().items():
-        if name_filter in name:
-            path = os.path.join(out_dir, name)
-            ptx = tc_ptx(*spec)
-            with open(path, "w") as f:
-                f.write(ptx)
-            paths.append(path)
-            if with_sass:
-                path = os.path.join(out_dir, name[:-len(".ptx")] + ".sass.txt")
-                with open(path, "w") as f:
-                    f.write(sass.format_summary(name, sass.of_ptx(ptx, spec[2]),
-                                                loop_names(spec[3])))
-                paths.append(path)
-    return paths
-
-
 def kind_of(dtype):
     """"f16" / "bf16" for float16 / bfloat16, else None."""
     return "f16" if np.dtype(dtype) == F16 else "bf16" if is_bf16(dtype) else None
 
 
-def _strides_aligned(x):
+def strides_aligned(x):
     """Rows of 16-bit values contiguous along D, every other used stride a multiple of 16
     bytes (axes of length 1 are never stepped along)."""
     if x.strides[-1] != x.itemsize:
         return False
     return all(st % 16 == 0 for n, st in zip(x.shape[:-1], x.strides[:-1]) if n > 1)
+
+
+def scale_reason(scale):
+    """None when the tensor-core kernels can fold ``scale`` into their weights (one nonzero
+    float32 factor), else why not."""
+    s1, s2, e = scale_factors(scale)
+    if s2 != np.float32(1.0) or e != 0:
+        return f"scale_value {scale!r} is outside float32's plain range (two factors)"
+    if s1 == 0:
+        return "scale_value 0: the tensor-core kernels fold a nonzero scale into their weights"
+    return None
 
 
 def tensor_core_reason(p, cc=None):
@@ -527,13 +512,11 @@ def tensor_core_reason(p, cc=None):
     if cache is not None and (cache.block_table is not None or cache.P or cache.antiquant):
         return ("a paged, prefixed or int8 kv cache: the tensor-core kernel reads contiguous "
                 "rows of the query's dtype")
-    s1, s2, e = scale_factors(p.scale)
-    if s2 != np.float32(1.0) or e != 0:
-        return f"scale_value {p.scale!r} is outside float32's plain range (two factors)"
-    if s1 == 0:
-        return "scale_value 0: the tensor-core kernel folds a nonzero scale into its weights"
+    why = scale_reason(p.scale)
+    if why is not None:
+        return why
     for name, x in (("query", p.q), ("key", p.k), ("value", p.v)):
-        if not _strides_aligned(x):
+        if not strides_aligned(x):
             return f"{name} rows are not contiguous 16-byte-aligned runs (strides {x.strides})"
     for name, x in (("atten_mask", p.mask), ("pse_shift", p.pse)):
         if (reads_mask_or_pse(p) and x is not None and x.shape[-1] > 1
@@ -556,10 +539,12 @@ def selection_note(cc=None):
         return "portable kernel: config.CUDA_TENSOR_CORES is False"
     if cc is not None and tuple(cc) < (8, 0):
         return f"portable kernel: compute capability {cc[0]}.{cc[1]} < 8.0"
-    return (f"tensor-core kernel (mma.sync m16n8k16) for D in {HEAD_DIMS}, contiguous "
-            "16-byte-aligned rows, plain scale, no paged / prefixed / int8 kv cache, finite V "
-            "(decided on the device); the portable kernel otherwise (the pfa_numba.cuda log "
-            "says which a call gets and why)")
+    return (f"split-kv decode kernel for at most 16 query rows a kv head (D in {HEAD_DIMS}, "
+            "contiguous, paged or prefixed fp16/bf16 caches, no mask or pse); tensor-core "
+            f"kernel (mma.sync m16n8k16) for D in {HEAD_DIMS}, contiguous 16-byte-aligned "
+            "rows, plain scale, no paged / prefixed / int8 kv cache, finite V (decided on the "
+            "device); the portable kernel otherwise (the pfa_numba.cuda log says which a call "
+            "gets and why)")
 
 
 def _scan_source(exp_mask):

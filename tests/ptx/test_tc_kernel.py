@@ -161,7 +161,8 @@ def test_paged_prefixed_and_int8_kv_caches_get_the_portable_kernel():
 
 def test_the_tensor_core_kernel_is_on_by_default_and_info_says_so(monkeypatch):
     assert config.CUDA_TENSOR_CORES is True
-    assert T.selection_note((9, 0)).startswith("tensor-core kernel")
+    assert T.selection_note((9, 0)).startswith("split-kv decode kernel")
+    assert "tensor-core kernel (mma.sync" in T.selection_note((9, 0))
     assert "compute capability 7.5" in T.selection_note((7, 5))
     monkeypatch.setattr(config, "CUDA_TENSOR_CORES", False)
     assert "CUDA_TENSOR_CORES is False" in T.selection_note()

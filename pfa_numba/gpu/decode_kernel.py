@@ -1,0 +1,573 @@
+"""The split-kv decode kernel for float16 / bfloat16 (FlashDecoding's split of the kv range,
+on tensor cores), and when it runs.
+
+A decode step reads a long kv cache for one query row per head; so do the speculative
+prefill calls of a few rows. Every query head of one kv head reads the same K/V rows, so one
+block takes them all: its 16 query rows are the G heads x Sq rows of one kv head (row r is
+head ``g * G + r // Sq``, query row ``r % Sq``; G x Sq <= 16, rows past G x Sq are idle), and
+each K/V row is read once per group. The grid is (B x splits, Nkv): the kv range of a batch
+(``block_kv_range`` of its query rows) is cut into ``splits`` runs of whole 64-key tiles, as
+many as keep the GPU's SMs busy (:func:`split_plan`).
+
+One block: 4 warps, 128 threads. Tiles of 64 keys arrive by ``cp.async`` (16-byte chunks,
+consecutive threads on consecutive chunks of a row: coalesced) into a ring of ``NBUF``
+XOR-swizzled shared buffers, K(t) and V(t) in turn, ``NBUF - 1`` loads ahead of the warps (48
+KiB of static shared memory: 3 buffers at D = 128, 6 at D = 64). Rows come through the kv
+sequence of fused_infer_attention_score (``kernels._kv_source``: a shared prefix's rows, then
+the batch's own, contiguous at its left-padding offset or in the slots of its paged blocks
+through the block table); rows past the run's last column are zero-filled, never read. Warp w
+takes keys 16w..16w+15 of each tile: S = Q K^T by ``mma.sync`` m16n8k16 (Q held in
+registers as A fragments, K by ``ldmatrix``), the band per accumulator on a tile that crosses
+some row's band, the online softmax in log2 units (``_core.online_update_log2``, the scale
+folded into the weights' fma as in the tensor-core kernel), P packed from S, O += P V (V by
+``ldmatrix.trans``). The four warps' states are then merged in shared memory by the same rule
+(each warp's sums rescaled by exp2 of ``online_update_log2``'s shift against the block's
+max), and the block writes its piece (unnormalised O, m, l) to a workspace.
+
+:func:`finish_kernel` merges a batch's pieces by that rule once more and finishes its rows as
+every kernel does (``_band.row_outcome``: contract 'Empty rows', the division, lse, output
+rounding). Calls whose rows do not share one band (Sq > 1) drop columns per row inside a tile,
+and a dropped column's inf or NaN in V would reach the row through 0 * inf in P V: those calls
+take the tensor-core kernel's guard (a scan of V on the device; the portable kernel computes
+the call where it finds one).
+
+Not this kernel (:func:`decode_reason` says why): more than 16 rows per kv head, TND, other
+dtypes and head dims, a user mask or pse, int8 caches, quantized outputs, a scale the
+tensor-core kernel does not take, rows or strides not 16-byte aligned, compute capability
+below 8.0.
+"""
+import numpy as np
+from numba import cuda, float32, int64, uint16, uint32
+
+from .. import config
+from .._band import ROW_MEAN, ROW_SOFTMAX, block_kv_range, interior_tiles, row_outcome
+from .._core import (F32_NEG_INF, F32_ZERO, f32_as_u32, jit, lse_log2, max_nan,
+                     online_update_log2, u32_as_f32)
+from .._kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_D, P_G, P_IP,
+                            P_BLOCK, P_LSE, P_PREFIX, P_VTOK, S_BLOCK, S_HEAD,
+                            S_ROW, T_K, T_L, T_O, T_PK, T_PV, T_Q, T_V, T_VT)
+from . import fragments as F
+from . import ptx as X
+from .kernels import _kv_source, array_function
+from .tc_kernel import (FULL, HEAD_DIMS, LOG2E, SIGNS, SIMULATOR, _band32, _banded, _device,
+                        kind_of, reads_mask_or_pse, scale_reason, strides_aligned)
+
+#: query rows of a block (one mma tile) / warps / threads / keys per tile / keys per warp
+ROWS, WARPS, BKV = F.MMA_M, 4, 64
+THREADS, WARP_KEYS = F.WARP * WARPS, BKV // 4
+#: the ring of tile buffers: static shared memory's 48 KiB
+RING_BYTES = 48 * 1024
+#: the (m, l) pair of a piece's row in the workspace
+ML = 2
+
+
+def ring_buffers(d):
+    """Tile buffers of the ring at head dim ``d`` (each 64 keys x d 16-bit values)."""
+    return RING_BYTES // (BKV * d * 2)
+
+
+def decode_reason(p, cc=None):
+    """None when the decode kernel can run planned problem ``p`` (on a device of compute
+    capability ``cc``, when given), else why not."""
+    kind = kind_of(p.dtype)
+    if kind is None:
+        return f"{np.dtype(p.dtype).name} inputs: the decode kernel takes float16 and bfloat16"
+    if p.G * p.Sq > ROWS:
+        return (f"{p.G} query heads a kv head x {p.Sq} query rows > {ROWS}: the decode kernel "
+                "holds one kv head's rows in one mma tile")
+    if p.packed:
+        return "TND layout: the decode kernel reads padded batches"
+    if np.dtype(p.out_dtype) != np.dtype(p.dtype):
+        return f"a {np.dtype(p.out_dtype).name} output (quantized): the scalar kernel writes it"
+    if p.D not in HEAD_DIMS:
+        return f"head dim {p.D}: the decode kernel has D in {HEAD_DIMS}"
+    if cc is not None and tuple(cc) < (8, 0):
+        return f"compute capability {cc[0]}.{cc[1]}: mma.bf16 / cp.async need 8.0 or newer"
+    if reads_mask_or_pse(p):
+        return "a user mask or pse: the decode kernel reads neither"
+    cache = p.cache
+    if cache is not None and cache.antiquant:
+        return "an int8 kv cache: the decode kernel reads the query's dtype"
+    why = scale_reason(p.scale)
+    if why is not None:
+        return why
+    arrays = [("key", p.k), ("value", p.v)]
+    if cache is not None and cache.P:
+        arrays += [("key_shared_prefix", cache.prefix_key),
+                   ("value_shared_prefix", cache.prefix_value)]
+    for name, x in arrays:
+        if not strides_aligned(x):
+            return f"{name} rows are not contiguous 16-byte-aligned runs (strides {x.strides})"
+    return None
+
+
+def split_plan(p, lens, sms):
+    """(splits, tiles a split) for planned problem ``p`` with kernel lengths ``lens`` on a GPU
+    of ``sms`` multiprocessors: enough blocks for config.CUDA_DECODE_BLOCKS_PER_SM a
+    multiprocessor, each split at least config.CUDA_DECODE_MIN_TILES tiles of 64 keys."""
+    tiles = 1
+    for b in range(p.B):
+        jstart, jend = block_kv_range(0, lens[L_QLEN, b], lens[L_PRE, b], lens[L_NEXT, b],
+                                      lens[L_KLEN, b])
+        tiles = max(tiles, -(-(jend - jstart) // BKV))
+    blocks = max(1, p.B * p.Nkv)
+    want = -(-int(config.CUDA_DECODE_BLOCKS_PER_SM) * sms // blocks)
+    splits = max(1, min(want, tiles // max(1, int(config.CUDA_DECODE_MIN_TILES))))
+    per_split = -(-tiles // splits)
+    return -(-tiles // per_split), per_split
+
+
+def workspace_floats(p, splits):
+    """float32 values of the workspace: each piece's 16 rows of D sums, then their (m, l)."""
+    pieces = p.B * p.Nkv * splits
+    return pieces * ROWS * (p.D + ML)
+
+
+@jit
+def _f32_bits(x):
+    """The 32 bits of float32 ``x``."""
+    return f32_as_u32(np.float32(x))
+
+
+@jit
+def _f32_of(lo, hi):
+    """The float32 whose bits are the 16-bit halves ``lo`` and ``hi``."""
+    return u32_as_f32(np.uint32(lo) | (np.uint32(hi) << np.uint32(16)))
+
+
+@array_function
+def _kv_rows(strides, boff, params, t, tp, b, gh):
+    """Where kv head gh's rows of batch b lie in tensor t (T_K or T_V) and its shared prefix
+    tp: (prefix rows P, block size (0: contiguous), first element, row stride, block stride,
+    the prefix's first element, its row stride), for :func:`_kv_row`."""
+    return (params[P_PREFIX], params[P_BLOCK], boff[t, b] + gh * strides[t, S_HEAD],
+            strides[t, S_ROW], strides[t, S_BLOCK], boff[tp, b] + gh * strides[tp, S_HEAD],
+            strides[tp, S_ROW])
+
+
+#: a kv place's block for a shared prefix's row (its index is the prefix row) / a row past
+#: the run's end (zero-filled)
+IN_PREFIX, PAST_END = -1, -2
+
+
+@array_function
+def _kv_place(P, block, table, b, j):
+    """(block, index) of logical kv row j of batch b: (IN_PREFIX, j) for a shared prefix's
+    row, else the pool block and its slot (the block table's entry (j - P) // block_size, or
+    block 0 and the row itself for contiguous rows): ``_kernel_args.row_offset``'s walk,
+    split in two so that K and V, which share it, find a row once."""
+    if j < P:
+        return IN_PREFIX, j
+    j -= P
+    if block == 0:
+        return 0, j
+    n = j // block
+    return table[b, n], j - n * block
+
+
+@array_function
+def _kv_at(rows, where, idx):
+    """Element offset of the row at place (where, idx) (:func:`_kv_place`) in the tensor whose
+    places :func:`_kv_rows` gives: in the prefix's array for IN_PREFIX."""
+    _, _, base, row, block_stride, p_base, p_row = rows
+    if where == IN_PREFIX:
+        return p_base + idx * p_row
+    return base + where * block_stride + idx * row
+
+
+@jit
+def _row_place(gh, r, G, sq):
+    """(query head, query row, whether the block computes it) of row r of the block of kv head
+    gh of batch b: the G heads' sq rows in order, rows past G x sq idle."""
+    n, i = gh * G + r // sq, r % sq
+    return n, i, r < G * sq
+
+
+def decode_kernel_source(kind, d, walk=False):
+    """The split kernel's Python source (before ``cuda.jit``) for ``kind`` ("f16" or "bf16"),
+    head dim ``d`` (64 or 128) and ``walk``: whether kv rows are found through a shared
+    prefix or a paged pool's block table (else each batch's own contiguous rows: a multiply
+    and an add a row).
+
+    Arguments: q, k, v, kp, vp, table, strides, boff, lens, params, fparams (the
+    ``_kernel_args`` arrays), ws (the float32 workspace), sq (query rows a head), per_split
+    (tiles a split), splits, guard, guard_id (a guard_id other than 0 returns where guard[0]
+    holds it: V is not finite, the portable kernel computes the call)."""
+    assert kind in ("f16", "bf16") and d in HEAD_DIMS
+    D = d
+    KT, NO = D // 16, D // 8          # k-steps of S = Q K^T (and 16-dim pairs of O), O n-tiles
+    QREGS, OACC = KT * 4, NO * 4
+    TILE = BKV * D
+    NBUF = ring_buffers(D)
+    RING = NBUF * TILE
+    MAX_AT = 2 * WARPS * ROWS * D      # the warps' row maxima after their sums, then sums
+    SUM_AT = MAX_AT + 2 * WARPS * ROWS
+    AHEAD = NBUF - 2                   # loads still in flight when one is consumed
+    CPT = TILE // F.CHUNK // THREADS  # 16-byte chunks each thread copies a tile
+    RSTEP = THREADS // (D // F.CHUNK)  # rows between a thread's chunks
+    mma = X.mma_m16n8k16_f16 if kind == "f16" else X.mma_m16n8k16_bf16
+    pack = X.pack_f16x2 if kind == "f16" else X.pack_bf16x2
+    exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
+    ALIGN = None if SIMULATOR else 16
+    WALK = bool(walk)
+
+    def stage(ring, dst, u, t0, nt, jstart, jend, at):
+        """Copy load ``u`` of the run (K of its tile u // 2 for even u, V for odd) into ring
+        buffer ``dst``: this thread's CPT chunks, rows at or past jend zero-filled; then
+        close the group (an empty one past the run's last load keeps the counting even)."""
+        k, v, kp, vp, table, b, crow, ccol, c_at, k_rows, v_rows, blocks, slots = at
+        if u < 2 * nt:
+            is_v = u & 1
+            rows = v_rows if is_v else k_rows
+            j = jstart + (t0 + (u >> 1)) * BKV + crow
+            for c in range(CPT):
+                to = dst + c_at + c * RSTEP * D
+                if not WALK:
+                    if j < jend:
+                        X.cp_async_16_zfill(ring, to, v if is_v else k,
+                                            rows[2] + j * rows[3] + ccol, 16)
+                    else:
+                        X.cp_async_16_zfill(ring, to, k, 0, 0)
+                else:
+                    if not is_v:        # K(t) finds the rows, V(t) (the next load) reuses them
+                        blocks[c], slots[c] = PAST_END, 0
+                        if j < jend:
+                            blocks[c], slots[c] = _kv_place(rows[0], rows[1], table, b, j)
+                    if blocks[c] == PAST_END:
+                        X.cp_async_16_zfill(ring, to, k, 0, 0)
+                    else:
+                        off = _kv_at(rows, blocks[c], slots[c]) + ccol
+                        prefix = blocks[c] == IN_PREFIX
+                        src = (vp if prefix else v) if is_v else (kp if prefix else k)
+                        X.cp_async_16_zfill(ring, to, src, off, 16)
+                j += RSTEP
+        X.cp_async_commit()
+
+    def make_tile_step(band):
+        """One tile: S from K(t) in its buffer, the softmax, P V from V(t) in the next load's
+        buffer (``band``: the tile crosses some row's band)."""
+        def tile_step(ring, u, t0, nt, jstart, jend, j0, at, frag, lane_at, rows, fold):
+            qa, o, s, pa, mr, lr = frag
+            a_at, b_at, g4, t4, w = lane_at
+            kbuf = (u % NBUF) * TILE
+            X.cp_async_wait(AHEAD)
+            cuda.syncthreads()           # K(t) landed; every warp is done with the buffer
+            stage(ring, ((u + NBUF - 1) % NBUF) * TILE, u + NBUF - 1, t0, nt, jstart, jend, at)
+            for x in range(8):
+                s[x] = F32_ZERO
+            for kk in range(KT):
+                b0, b1, b2, b3 = X.ldmatrix_x4(
+                    ring, kbuf + F.swizzle_step(b_at, WARP_KEYS * w, 16 * kk, D))
+                s[0], s[1], s[2], s[3] = mma(qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2],
+                                             qa[4 * kk + 3], b0, b1, s[0], s[1], s[2], s[3])
+                s[4], s[5], s[6], s[7] = mma(qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2],
+                                             qa[4 * kk + 3], b2, b3, s[4], s[5], s[6], s[7])
+            if band:
+                jc = j0 + WARP_KEYS * w + 2 * t4           # the lane's first key
+                for h in range(2):
+                    lo, hi = _band32(rows[h], rows[2], jc, rows[4], rows[5], rows[3])
+                    for nt8 in range(2):
+                        for e in range(2):
+                            x = 4 * nt8 + 2 * h + e
+                            s[x] = _banded(s[x], np.int32(8 * nt8 + e), lo, hi)
+            tm0 = X.max_nan_f32(X.max_nan_f32(s[0], s[1]), X.max_nan_f32(s[4], s[5]))
+            tm1 = X.max_nan_f32(X.max_nan_f32(s[2], s[3]), X.max_nan_f32(s[6], s[7]))
+            for sh in (1, 2):
+                tm0 = X.max_nan_f32(tm0, X.shfl_xor_sync(FULL, tm0, sh))
+                tm1 = X.max_nan_f32(tm1, X.shfl_xor_sync(FULL, tm1, sh))
+            for h in range(2):
+                m_new, shift, m_sub = online_update_log2(mr[h], (tm0 if h == 0 else tm1) * fold)
+                alpha = exp2(shift)
+                part = F32_ZERO
+                for nt8 in range(2):
+                    for e in range(2):
+                        x = 4 * nt8 + 2 * h + e
+                        pv = exp2(X.fma_f32(s[x], fold, -m_sub))
+                        s[x] = pv
+                        part += pv
+                lr[h] = lr[h] * alpha + part
+                mr[h] = m_new
+                for dt in range(NO):
+                    o[4 * dt + 2 * h] *= alpha
+                    o[4 * dt + 2 * h + 1] *= alpha
+            for reg in range(4):
+                nt2, x = F.p_from_s(reg)
+                pa[reg] = pack(s[4 * nt2 + x], s[4 * nt2 + x + 1])
+            vbuf = ((u + 1) % NBUF) * TILE
+            X.cp_async_wait(AHEAD)
+            cuda.syncthreads()           # V(t) landed; every warp is done with K(t)'s buffer
+            stage(ring, (u % NBUF) * TILE, u + NBUF, t0, nt, jstart, jend, at)
+            for dp in range(KT):
+                v0, v1, v2, v3 = X.ldmatrix_x4_trans(
+                    ring, vbuf + F.swizzle_step(a_at, WARP_KEYS * w, 16 * dp, D))
+                e = 8 * dp
+                o[e], o[e + 1], o[e + 2], o[e + 3] = mma(
+                    pa[0], pa[1], pa[2], pa[3], v0, v1, o[e], o[e + 1], o[e + 2], o[e + 3])
+                o[e + 4], o[e + 5], o[e + 6], o[e + 7] = mma(
+                    pa[0], pa[1], pa[2], pa[3], v2, v3, o[e + 4], o[e + 5], o[e + 6], o[e + 7])
+        return _device(tile_step)
+
+    stage = _device(stage)
+    tile_inside, tile_edge = make_tile_step(False), make_tile_step(True)
+
+    def load_q(qa, q, boff, strides, b, gh, G, sq, ql, lane):
+        """Q's A fragments (rows g, g + 8 of the lane; idle rows and rows at or past qL
+        zero) from global memory: once a block, so plain 16-bit loads."""
+        for reg in range(4):
+            r, c = F.mma_a(lane, reg)
+            n, i, used = _row_place(gh, r, G, sq)
+            at = boff[T_Q, b] + n * strides[T_Q, 0] + i * strides[T_Q, 1]
+            sd = strides[T_Q, 2]
+            for kk in range(KT):
+                lo_bits, hi_bits = uint32(0), uint32(0)
+                if used and i < ql:
+                    lo_bits = uint32(q[at + (16 * kk + c) * sd])
+                    hi_bits = uint32(q[at + (16 * kk + c + 1) * sd])
+                qa[4 * kk + reg] = lo_bits | (hi_bits << uint32(16))
+
+    load_q = _device(load_q)
+
+    def shared_f32(ring, at):
+        """The float32 stored at 16-bit offset ``at`` of the ring."""
+        return _f32_of(ring[at], ring[at + 1])
+
+    shared_f32 = _device(shared_f32)
+
+    def block_max(ring, r):
+        """Row r's maximum over the warps' maxima in the ring."""
+        top = F32_NEG_INF
+        for x in range(WARPS):
+            top = max_nan(top, shared_f32(ring, MAX_AT + 2 * (x * ROWS + r)))
+        return top
+
+    block_max = _device(block_max)
+
+    def decode_split(q, k, v, kp, vp, table, strides, boff, lens, params, fparams, ws, sq,
+                     per_split, splits, guard, guard_id):
+        if guard_id != 0 and guard[0] == guard_id:
+            return                      # V holds inf or NaN: the portable kernel runs the call
+        ring = cuda.shared.array(RING, uint16, alignment=ALIGN)
+        qa = cuda.local.array(QREGS, uint32)
+        o = cuda.local.array(OACC, float32)
+        s = cuda.local.array(8, float32)
+        pa = cuda.local.array(4, uint32)
+        mr = cuda.local.array(2, float32)
+        lr = cuda.local.array(2, float32)
+        tid = cuda.threadIdx.x
+        lane, w = tid & 31, tid >> 5
+        g4, t4 = lane >> 2, lane & 3
+        b = cuda.blockIdx.x // splits
+        split = cuda.blockIdx.x - b * splits
+        gh = cuda.blockIdx.y
+        G = params[P_G]
+        ql, kl, pre_e, next_e = lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b]
+        jstart, jend = block_kv_range(0, ql, pre_e, next_e, kl)
+        ntiles = (jend - jstart + BKV - 1) // BKV if jend > jstart and ql > 0 else 0
+        t0 = min(split * per_split, ntiles)
+        nt = min(t0 + per_split, ntiles) - t0
+        ta, tb = interior_tiles(0, ql, jstart, jend, BKV, pre_e, next_e)
+        for h in range(2):
+            mr[h], lr[h] = F32_NEG_INF, F32_ZERO
+        for x in range(OACC):
+            o[x] = F32_ZERO
+        ar, ac = F.ldsm_a_addr(lane)
+        br, bc = F.ldsm_b_addr(lane)
+        lane_at = (F.swizzle(ar, ac, D), F.swizzle(br, bc, D), g4, t4, w)
+        crow, ccol = F.tile_chunk(tid, D)
+        at = (k, v, kp, vp, table, b, crow, ccol, F.swizzle(crow, ccol, D),
+              _kv_rows(strides, boff, params, T_K, T_PK, b, gh),
+              _kv_rows(strides, boff, params, T_V, T_PV, b, gh),
+              cuda.local.array(CPT, int64), cuda.local.array(CPT, int64))
+        c2 = fparams[F_SCALE] * LOG2E
+        # the lane's two rows as query rows (rows a block does not compute: past qL)
+        n0, i0, used0 = _row_place(gh, g4, G, sq)
+        n1, i1, used1 = _row_place(gh, g4 + 8, G, sq)
+        rows = (i0 if used0 else ql, i1 if used1 else ql, ql, kl, pre_e, next_e)
+        fold = abs(c2)
+        frag = (qa, o, s, pa, mr, lr)
+        if nt > 0:
+            load_q(qa, q, boff, strides, b, gh, G, sq, ql, lane)
+            if c2 < F32_ZERO:
+                for x in range(QREGS):
+                    qa[x] ^= SIGNS
+            for u in range(NBUF - 1):
+                stage(ring, u * TILE, u, t0, nt, jstart, jend, at)
+            # the run's tiles before the band's interior, inside it (no band test), after it
+            a = min(max(ta - t0, 0), nt)
+            z = min(max(tb - t0, a), nt)
+            for idx in range(a):
+                tile_edge(ring, 2 * idx, t0, nt, jstart, jend, jstart + (t0 + idx) * BKV, at,
+                          frag, lane_at, rows, fold)
+            for idx in range(a, z):
+                tile_inside(ring, 2 * idx, t0, nt, jstart, jend, jstart + (t0 + idx) * BKV, at,
+                            frag, lane_at, rows, fold)
+            for idx in range(z, nt):
+                tile_edge(ring, 2 * idx, t0, nt, jstart, jend, jstart + (t0 + idx) * BKV, at,
+                          frag, lane_at, rows, fold)
+        # the warps' states merged: each warp's sums over its keys, rescaled to the block's max
+        for h in range(2):
+            for sh in (1, 2):
+                lr[h] += X.shfl_xor_sync(FULL, lr[h], sh)
+        X.cp_async_wait(0)
+        cuda.syncthreads()               # every warp is past its last read of the ring
+        # the ring then holds WARPS x ROWS x D float32 sums, then each warp's row maxima and
+        # sums (32-bit values at even 16-bit offsets)
+        if t4 == 0:
+            for h in range(2):
+                r = g4 + 8 * h
+                X.st_shared_u32(ring, MAX_AT + 2 * (w * ROWS + r), _f32_bits(mr[h]))
+                X.st_shared_u32(ring, SUM_AT + 2 * (w * ROWS + r), _f32_bits(lr[h]))
+        cuda.syncthreads()
+        for h in range(2):
+            f = exp2(online_update_log2(mr[h], block_max(ring, g4 + 8 * h))[1])
+            for dt in range(NO):
+                for e in range(2):
+                    at_sum = 2 * ((w * ROWS + g4 + 8 * h) * D + 8 * dt + 2 * t4 + e)
+                    X.st_shared_u32(ring, at_sum, _f32_bits(o[4 * dt + 2 * h + e] * f))
+        cuda.syncthreads()
+        piece = (b * cuda.gridDim.y + gh) * splits + split
+        for e in range(tid, ROWS * D, THREADS):
+            y = F32_ZERO
+            for x in range(WARPS):
+                y += shared_f32(ring, 2 * (x * ROWS * D + e))
+            ws[piece * ROWS * D + e] = y
+        if tid < ROWS:
+            top = block_max(ring, tid)
+            total = F32_ZERO
+            for x in range(WARPS):
+                m_w = shared_f32(ring, MAX_AT + 2 * (x * ROWS + tid))
+                total += shared_f32(ring, SUM_AT + 2 * (x * ROWS + tid)) * \
+                    exp2(online_update_log2(m_w, top)[1])
+            at_ml = ml_offset(cuda.gridDim.x * cuda.gridDim.y, D) + ML * (piece * ROWS + tid)
+            ws[at_ml], ws[at_ml + 1] = top, total
+
+    return decode_split
+
+
+@array_function
+def ml_offset(pieces, d):
+    """Where the workspace's (m, l) pairs start, after ``pieces`` pieces of 16 x d sums."""
+    return pieces * ROWS * d
+
+
+def finish_source(kind):
+    """The kernel that merges a batch's pieces and finishes its rows (grid (B, Nkv), 128
+    threads: 8 a row, each on every 8th head dim). Arguments: ws, out, lse, v, vp, table,
+    strides, boff, lens, params, fparams, sq, splits, guard, guard_id."""
+    exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
+    from .._core import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
+    to_f32 = f16_to_f32 if kind == "f16" else bf16_to_f32
+    to_bits = f32_to_f16 if kind == "f16" else f32_to_bf16
+    LANES = THREADS // ROWS
+
+    def decode_finish(ws, out, lse, v, vp, table, strides, boff, lens, params, fparams, sq,
+                      splits, guard, guard_id):
+        if guard_id != 0 and guard[0] == guard_id:
+            return
+        b, gh = cuda.blockIdx.x, cuda.blockIdx.y
+        r, c = cuda.threadIdx.x // LANES, cuda.threadIdx.x % LANES
+        D, G = params[P_D], params[P_G]
+        n, i, used = _row_place(gh, r, G, sq)
+        ql, kl, pre_e, next_e = lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b]
+        if not used or i >= lens[L_ROWS, b]:
+            return
+        first = (b * cuda.gridDim.y + gh) * splits
+        ml_at = ml_offset(cuda.gridDim.x * cuda.gridDim.y * splits, D)
+        top = F32_NEG_INF
+        for x in range(splits):
+            top = max_nan(top, ws[ml_at + ML * ((first + x) * ROWS + r)])
+        total = F32_ZERO
+        for x in range(splits):
+            at = ml_at + ML * ((first + x) * ROWS + r)
+            total += ws[at + 1] * exp2(online_update_log2(ws[at], top)[1])
+        outcome, mlo, mhi, denom = row_outcome(i < ql, top, total, params[P_IP], i, pre_e,
+                                               next_e, kl)
+        o_at = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
+        for d in range(c, D, LANES):
+            y = F32_ZERO                  # ROW_ZERO
+            if outcome == ROW_SOFTMAX:
+                for x in range(splits):
+                    f = exp2(online_update_log2(ws[ml_at + ML * ((first + x) * ROWS + r)],
+                                                top)[1])
+                    y += ws[((first + x) * ROWS + r) * D + d] * f
+                y = y / denom
+            elif outcome == ROW_MEAN:     # contract 'Empty rows': the mean of V over the band
+                for j in range(mlo, mhi + 1):
+                    in_prefix, off, sd, _, _ = _kv_source(strides, boff, table, params, T_V,
+                                                          T_PV, T_VT, params[P_VTOK], fparams,
+                                                          fparams, b, gh, j)
+                    y += to_f32(vp[off + d * sd] if in_prefix else v[off + d * sd])
+                y = y / denom
+            out[o_at + d * strides[T_O, 2]] = to_bits(y)
+        if c == 0 and params[P_LSE] != 0:
+            lse[boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]] = \
+                lse_log2(top, total) if outcome == ROW_SOFTMAX else F32_NEG_INF
+
+    return decode_finish
+
+
+_KERNELS = {}
+
+
+def walks(p):
+    """Whether planned problem ``p``'s kv rows are found through a shared prefix or a block
+    table (the split kernel's ``walk`` variant)."""
+    cache = p.cache
+    return cache is not None and (cache.block_table is not None or bool(cache.P))
+
+
+def decode_kernels_for(kind, d, walk):
+    """The compiled (lazily, at first launch) split and finish kernels for ``kind``, ``d``
+    and ``walk``."""
+    key = kind, d, bool(walk)
+    if key not in _KERNELS:
+        bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
+        _KERNELS[key] = (cuda.jit(decode_kernel_source(*key), fastmath=False, **bounds),
+                         cuda.jit(finish_source(kind), fastmath=False))
+    return _KERNELS[key]
+
+
+def decode_signature():
+    """The split kernel's argument types."""
+    from numba import types
+    flat = lambda t: types.Array(t, 1, "C")  # noqa: E731
+    grid = types.Array(types.int64, 2, "C")
+    u16 = flat(types.uint16)
+    return (u16, u16, u16, u16, u16, grid, grid, grid, grid, flat(types.int64),
+            flat(types.float32), flat(types.float32), types.int64, types.int64, types.int64,
+            flat(types.int64), types.int64)
+
+
+def decode_ptx(kind, d, cc, walk=False):
+    """The split kernel's PTX for ``kind``, ``d``, compute capability ``cc`` and ``walk``."""
+    ptx, _ = cuda.compile_ptx(decode_kernel_source(kind, d, walk), decode_signature(), cc=cc,
+                              fastmath=False, launch_bounds=(THREADS,))
+    return ptx
+
+
+#: the compute capabilities the PTX files are written for
+PTX_ARCHS = ((8, 0), (9, 0))
+
+
+def ptx_names():
+    """{file name: (kind, head dim, compute capability, walk)} of every specialisation, e.g.
+    ``decode_f16_d128_sm90.ptx`` and ``decode_f16_d128_walk_sm90.ptx`` (kv rows through a
+    prefix or a block table)."""
+    return {f"decode_{kind}_d{d}{'_walk' if walk else ''}_sm{cc[0]}{cc[1]}.ptx":
+            (kind, d, cc, walk)
+            for kind in ("f16", "bf16") for d in HEAD_DIMS for walk in (False, True)
+            for cc in PTX_ARCHS}
+
+
+def loop_names(walk):
+    """What each kv loop of a specialisation's SASS is, in code order."""
+    rows = "rows through the kv sequence" if walk else "contiguous rows"
+    return tuple(f"kv loop, tiles {where} ({rows})"
+                 for where in ("before the band's interior", "inside the band",
+                               "after the band's interior"))
+
+
+def grids(p, splits):
+    """((grid, block) of the split kernel, (grid, block) of the finish kernel)."""
+    return ((p.B * splits, p.Nkv), THREADS), ((p.B, p.Nkv), THREADS)
+

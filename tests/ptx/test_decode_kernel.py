@@ -1,0 +1,99 @@
+"""The split-kv decode kernel (pfa_numba.gpu.decode_kernel) compiles for every sm_90
+specialisation (float16 / bfloat16 x D 64 / 128 x contiguous rows / rows through the kv
+sequence) and the contiguous sm_80 ones, without a GPU: tensor-core instructions, cp.async,
+no fp64, no local memory, ptxas with 0 spill bytes inside 48 KiB of shared memory, and the SASS
+of each kv loop held to its figures as they stand (docs/cuda.md, 'The decode kernel'), so a
+change that adds instructions fails here. decode_reason picks the problems it runs."""
+import re
+
+import numpy as np
+import pytest
+
+cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is in the test extra")
+
+from pfa_numba import _plan, _validate as V  # noqa: E402
+from pfa_numba import _validate_fia as FV  # noqa: E402
+from pfa_numba.fia import planned  # noqa: E402
+from pfa_numba.gpu import decode_kernel as DK  # noqa: E402
+from test_tensor_core_ptx import assemble  # noqa: E402
+
+F64 = re.compile(r"\.f64\b")
+SPECS = [pytest.param(*spec, id=name[:-4]) for name, spec in DK.ptx_names().items()
+         if spec[2] == (9, 0) or not spec[3]]
+#: static instructions of one tile's step in a warp (the loop over the tiles inside the band),
+#: as they stand, by (head dim, walk): a 64-key tile of K and V is 16 KiB (D 64) or 32 KiB
+#: (D 128) read by 4 warps, so D 128's 649 are ~1.3 warp instructions a 16-byte chunk
+#: (contiguous), ~4 through the block table (a division a row, shared by K and V)
+TILE_CEILINGS = {(64, False): 430, (128, False): 670, (64, True): 1110, (128, True): 2060}
+
+
+@pytest.mark.parametrize("kind, d, cc, walk", SPECS)
+def test_decode_kernel_compiles_lean(kind, d, cc, walk, tmp_path):
+    ptx = DK.decode_ptx(kind, d, cc, walk)
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
+    # per tile and warp: S is 2 n-tiles x d/16 k-steps, O += P V d/8 n-tiles; three kv loops
+    # (tiles before the band's interior, inside it, after it)
+    assert ptx.count(mma) == 3 * (2 * d // 16 + d // 8), ptx.count(mma)
+    for needle in ("cp.async.cg.shared.global", "cp.async.commit_group",
+                   f"cp.async.wait_group {DK.ring_buffers(d) - 2};", "ldmatrix.sync.aligned",
+                   "ex2.approx.ftz.f32", "max.NaN.f32", "shfl.sync.bfly", "bar.sync"):
+        assert needle in ptx, needle
+    bad = [line.strip() for line in ptx.splitlines() if F64.search(line)]
+    assert not bad, "fp64 instructions in the decode kernel's PTX:\n" + "\n".join(bad[:20])
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+    log, _ = assemble(ptx, cc, tmp_path, f"decode {kind} D={d}")
+    smem = re.search(r"(\d+) bytes smem", log)
+    assert smem and int(smem.group(1)) <= 48 * 1024
+    from pfa_numba.gpu import sass
+    if sass.missing_tools():
+        pytest.skip("the SASS tools' wheels (test extra) are not installed")
+    s = sass.summary(sass.disassemble(str(tmp_path / f"decode {kind} D={d}.cubin")), log)
+    print(sass.format_summary(f"decode_{kind}_d{d}_sm{cc[0]}{cc[1]}", s, DK.loop_names(walk)))
+    assert s["spill_bytes"] == 0 and s["registers"] <= 255, s
+    assert len(s["loops"]) == 3, s
+    assert all(loop["hmma"] == 2 * d // 16 + d // 8 for loop in s["loops"]), s
+    assert s["loops"][1]["instructions"] <= TILE_CEILINGS[d, walk], s
+
+
+def _fia(q, k, v, **kw):
+    return planned(FV.validate(FV.FiaCall(q, k, v, **kw)))
+
+
+def test_decode_reason_takes_decode_steps_and_few_query_rows():
+    import ml_dtypes
+    q = np.zeros((2, 8, 1, 128), np.float16)
+    cache = np.zeros((2, 2, 300, 128), np.float16)
+    kw = dict(num_heads=8, num_key_value_heads=2, input_layout="BNSD")
+    assert DK.decode_reason(_fia(q, cache, cache, **kw), (9, 0)) is None
+    bf = ml_dtypes.bfloat16
+    assert DK.decode_reason(_fia(q.astype(bf), cache.astype(bf), cache.astype(bf), **kw)) is None
+    pool = np.zeros((6, 2, 16, 128), np.float16)
+    table = np.array([[5, 0, 3], [1, 2, 4]], np.int32)
+    assert DK.decode_reason(_fia(q, pool, pool, block_table=table, block_size=16,
+                                 actual_seq_lengths_kv=[40, 33], **kw)) is None
+    q4 = np.zeros((2, 8, 4, 128), np.float16)                 # 4 heads a group x 4 rows = 16
+    assert DK.decode_reason(_fia(q4, cache, cache, **kw)) is None
+
+
+def test_decode_reason_refuses_what_the_kernel_does_not_run():
+    q = np.zeros((1, 8, 1, 64), np.float16)
+    cache = np.zeros((1, 2, 100, 64), np.float16)
+    kw = dict(num_heads=8, num_key_value_heads=2, input_layout="BNSD")
+    assert "> 16" in DK.decode_reason(_fia(np.zeros((1, 8, 5, 64), np.float16), cache, cache,
+                                           **kw))
+    assert "float32" in DK.decode_reason(_fia(q.astype(np.float32), cache.astype(np.float32),
+                                              cache.astype(np.float32), **kw))
+    assert "head dim 96" in DK.decode_reason(_fia(np.zeros((1, 8, 1, 96), np.float16),
+                                                  *[np.zeros((1, 2, 100, 96), np.float16)] * 2,
+                                                  **kw))
+    assert "7.5" in DK.decode_reason(_fia(q, cache, cache, **kw), (7, 5))
+    assert "mask" in DK.decode_reason(_fia(q, cache, cache, atten_mask=np.zeros((1, 100), bool),
+                                           **kw))
+    assert "int8" in DK.decode_reason(_fia(q, cache.astype(np.int8), cache.astype(np.int8),
+                                           antiquant_scale=np.ones(2, np.float16), **kw))
+    rows = np.zeros((1, 2, 100, 68), np.float16)[..., :64]   # 136-byte rows: not aligned
+    assert "key rows" in DK.decode_reason(_fia(q, rows, cache, **kw))
+    p = _plan.plan(V.validate(V.Call(q, cache, cache, num_heads=8, num_key_value_heads=2,
+                                     input_layout="BNSD", scale_value=0.0)))
+    assert "scale_value 0" in DK.decode_reason(p)
