@@ -204,7 +204,7 @@ def test_an_fia_decode_step_and_its_plan(shim):
     assert _kernel_names(shim) == ["decode_split", "decode_finish", "fill_kernel"]
     (_, grid, block, args), (_, fgrid, _, fargs) = shim.launches[:2]
     assert [a.ptr for a in args[:3]] == [q.ptr, k.ptr, v.ptr] and block == 128
-    assert args[11] is fargs[0] and args[-1] == fargs[-1] == 0       # workspace; no guard
+    assert args[14] is fargs[0] and args[-1] == fargs[-1] == 0       # workspace; no guard
     assert grid[1] == 2 and grid[0] % 2 == 0 and fgrid == (2, 2)
     plan = FiaPlan(q, k, v, **kw, softmax_lse_flag=True)
     plan(q, k, v)

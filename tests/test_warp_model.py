@@ -289,12 +289,67 @@ def test_model_shows_nonfinite_v_needs_a_guard():
     assert np.isnan(out[:10, 0].astype(np.float32)).all()   # the hazard, in rows 0..9
 
 
+#: the decode kernel's model: (G heads, Sq rows a head, Skv, extra reference kwargs, splits)
+DECODE_CASES = {
+    "gqa": (4, 1, 200, dict(), 3),
+    "lengths": (8, 1, 150, dict(actual_seq_lengths_kv=[70]), 2),
+    "speculative-causal": (4, 4, 130, dict(sparse_mode=3), 2),
+    "band": (2, 3, 100, dict(sparse_mode=4, pre_tokens=20, next_tokens=0), 2),
+    "sliding-window-past-the-cache": (2, 2, 90, dict(sparse_mode=4, pre_tokens=300,
+                                                     next_tokens=-200), 1),
+    "no-kv": (4, 1, 64, dict(actual_seq_lengths_kv=[0]), 1),
+}
+
+
+def run_decode_case(name, dtype, d, maps=W.MAPS, seed=11):
+    from pfa_numba._band import band_edges
+    g, sq, skv, extra, splits = DECODE_CASES[name]
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((1, g, sq, d)).astype(np.float32).astype(dtype)
+    k, v = (rng.standard_normal((1, 1, skv, d)).astype(np.float32).astype(dtype)
+            for _ in range(2))
+    extra = dict(extra)
+    extra.setdefault("next_tokens", 2147483647)
+    mode = extra.get("sparse_mode", 0)
+    mask = np.triu(np.ones((2048, 2048), bool), 1) if mode in (2, 3, 4) else None
+    kl = extra.pop("actual_seq_lengths_kv", [skv])[0]
+    pre_e, next_e = (int(e[0]) for e in band_edges(mode, mask is not None,
+                                                   extra.get("pre_tokens", 2147483647),
+                                                   extra["next_tokens"], np.array([sq]),
+                                                   np.array([kl])))
+    rows = np.array([r % sq if r < g * sq else sq for r in range(16)])
+    q16 = np.zeros((16, d), dtype)
+    q16[:g * sq] = q[0].reshape(g * sq, d)
+    scale = 1.0 / np.sqrt(d)
+    out, lse = W.decode_group(q16, k[0, 0], v[0, 0], rows, sq, kl, pre_e, next_e, scale,
+                              splits, maps=maps)
+    out = out[:g * sq].reshape(1, g, sq, d).astype(dtype)
+    args = (q, k, v, mask, None, [kl])
+    kw = dict(num_heads=g, num_key_value_heads=1, input_layout="BNSD", scale_value=scale,
+              **extra)
+    assert_matches_reference(out, args, kw, dtype, lse=lse[:g * sq].reshape(1, g, sq, 1))
+    return out, lse
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_decode_group_matches_the_reference(dt, d, name):
+    """The decode kernel's warp-level steps (4 warps on a 16-key quarter of each tile, their
+    states merged, then the splits merged) against the reference."""
+    run_decode_case(name, DTYPES[dt], d)
+
+
 # ---------------------------------------------------------------------------------------------
 # every check can fail
 # ---------------------------------------------------------------------------------------------
 
 def _fa2(maps):
     run_case("mask-ip0", np.dtype(np.float16), 64, maps)
+
+
+def _decode(maps):
+    run_decode_case("speculative-causal", np.dtype(np.float16), 64, maps)
 
 
 MUTATIONS = {
@@ -308,9 +363,10 @@ MUTATIONS = {
     "ldmatrix plain/trans swapped": (
         dict(ldsm_element=lambda ln, h, tr: F.ldsm_element(ln, h, not tr)),
         [check_isa, check_ldmatrix, _fa2]),
-    "K loaded in A order": (dict(ldsm_b_addr=F.ldsm_a_addr), [check_ldmatrix, _fa2]),
-    "V loaded in B order": (dict(ldsm_a_addr=F.ldsm_b_addr), [check_ldmatrix, _fa2]),
-    "P from swapped S tiles": (dict(p_from_s=lambda r: (r & 1, 2 * (r >> 1))), [_fa2]),
+    "K loaded in A order": (dict(ldsm_b_addr=F.ldsm_a_addr), [check_ldmatrix, _fa2, _decode]),
+    "V loaded in B order": (dict(ldsm_a_addr=F.ldsm_b_addr), [check_ldmatrix, _fa2, _decode]),
+    "P from swapped S tiles": (dict(p_from_s=lambda r: (r & 1, 2 * (r >> 1))),
+                               [_fa2, _decode]),
     "half of the A tile twice": (dict(mma_a=lambda ln, r: F.mma_a(ln, r & 1)),
                                  [check_bijections, check_isa]),
     "no swizzle": (dict(swizzle=lambda row, col, n: row * n + col),

@@ -41,16 +41,17 @@ from numba import cuda, float32, int64, uint16, uint32
 
 from .. import config
 from .._band import ROW_MEAN, ROW_SOFTMAX, block_kv_range, interior_tiles, row_outcome
-from .._core import (F32_NEG_INF, F32_ZERO, f32_as_u32, jit, lse_log2, max_nan,
-                     online_update_log2, u32_as_f32)
+from .._core import (CODE_BF16, CODE_F16, F32_NEG_INF, F32_ONE, F32_ZERO, f32_as_u32, jit,
+                     lse_log2, max_nan, online_update_log2, u32_as_f32)
 from .._kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_D, P_G, P_IP,
-                            P_BLOCK, P_LSE, P_PREFIX, P_VTOK, S_BLOCK, S_HEAD,
-                            S_ROW, T_K, T_L, T_O, T_PK, T_PV, T_Q, T_V, T_VT)
+                            P_BLOCK, P_LSE, P_MASK, P_PREFIX, P_PSE, P_VTOK, S_BLOCK, S_HEAD,
+                            S_ROW, T_K, T_L, T_O, T_M, T_P, T_PK, T_PV, T_Q, T_V, T_VT)
 from . import fragments as F
 from . import ptx as X
 from .kernels import _kv_source, array_function
 from .tc_kernel import (FULL, HEAD_DIMS, LOG2E, SIGNS, SIMULATOR, _band32, _banded, _device,
-                        kind_of, reads_mask_or_pse, scale_reason, strides_aligned)
+                        kind_of, make_row_masks, reads_mask_or_pse, scale_reason,
+                        strides_aligned)
 
 #: query rows of a block (one mma tile) / warps / threads / keys per tile / keys per warp
 ROWS, WARPS, BKV = F.MMA_M, 4, 64
@@ -83,8 +84,11 @@ def decode_reason(p, cc=None):
         return f"head dim {p.D}: the decode kernel has D in {HEAD_DIMS}"
     if cc is not None and tuple(cc) < (8, 0):
         return f"compute capability {cc[0]}.{cc[1]}: mma.bf16 / cp.async need 8.0 or newer"
-    if reads_mask_or_pse(p):
-        return "a user mask or pse: the decode kernel reads neither"
+    for name, x in (("atten_mask", p.mask), ("pse_shift", p.pse)):
+        if (reads_mask_or_pse(p) and x is not None and x.shape[-1] > 1
+                and x.strides[-1] != x.itemsize):
+            return (f"{name}'s columns are not contiguous (strides {x.strides}): the decode "
+                    "kernel reads them at constant offsets")
     cache = p.cache
     if cache is not None and cache.antiquant:
         return "an int8 kv cache: the decode kernel reads the query's dtype"
@@ -183,11 +187,12 @@ def _row_place(gh, r, G, sq):
     return n, i, r < G * sq
 
 
-def decode_kernel_source(kind, d, walk=False):
+def decode_kernel_source(kind, d, walk=False, masked=False):
     """The split kernel's Python source (before ``cuda.jit``) for ``kind`` ("f16" or "bf16"),
     head dim ``d`` (64 or 128) and ``walk``: whether kv rows are found through a shared
     prefix or a paged pool's block table (else each batch's own contiguous rows: a multiply
-    and an add a row).
+    and an add a row); ``masked``: whether a user mask or pse is read (every tile is then
+    tested per accumulator, by the tensor-core kernel's ``make_row_masks``).
 
     Arguments: q, k, v, kp, vp, table, strides, boff, lens, params, fparams (the
     ``_kernel_args`` arrays), ws (the float32 workspace), sq (query rows a head), per_split
@@ -209,7 +214,8 @@ def decode_kernel_source(kind, d, walk=False):
     pack = X.pack_f16x2 if kind == "f16" else X.pack_bf16x2
     exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
     ALIGN = None if SIMULATOR else 16
-    WALK = bool(walk)
+    WALK, MASKED = bool(walk), bool(masked)
+    row_masks = make_row_masks(2, CODE_F16 if kind == "f16" else CODE_BF16)
 
     def stage(ring, dst, u, t0, nt, jstart, jend, at):
         """Copy load ``u`` of the run (K of its tile u // 2 for even u, V for odd) into ring
@@ -246,7 +252,7 @@ def decode_kernel_source(kind, d, walk=False):
     def make_tile_step(band):
         """One tile: S from K(t) in its buffer, the softmax, P V from V(t) in the next load's
         buffer (``band``: the tile crosses some row's band)."""
-        def tile_step(ring, u, t0, nt, jstart, jend, j0, at, frag, lane_at, rows, fold):
+        def tile_step(ring, u, t0, nt, jstart, jend, j0, at, frag, lane_at, rows, fold, ex):
             qa, o, s, pa, mr, lr = frag
             a_at, b_at, g4, t4, w = lane_at
             kbuf = (u % NBUF) * TILE
@@ -266,10 +272,15 @@ def decode_kernel_source(kind, d, walk=False):
                 jc = j0 + WARP_KEYS * w + 2 * t4           # the lane's first key
                 for h in range(2):
                     lo, hi = _band32(rows[h], rows[2], jc, rows[4], rows[5], rows[3])
-                    for nt8 in range(2):
-                        for e in range(2):
-                            x = 4 * nt8 + 2 * h + e
-                            s[x] = _banded(s[x], np.int32(8 * nt8 + e), lo, hi)
+                    if MASKED:                  # t = s * fold with the band, pse and masks
+                        row_masks(s, h, fold, lo, hi, ex[5][h] + jc, ex[6][h] + jc, ex)
+                    else:
+                        for nt8 in range(2):
+                            for e in range(2):
+                                x = 4 * nt8 + 2 * h + e
+                                s[x] = _banded(s[x], np.int32(8 * nt8 + e), lo, hi)
+            if MASKED:
+                fold = F32_ONE                  # the scores are in log2 units already
             tm0 = X.max_nan_f32(X.max_nan_f32(s[0], s[1]), X.max_nan_f32(s[4], s[5]))
             tm1 = X.max_nan_f32(X.max_nan_f32(s[2], s[3]), X.max_nan_f32(s[6], s[7]))
             for sh in (1, 2):
@@ -342,8 +353,8 @@ def decode_kernel_source(kind, d, walk=False):
 
     block_max = _device(block_max)
 
-    def decode_split(q, k, v, kp, vp, table, strides, boff, lens, params, fparams, ws, sq,
-                     per_split, splits, guard, guard_id):
+    def decode_split(q, k, v, kp, vp, mask8, mask16, pse, table, strides, boff, lens, params,
+                     fparams, ws, sq, per_split, splits, guard, guard_id):
         if guard_id != 0 and guard[0] == guard_id:
             return                      # V holds inf or NaN: the portable kernel runs the call
         ring = cuda.shared.array(RING, uint16, alignment=ALIGN)
@@ -366,6 +377,8 @@ def decode_kernel_source(kind, d, walk=False):
         t0 = min(split * per_split, ntiles)
         nt = min(t0 + per_split, ntiles) - t0
         ta, tb = interior_tiles(0, ql, jstart, jend, BKV, pre_e, next_e)
+        if MASKED:                       # every tile tested per accumulator
+            ta, tb = 0, 0
         for h in range(2):
             mr[h], lr[h] = F32_NEG_INF, F32_ZERO
         for x in range(OACC):
@@ -385,6 +398,12 @@ def decode_kernel_source(kind, d, walk=False):
         rows = (i0 if used0 else ql, i1 if used1 else ql, ql, kl, pre_e, next_e)
         fold = abs(c2)
         frag = (qa, o, s, pa, mr, lr)
+        # the masked variant's pse and mask rows of the lane's two rows
+        p_base, m_base = boff[T_P, b], boff[T_M, b]
+        ex = (pse, mask8, mask16, params[P_PSE] != 0, params[P_MASK],
+              (p_base + n0 * strides[T_P, 0] + i0 * strides[T_P, 1],
+               p_base + n1 * strides[T_P, 0] + i1 * strides[T_P, 1]),
+              (m_base + i0 * strides[T_M, 1], m_base + i1 * strides[T_M, 1]))
         if nt > 0:
             load_q(qa, q, boff, strides, b, gh, G, sq, ql, lane)
             if c2 < F32_ZERO:
@@ -397,13 +416,14 @@ def decode_kernel_source(kind, d, walk=False):
             z = min(max(tb - t0, a), nt)
             for idx in range(a):
                 tile_edge(ring, 2 * idx, t0, nt, jstart, jend, jstart + (t0 + idx) * BKV, at,
-                          frag, lane_at, rows, fold)
-            for idx in range(a, z):
-                tile_inside(ring, 2 * idx, t0, nt, jstart, jend, jstart + (t0 + idx) * BKV, at,
-                            frag, lane_at, rows, fold)
+                          frag, lane_at, rows, fold, ex)
+            if not MASKED:
+                for idx in range(a, z):
+                    tile_inside(ring, 2 * idx, t0, nt, jstart, jend, jstart + (t0 + idx) * BKV,
+                                at, frag, lane_at, rows, fold, ex)
             for idx in range(z, nt):
                 tile_edge(ring, 2 * idx, t0, nt, jstart, jend, jstart + (t0 + idx) * BKV, at,
-                          frag, lane_at, rows, fold)
+                          frag, lane_at, rows, fold, ex)
         # the warps' states merged: each warp's sums over its keys, rescaled to the block's max
         for h in range(2):
             for sh in (1, 2):
@@ -516,10 +536,17 @@ def walks(p):
     return cache is not None and (cache.block_table is not None or bool(cache.P))
 
 
-def decode_kernels_for(kind, d, walk):
-    """The compiled (lazily, at first launch) split and finish kernels for ``kind``, ``d``
-    and ``walk``."""
-    key = kind, d, bool(walk)
+def needs_guard(p):
+    """Whether the rows of a block of planned problem ``p`` may drop different columns of a
+    tile (several query rows a head, a user mask or pse), so that a dropped column's inf or
+    NaN in V would reach a row through 0 * inf: the call then takes the V guard."""
+    return p.Sq > 1 or reads_mask_or_pse(p)
+
+
+def decode_kernels_for(kind, d, walk, masked):
+    """The compiled (lazily, at first launch) split and finish kernels for ``kind``, ``d``,
+    ``walk`` and ``masked``."""
+    key = kind, d, bool(walk), bool(masked)
     if key not in _KERNELS:
         bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
         _KERNELS[key] = (cuda.jit(decode_kernel_source(*key), fastmath=False, **bounds),
@@ -533,14 +560,17 @@ def decode_signature():
     flat = lambda t: types.Array(t, 1, "C")  # noqa: E731
     grid = types.Array(types.int64, 2, "C")
     u16 = flat(types.uint16)
-    return (u16, u16, u16, u16, u16, grid, grid, grid, grid, flat(types.int64),
+    return (u16, u16, u16, u16, u16, flat(types.uint8), u16, u16, grid, grid, grid, grid,
+            flat(types.int64),
             flat(types.float32), flat(types.float32), types.int64, types.int64, types.int64,
             flat(types.int64), types.int64)
 
 
-def decode_ptx(kind, d, cc, walk=False):
-    """The split kernel's PTX for ``kind``, ``d``, compute capability ``cc`` and ``walk``."""
-    ptx, _ = cuda.compile_ptx(decode_kernel_source(kind, d, walk), decode_signature(), cc=cc,
+def decode_ptx(kind, d, cc, walk=False, masked=False):
+    """The split kernel's PTX for ``kind``, ``d``, compute capability ``cc``, ``walk`` and
+    ``masked``."""
+    ptx, _ = cuda.compile_ptx(decode_kernel_source(kind, d, walk, masked), decode_signature(),
+                              cc=cc,
                               fastmath=False, launch_bounds=(THREADS,))
     return ptx
 
@@ -550,18 +580,22 @@ PTX_ARCHS = ((8, 0), (9, 0))
 
 
 def ptx_names():
-    """{file name: (kind, head dim, compute capability, walk)} of every specialisation, e.g.
-    ``decode_f16_d128_sm90.ptx`` and ``decode_f16_d128_walk_sm90.ptx`` (kv rows through a
-    prefix or a block table)."""
-    return {f"decode_{kind}_d{d}{'_walk' if walk else ''}_sm{cc[0]}{cc[1]}.ptx":
-            (kind, d, cc, walk)
+    """{file name: (kind, head dim, compute capability, walk, masked)} of every
+    specialisation, e.g. ``decode_f16_d128_sm90.ptx``, ``decode_f16_d128_walk_sm90.ptx`` (kv
+    rows through a prefix or a block table), ``decode_f16_d128_masked_sm90.ptx`` (a user mask
+    or pse)."""
+    return {f"decode_{kind}_d{d}{'_walk' if walk else ''}{'_masked' if masked else ''}"
+            f"_sm{cc[0]}{cc[1]}.ptx": (kind, d, cc, walk, masked)
             for kind in ("f16", "bf16") for d in HEAD_DIMS for walk in (False, True)
-            for cc in PTX_ARCHS}
+            for masked in (False, True) for cc in PTX_ARCHS}
 
 
-def loop_names(walk):
+def loop_names(walk, masked=False):
     """What each kv loop of a specialisation's SASS is, in code order."""
     rows = "rows through the kv sequence" if walk else "contiguous rows"
+    if masked:
+        return (f"kv loop, tiles before the band's interior ({rows})",
+                f"kv loop, every tile ({rows}; mask and pse per accumulator)")
     return tuple(f"kv loop, tiles {where} ({rows})"
                  for where in ("before the band's interior", "inside the band",
                                "after the band's interior"))

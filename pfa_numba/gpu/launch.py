@@ -216,14 +216,14 @@ class Launch:
                 self.sources[field] = ("host", x)
         self.packed = Packed(host)
         self.rows = int(a.lens[L_ROWS].max())
+        from .decode_kernel import needs_guard, split_plan
         if self.kernel == DECODE:
-            from .decode_kernel import split_plan
             self.splits, self.per_split = split_plan(p, a.lens, sms or DEFAULT_SMS)
         self.own_views = None
         if not self.aligned(self.pointers):
             self.kernel, self.reason = PORTABLE, "a query, key or value device pointer is " \
                                                  "not 16-byte aligned"
-        self.guarded = self.kernel == TENSOR_CORE or (self.kernel == DECODE and p.Sq > 1)
+        self.guarded = self.kernel == TENSOR_CORE or (self.kernel == DECODE and needs_guard(p))
 
     def keep_arguments(self, stream):
         """Copy the packed arguments to a buffer of this launch's own, once (a plan's): its
@@ -340,13 +340,15 @@ class Launch:
     def _decode_launches(self, kind, t, views, d_out, d_lse, state, guard_id):
         """The split kernel's and the finish kernel's launches."""
         from . import decode_kernel as dk
+        from .tc_kernel import reads_mask_or_pse
         p, splits = self.p, self.splits
-        split, finish = dk.decode_kernels_for(kind, p.D, dk.walks(p))
+        split, finish = dk.decode_kernels_for(kind, p.D, dk.walks(p), reads_mask_or_pse(p))
         ws = state.workspace(dk.workspace_floats(p, splits))
         geo = [t["table"], views["strides"], views["boff"], views["lens"], views["params"],
                views["fparams"]]
         (sgrid, sblock), (fgrid, fblock) = dk.grids(p, splits)
-        return [(split, sgrid, sblock, [t["q"], t["k"], t["v"], t["kp"], t["vp"], *geo, ws,
+        return [(split, sgrid, sblock, [t["q"], t["k"], t["v"], t["kp"], t["vp"], t["mask8"],
+                                        t["mask16"], t["pse"], *geo, ws,
                                         p.Sq, self.per_split, splits, state.guard, guard_id]),
                 (finish, fgrid, fblock, [ws, d_out, d_lse, t["v"], t["vp"], *geo, p.Sq, splits,
                                          state.guard, guard_id])]

@@ -138,6 +138,42 @@ def _warp_busy(lens, b, wi, j0):
     return wi < ql and j0 <= whi and j0 + BKV - 1 >= wlo
 
 
+def make_row_masks(ns, code):
+    """The masked kernels' step for one row half of a tile's ``ns`` S n-tiles (``code``: the
+    inputs' CODE_F16 / CODE_BF16): ``row_masks(s, h, c2, lo, hi, p_at, m_at, ex)`` makes the
+    accumulators of row half h t = s * c2 (the scale in log2 units) inside the row's band
+    [lo, hi] (relative to the lane's first key) and -inf outside, then adds pse and the
+    float16 mask and drops the discard mask's columns, read by predicated loads at constant
+    offsets from the row's pse and mask at the lane's first key (``p_at``, ``m_at``: their
+    columns contiguous). ``ex``: (pse, mask8, mask16, has pse, mask kind, ...)."""
+    def row_masks(s, h, c2, lo, hi, p_at, m_at, ex):
+        pse, mask8, mask16, has_pse, mask_kind = ex[0], ex[1], ex[2], ex[3], ex[4]
+        for nt in range(ns):
+            for e in range(2):
+                x = 4 * nt + 2 * h + e
+                s[x] = _banded(s[x] * c2, np.int32(8 * nt + e), lo, hi)
+        if has_pse:
+            for nt in range(ns):
+                for e in range(2):
+                    c = np.int32(8 * nt + e)
+                    raw = X.load_u16_if(pse, p_at + c, c >= lo and c <= hi)
+                    bias = X.cvt_f32_f16(raw) if code == CODE_F16 else bf16_to_f32(raw)
+                    s[4 * nt + 2 * h + e] += bias * LOG2E
+        if mask_kind == MASK_ADD_F16:
+            for nt in range(ns):
+                for e in range(2):
+                    c = np.int32(8 * nt + e)
+                    raw = X.load_u16_if(mask16, m_at + c, c >= lo and c <= hi)
+                    s[4 * nt + 2 * h + e] += BIAS_F16 * X.cvt_f32_f16(raw)
+        elif mask_kind == MASK_DISCARD:
+            for nt in range(ns):
+                for e in range(2):
+                    c = np.int32(8 * nt + e)
+                    if X.load_u8_if(mask8, m_at + c, c >= lo and c <= hi) != 0:
+                        s[4 * nt + 2 * h + e] = F32_NEG_INF
+    return _device(row_masks)
+
+
 def tc_kernel_source(kind, d, masked=False):
     """The kernel's Python source (before ``cuda.jit``) for ``kind`` ("f16" or "bf16"), head
     dim ``d`` (64 or 128) and ``masked``: whether it reads a user mask and pse (the variant
@@ -170,35 +206,10 @@ def tc_kernel_source(kind, d, masked=False):
         lens, b, ql, kl, pre_e, next_e, c2 = rows
         ia, jc = wi + g4, j0 + 2 * t4            # the lane's first row and key
         if MASKED:
-            pse, mask8, mask16, has_pse, mask_kind, p_rows, m_rows = ex
+            p_rows, m_rows = ex[5], ex[6]
             for h in range(2):
                 lo, hi = _band32(ia + 8 * h, ql, jc, pre_e, next_e, kl)
-                # the row's pse and mask at the lane's first key (their columns contiguous,
-                # tensor_core_reason): each accumulator's is a constant further
-                p_at, m_at = p_rows[h] + jc, m_rows[h] + jc
-                for nt in range(NS):
-                    for e in range(2):
-                        x = 4 * nt + 2 * h + e
-                        s[x] = _banded(s[x] * c2, np.int32(8 * nt + e), lo, hi)
-                if has_pse:
-                    for nt in range(NS):
-                        for e in range(2):
-                            c = np.int32(8 * nt + e)
-                            raw = X.load_u16_if(pse, p_at + c, c >= lo and c <= hi)
-                            bias = X.cvt_f32_f16(raw) if CODE == CODE_F16 else bf16_to_f32(raw)
-                            s[4 * nt + 2 * h + e] += bias * LOG2E
-                if mask_kind == MASK_ADD_F16:
-                    for nt in range(NS):
-                        for e in range(2):
-                            c = np.int32(8 * nt + e)
-                            raw = X.load_u16_if(mask16, m_at + c, c >= lo and c <= hi)
-                            s[4 * nt + 2 * h + e] += BIAS_F16 * X.cvt_f32_f16(raw)
-                elif mask_kind == MASK_DISCARD:
-                    for nt in range(NS):
-                        for e in range(2):
-                            c = np.int32(8 * nt + e)
-                            if X.load_u8_if(mask8, m_at + c, c >= lo and c <= hi) != 0:
-                                s[4 * nt + 2 * h + e] = F32_NEG_INF
+                row_masks(s, h, c2, lo, hi, p_rows[h] + jc, m_rows[h] + jc, ex)
             return
         if band:
             for h in range(2):
@@ -290,6 +301,7 @@ def tc_kernel_source(kind, d, masked=False):
                             o[e + 4], o[e + 5], o[e + 6], o[e + 7])
         return _device(tile_step)
 
+    row_masks = make_row_masks(NS, CODE)
     scores = _device(scores)
     tile_inside, tile_edge = make_tile_step(False), make_tile_step(True)
 

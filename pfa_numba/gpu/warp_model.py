@@ -2,9 +2,9 @@
 register, through the maps of :mod:`.fragments` that the kernel itself uses.
 
 The specification of the tensor-core kernel, tested without a GPU (the kernel's own source
-runs under the CUDA simulator too, through :mod:`.warp_sim`): every lane's registers are rows of NumPy arrays ((32, 4) uint32 for an A fragment,
-(32, 2) for B, (32, 4) float32 for C/D), and each instruction is modelled from its documented
-semantics:
+runs under the CUDA simulator too, through :mod:`.warp_sim`): every lane's registers are rows
+of NumPy arrays ((32, 4) uint32 for an A fragment, (32, 2) for B, (32, 4) float32 for C/D),
+and each instruction is modelled from its documented semantics:
 
 * ``ldmatrix`` (:func:`ldmatrix_x4`): lane l's offset into a shared tile image supplies row
   ``ldsm_source(l)``; each lane receives the elements ``ldsm_element`` of the four matrices;
@@ -23,7 +23,11 @@ in log2 units with the scale folded in (t = s * scale * log2 e, p = exp2(t - m);
 from the S accumulators into A fragments (``p_from_s``: no shuffles) in the input's 16-bit
 type, O += P V (V by ldmatrix.trans), l kept per lane and reduced over the quad at the end,
 the division deferred to the end, and the rows of contract 'Empty rows' by ``_band.row_outcome``.
-:func:`attention` runs every block of one head. ``maps`` (default :data:`MAPS`) lets the tests
+:func:`attention` runs every block of one head. :func:`decode_group` models the split-kv
+decode kernel (:mod:`.decode_kernel`) the same way: a kv head's 16 query rows, each warp
+on its 16-key quarter of every tile (:func:`decode_warp`), the warps' and then the splits'
+states merged by ``online_update_log2``'s rescale (:func:`_merge`), the rows finished by
+``row_outcome``. ``maps`` (default :data:`MAPS`) lets the tests
 swap in a wrong map and see a check fail.
 
 What the model shows the kernel must also do: a V value that is inf or NaN in a column a row
@@ -38,7 +42,7 @@ import ml_dtypes
 import numpy as np
 
 from .._band import ROW_MEAN, ROW_SOFTMAX, band_edges, block_kv_range, row_band, row_outcome
-from .._core import lse_log2, online_update_log2
+from .._core import lse_log2, max_nan, online_update_log2
 from . import fragments as F
 
 LOG2E = np.float32(1.4426950408889634)
@@ -218,7 +222,6 @@ def fa2_block(q, k, v, i0, ql, kl, pre_e, next_e, scale, discard=None, inner_pre
     m = np.full((F.WARP, 2), -np.inf, np.float32)          # running max, per (lane, row half)
     l = np.zeros((F.WARP, 2), np.float32)                   # this lane's part of the row sum
     o = [np.zeros((F.WARP, 4), np.float32) for _ in range(d // 8)]
-    half = np.array([0, 0, 1, 1])                          # row half of accumulator i (c rows)
     jstart, jend = block_kv_range(i0, min(i0 + ROWS, ql), pre_e, next_e, kl)
     ntiles = -(-(jend - jstart) // bkv) if jend > jstart and i0 < ql else 0
     for tile in range(ntiles):
@@ -243,17 +246,7 @@ def fa2_block(q, k, v, i0, ql, kl, pre_e, next_e, scale, discard=None, inner_pre
                                  np.minimum(j, discard.shape[1] - 1)]
             with np.errstate(invalid="ignore", over="ignore"):
                 tl.append(np.where(keep, sv * c2, np.float32(-np.inf)))
-        tmax = np.full((F.WARP, 2), -np.inf, np.float32)
-        for tv in tl:
-            for h in (0, 1):
-                tmax[:, h] = np.maximum(tmax[:, h], np.maximum(tv[:, 2 * h], tv[:, 2 * h + 1]))
-        m_new, shift, m_sub = _online_update(m, quad_allreduce(tmax, np.maximum))
-        with np.errstate(invalid="ignore", over="ignore"):
-            alpha = np.exp2(shift)
-            p = [np.exp2(tv - m_sub[:, half]).astype(np.float32) for tv in tl]
-        l = _rescaled_sum(l, alpha, p)
-        m = m_new
-        o = [ov * alpha[:, half] for ov in o]
+        p, m, l, o = _softmax_step(tl, m, l, o)
         # O += P V: P's A fragment from the S accumulators, V by ldmatrix.trans
         for kk in range(bkv // 16):
             pa = np.stack([pack(p[2 * kk + nt][:, i], p[2 * kk + nt][:, i + 1], dtype)
@@ -264,6 +257,22 @@ def fa2_block(q, k, v, i0, ql, kl, pre_e, next_e, scale, discard=None, inner_pre
                 o[2 * dp + 1] = mma(pa, vb[:, 2:4], o[2 * dp + 1], dtype, maps)
     return _finish(o, m, quad_allreduce(l, np.add), v, i0, ql, kl, pre_e, next_e,
                    inner_precise, maps)
+
+
+def _softmax_step(tl, m, l, o):
+    """One tile's online softmax in a warp, from its scores in log2 units ``tl`` ((32, 4) an
+    n-tile): the row maxima over the quad, the step of ``_core.online_update_log2``, the
+    weights exp2(t - m) and the rescaled sums and accumulators. Returns (p, m, l, o)."""
+    half = np.array([0, 0, 1, 1])                          # row half of accumulator i (c rows)
+    tmax = np.full((F.WARP, 2), -np.inf, np.float32)
+    for tv in tl:
+        for h in (0, 1):
+            tmax[:, h] = np.maximum(tmax[:, h], np.maximum(tv[:, 2 * h], tv[:, 2 * h + 1]))
+    m_new, shift, m_sub = _online_update(m, quad_allreduce(tmax, np.maximum))
+    with np.errstate(invalid="ignore", over="ignore"):
+        alpha = np.exp2(shift)
+        p = [np.exp2(tv - m_sub[:, half]).astype(np.float32) for tv in tl]
+    return p, m_new, _rescaled_sum(l, alpha, p), [ov * alpha[:, half] for ov in o]
 
 
 def _online_update(m, tile_max):
@@ -332,3 +341,103 @@ def attention(q, k, v, scale, sparse_mode=0, pre_tokens=2147483647, next_tokens=
         out[i0:i0 + n], lse[i0:i0 + n] = o[:n], ls[:n]
     with np.errstate(under="ignore", over="ignore"):          # the kernel's final rounding
         return out.astype(q.dtype), lse
+
+
+# ---------------------------------------------------------------------------------------------
+# the split-kv decode kernel: one block of 4 warps a kv head, its 16 rows one mma tile
+# ---------------------------------------------------------------------------------------------
+
+def _per_row(x, maps):
+    """A (32, 2) per-(lane, row half) value as (16,): the value of each C row (the four lanes
+    of a quad agree, as the quad reductions leave them)."""
+    crow = tables(maps)["c"][0]
+    out = np.zeros(ROWS, np.float32)
+    out[crow[:, 0]], out[crow[:, 2]] = x[:, 0], x[:, 1]
+    return out
+
+
+def _merge(ms, ls, accs):
+    """The decode kernel's merge of states (m, l, acc) of the same rows over disjoint keys,
+    each m (16,) in log2 units: every state rescaled by exp2 of ``online_update_log2``'s shift
+    against the rows' max (0 for a state that kept nothing, NaN where the max is NaN)."""
+    top = np.full(ROWS, -np.inf, np.float32)
+    for m in ms:
+        top = np.array([max_nan(a, b) for a, b in zip(top, m)], np.float32)
+    l, acc = np.zeros(ROWS, np.float32), np.zeros_like(accs[0])
+    for m, lv, av in zip(ms, ls, accs):
+        with np.errstate(invalid="ignore", over="ignore"):
+            f = np.exp2(np.array([online_update_log2(a, b)[1] for a, b in zip(m, top)],
+                                 np.float32))
+            l = (l + lv * f).astype(np.float32)
+            acc = (acc + av * f[:, None]).astype(np.float32)
+    return top, l, acc
+
+
+def decode_warp(q, k, v, lo, hi, j_tiles, w, c2, maps=MAPS):
+    """Warp w of a decode block over the 64-key tiles starting at ``j_tiles``: its keys
+    16w..16w+15 of each, S = Q K^T (K by plain ldmatrix), the band [lo, hi] per row (16,)
+    per accumulator, the online softmax in log2 units, O += P V. q (16, D) and k, v (L, D) of
+    one 16-bit dtype; ``c2`` the scale times log2 e. Returns the warp's (m, l, acc) per row."""
+    dtype, d = q.dtype, q.shape[1]
+    t = tables(maps)
+    crow, ccol = t["c"]
+    qa = [load_block(stage(q, 0, ROWS, ROWS, maps), d, 0, 16 * kk, "addr_a", False, maps)
+          for kk in range(d // 16)]
+    m = np.full((F.WARP, 2), -np.inf, np.float32)
+    l = np.zeros((F.WARP, 2), np.float32)
+    o = [np.zeros((F.WARP, 4), np.float32) for _ in range(d // 8)]
+    for j0 in j_tiles:
+        kimg = stage(k, j0, 64, k.shape[0], maps)
+        vimg = stage(v, j0, 64, v.shape[0], maps)
+        s = [np.zeros((F.WARP, 4), np.float32) for _ in range(2)]
+        for kk in range(d // 16):
+            kb = load_block(kimg, d, 16 * w, 16 * kk, "addr_b", False, maps)
+            s = [mma(qa[kk], kb[:, 2 * n:2 * n + 2], s[n], dtype, maps) for n in range(2)]
+        tl = []
+        for n, sv in enumerate(s):
+            j = j0 + 16 * w + 8 * n + ccol
+            with np.errstate(invalid="ignore", over="ignore"):
+                tl.append(np.where((j >= lo[crow]) & (j <= hi[crow]), sv * c2,
+                                   np.float32(-np.inf)))
+        p, m, l, o = _softmax_step(tl, m, l, o)
+        pa = np.stack([pack(p[nt][:, i], p[nt][:, i + 1], dtype) for nt, i in t["p"]], axis=1)
+        for dp in range(d // 16):
+            vb = load_block(vimg, d, 16 * w, 16 * dp, "addr_a", True, maps)
+            o[2 * dp] = mma(pa, vb[:, 0:2], o[2 * dp], dtype, maps)
+            o[2 * dp + 1] = mma(pa, vb[:, 2:4], o[2 * dp + 1], dtype, maps)
+    acc = np.zeros((ROWS, d), np.float32)
+    for dt, ov in enumerate(o):
+        acc[crow, 8 * dt + ccol] = ov
+    return _per_row(m, maps), _per_row(quad_allreduce(l, np.add), maps), acc
+
+
+def decode_group(q, k, v, rows, ql, kl, pre_e, next_e, scale, splits, inner_precise=1,
+                 maps=MAPS):
+    """One kv head's query rows as the decode kernel computes them: q (16, D) its rows
+    (``rows`` (16,) their query row, or ql for idle rows), k and v (Skv, D) the kv sequence;
+    the batch's kv range cut into ``splits`` runs of whole 64-key tiles, each run's four
+    warps merged, then the runs merged and the rows finished (contract 'Empty rows').
+    Returns (out (16, D) float32 before the final rounding, lse (16,) float32)."""
+    c2 = np.float32(np.float32(scale) * LOG2E)
+    bands = [row_band(i, pre_e, next_e, kl) if i < ql else (1, 0) for i in rows]
+    lo, hi = (np.array([b[x] for b in bands], np.int64) for x in (0, 1))
+    jstart, jend = block_kv_range(0, ql, pre_e, next_e, kl)
+    ntiles = -(-(jend - jstart) // 64) if jend > jstart and ql > 0 else 0
+    per = -(-ntiles // splits) if ntiles else 1
+    k, v = k[:jend], v[:jend]                            # rows past the run: zero-filled
+    pieces = []
+    for sp in range(splits):
+        tiles = [jstart + 64 * t for t in range(sp * per, min((sp + 1) * per, ntiles))]
+        pieces.append(_merge(*zip(*[decode_warp(q, k, v, lo, hi, tiles, w, c2, maps)
+                                    for w in range(4)])))
+    m, l, acc = _merge(*zip(*pieces))
+    out = np.zeros_like(acc)
+    lse = np.full(ROWS, -np.inf, np.float32)
+    for r, i in enumerate(rows):
+        outcome, mlo, mhi, denom = row_outcome(i < ql, m[r], l[r], inner_precise, i, pre_e,
+                                               next_e, kl)
+        if outcome == ROW_SOFTMAX:
+            out[r], lse[r] = acc[r] / denom, lse_log2(m[r], l[r])
+        elif outcome == ROW_MEAN:
+            out[r] = v[mlo:mhi + 1].astype(np.float32).sum(axis=0) / np.float32(denom)
+    return out, lse

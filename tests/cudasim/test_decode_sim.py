@@ -126,3 +126,18 @@ def test_bf16_d128_eight_heads_a_group():
     k, v = (_x(rng, (1, 1, 200, 128), BF16) for _ in range(2))
     _check((q, k, v), _kw(8, 1, 128), BF16)
 
+
+
+def test_masks_and_pse():
+    """A bool decode mask (batch 1 keeps nothing: contract 'Empty rows' over the kv
+    sequence) with fp16 pse per head, kv lengths 130 and 90; the masked variant tests every
+    tile per accumulator."""
+    rng = np.random.default_rng(6)
+    n, nkv, d = 4, 2, 64
+    q = _x(rng, (2, n, 1, d), F16)
+    k, v = (_x(rng, (2, nkv, 130, d), F16) for _ in range(2))
+    mask = rng.random((2, 130)) < 0.3
+    mask[1] = True
+    pse = _x(rng, (2, n, 1, 130), F16)
+    _check((q, k, v), _kw(n, nkv, d, atten_mask=mask, pse_shift=pse,
+                          actual_seq_lengths_kv=[130, 90]), F16)
