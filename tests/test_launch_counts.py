@@ -157,7 +157,7 @@ def test_a_whole_tensor_core_call(shim):
         (scan, _, _, sargs), (_, _, tc_block, targs), (_, _, _, pargs) = shim.launches
         assert tc_block == T.THREADS
         assert sargs[0].ptr == v.ptr and [a.ptr for a in targs[:3]] == [q.ptr, k.ptr, v.ptr]
-        assert sargs[1] is targs[-2] is pargs[16] and sargs[2] == targs[-1] == pargs[17] != 0
+        assert sargs[1] is targs[16] is pargs[16] and sargs[2] == targs[17] == pargs[17] != 0
         ids.add(sargs[2])
         assert out.shape == q.shape
     assert len(ids) == 2

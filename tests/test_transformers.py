@@ -10,6 +10,9 @@ import pfa_numba.integrations.transformers as pfa_hf   # noqa: E402
 
 NAME = pfa_hf.register()
 VOCAB = 256
+#: the same model tests on the CPU and, where torch has a GPU, on CUDA tensors
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA tensors need a GPU and a CUDA build of torch"))]
 
 
 def _config(family):
@@ -24,8 +27,8 @@ def _config(family):
 _MODELS = {}
 
 
-def _model(family, dtype):
-    """The same random weights for every dtype and attention of one family."""
+def _model(family, dtype, device="cpu"):
+    """The same random weights for every dtype, device and attention of one family."""
     if family not in _MODELS:
         torch.manual_seed(0)
         _MODELS[family] = transformers.AutoModelForCausalLM.from_config(
@@ -33,10 +36,10 @@ def _model(family, dtype):
     base = _MODELS[family]
     model = type(base)(base.config).eval()
     model.load_state_dict(base.state_dict())
-    return model.to(dtype)
+    return model.to(device=device, dtype=dtype)
 
 
-def _batch(padding, length=29, batch=3):
+def _batch(padding, length=29, batch=3, device="cpu"):
     """Token ids and attention mask with ``padding`` ('left', 'right' or 'none'): row 1 loses
     9 tokens, row 2 loses 3."""
     g = torch.Generator().manual_seed(1)
@@ -47,7 +50,7 @@ def _batch(padding, length=29, batch=3):
             cols = slice(0, pad) if padding == "left" else slice(length - pad, length)
             mask[row, cols] = 0
             ids[row, cols] = 0
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 def _logits(model, attn, ids, mask):
@@ -56,36 +59,39 @@ def _logits(model, attn, ids, mask):
         return model(input_ids=ids, attention_mask=mask).logits.float()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_float32_logits_match_sdpa(family, padding):
-    model = _model(family, torch.float32)
-    ids, mask = _batch(padding)
+def test_float32_logits_match_sdpa(family, padding, device):
+    model = _model(family, torch.float32, device)
+    ids, mask = _batch(padding, device=device)
     want = _logits(model, "sdpa", ids, mask)
     got = _logits(model, NAME, ids, mask)
     real = mask.bool()                # padded positions' logits are not defined by either
     assert (got[real] - want[real]).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_16bit_logits_within_twice_sdpas_own_error(family, dtype):
-    ids, mask = _batch("left")
+def test_16bit_logits_within_twice_sdpas_own_error(family, dtype, device):
+    ids, mask = _batch("left", device=device)
     real = mask.bool()
-    exact = _logits(_model(family, torch.float32), "sdpa", ids, mask)[real]
-    model = _model(family, dtype)
+    exact = _logits(_model(family, torch.float32, device), "sdpa", ids, mask)[real]
+    model = _model(family, dtype, device)
     sdpa_error = (_logits(model, "sdpa", ids, mask)[real] - exact).abs().max()
     ours_error = (_logits(model, NAME, ids, mask)[real] - exact).abs().max()
     assert 0 < ours_error <= 2 * sdpa_error
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("padding", ["none", "left"])
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_greedy_generation_matches_sdpa(family, padding):
+def test_greedy_generation_matches_sdpa(family, padding, device):
     """Prefill and then decode steps against the KV cache (query length 1), the sliding window
     passing the prompt's length on the way."""
-    model = _model(family, torch.float32)
-    ids, mask = _batch(padding, length=9)
+    model = _model(family, torch.float32, device)
+    ids, mask = _batch(padding, length=9, device=device)
     runs = {}
     for attn in ("sdpa", NAME):
         model.set_attn_implementation(attn)

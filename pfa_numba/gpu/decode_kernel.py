@@ -26,32 +26,35 @@ max), and the block writes its piece (unnormalised O, m, l) to a workspace.
 
 :func:`finish_kernel` merges a batch's pieces by that rule once more and finishes its rows as
 every kernel does (``_band.row_outcome``: contract 'Empty rows', the division, lse, output
-rounding). Calls whose rows do not share one band (Sq > 1) drop columns per row inside a tile,
-and a dropped column's inf or NaN in V would reach the row through 0 * inf in P V: those calls
-take the tensor-core kernel's guard (a scan of V on the device; the portable kernel computes
-the call where it finds one).
+rounding). A user mask or pse takes the ``masked`` variant (every tile tested per
+accumulator by the tensor-core kernel's ``make_row_masks``). Calls whose rows may drop
+different columns of a tile (Sq > 1, a mask or pse: :func:`needs_guard`) would let a dropped
+column's inf or NaN in V reach a row through 0 * inf in P V: those calls take the tensor-core
+kernel's guard (a scan of V on the device; the portable kernel computes the call where it
+finds one).
 
 Not this kernel (:func:`decode_reason` says why): more than 16 rows per kv head, TND, other
-dtypes and head dims, a user mask or pse, int8 caches, quantized outputs, a scale the
-tensor-core kernel does not take, rows or strides not 16-byte aligned, compute capability
-below 8.0.
+dtypes and head dims, int8 caches, quantized outputs, a scale the tensor-core kernel does not
+take, rows or strides not 16-byte aligned, mask or pse columns not contiguous, compute
+capability below 8.0.
 """
 import numpy as np
-from numba import cuda, float32, int64, uint16, uint32
+from numba import cuda, float32, int32, uint16, uint32
 
 from .. import config
 from .._band import ROW_MEAN, ROW_SOFTMAX, block_kv_range, interior_tiles, row_outcome
 from .._core import (CODE_BF16, CODE_F16, F32_NEG_INF, F32_ONE, F32_ZERO, f32_as_u32, jit,
                      lse_log2, max_nan, online_update_log2, u32_as_f32)
 from .._kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_D, P_G, P_IP,
-                            P_BLOCK, P_LSE, P_MASK, P_PREFIX, P_PSE, P_VTOK, S_BLOCK, S_HEAD,
-                            S_ROW, T_K, T_L, T_O, T_M, T_P, T_PK, T_PV, T_Q, T_V, T_VT)
+                            P_LSE, P_MASK, P_PSE, P_VTOK, T_K, T_L, T_M, T_O, T_P, T_PK, T_PV,
+                            T_Q, T_V, T_VT)
 from . import fragments as F
 from . import ptx as X
-from .kernels import _kv_source, array_function
+from .kernels import (IN_PREFIX, PAST_END, _kv_source, array_function, kv_at, kv_block_of,
+                      kv_place_in, kv_places)
 from .tc_kernel import (FULL, HEAD_DIMS, LOG2E, SIGNS, SIMULATOR, _band32, _banded, _device,
-                        kind_of, make_row_masks, reads_mask_or_pse, scale_reason,
-                        strides_aligned)
+                        kind_of, make_row_masks, reads_mask_or_pse, rows_reason,
+                        scale_reason)
 
 #: query rows of a block (one mma tile) / warps / threads / keys per tile / keys per warp
 ROWS, WARPS, BKV = F.MMA_M, 4, 64
@@ -84,25 +87,13 @@ def decode_reason(p, cc=None):
         return f"head dim {p.D}: the decode kernel has D in {HEAD_DIMS}"
     if cc is not None and tuple(cc) < (8, 0):
         return f"compute capability {cc[0]}.{cc[1]}: mma.bf16 / cp.async need 8.0 or newer"
-    for name, x in (("atten_mask", p.mask), ("pse_shift", p.pse)):
-        if (reads_mask_or_pse(p) and x is not None and x.shape[-1] > 1
-                and x.strides[-1] != x.itemsize):
-            return (f"{name}'s columns are not contiguous (strides {x.strides}): the decode "
-                    "kernel reads them at constant offsets")
     cache = p.cache
     if cache is not None and cache.antiquant:
         return "an int8 kv cache: the decode kernel reads the query's dtype"
     why = scale_reason(p.scale)
     if why is not None:
         return why
-    arrays = [("key", p.k), ("value", p.v)]
-    if cache is not None and cache.P:
-        arrays += [("key_shared_prefix", cache.prefix_key),
-                   ("value_shared_prefix", cache.prefix_value)]
-    for name, x in arrays:
-        if not strides_aligned(x):
-            return f"{name} rows are not contiguous 16-byte-aligned runs (strides {x.strides})"
-    return None
+    return rows_reason(p)
 
 
 def split_plan(p, lens, sms):
@@ -137,46 +128,6 @@ def _f32_bits(x):
 def _f32_of(lo, hi):
     """The float32 whose bits are the 16-bit halves ``lo`` and ``hi``."""
     return u32_as_f32(np.uint32(lo) | (np.uint32(hi) << np.uint32(16)))
-
-
-@array_function
-def _kv_rows(strides, boff, params, t, tp, b, gh):
-    """Where kv head gh's rows of batch b lie in tensor t (T_K or T_V) and its shared prefix
-    tp: (prefix rows P, block size (0: contiguous), first element, row stride, block stride,
-    the prefix's first element, its row stride), for :func:`_kv_row`."""
-    return (params[P_PREFIX], params[P_BLOCK], boff[t, b] + gh * strides[t, S_HEAD],
-            strides[t, S_ROW], strides[t, S_BLOCK], boff[tp, b] + gh * strides[tp, S_HEAD],
-            strides[tp, S_ROW])
-
-
-#: a kv place's block for a shared prefix's row (its index is the prefix row) / a row past
-#: the run's end (zero-filled)
-IN_PREFIX, PAST_END = -1, -2
-
-
-@array_function
-def _kv_place(P, block, table, b, j):
-    """(block, index) of logical kv row j of batch b: (IN_PREFIX, j) for a shared prefix's
-    row, else the pool block and its slot (the block table's entry (j - P) // block_size, or
-    block 0 and the row itself for contiguous rows): ``_kernel_args.row_offset``'s walk,
-    split in two so that K and V, which share it, find a row once."""
-    if j < P:
-        return IN_PREFIX, j
-    j -= P
-    if block == 0:
-        return 0, j
-    n = j // block
-    return table[b, n], j - n * block
-
-
-@array_function
-def _kv_at(rows, where, idx):
-    """Element offset of the row at place (where, idx) (:func:`_kv_place`) in the tensor whose
-    places :func:`_kv_rows` gives: in the prefix's array for IN_PREFIX."""
-    _, _, base, row, block_stride, p_base, p_row = rows
-    if where == IN_PREFIX:
-        return p_base + idx * p_row
-    return base + where * block_stride + idx * row
 
 
 @jit
@@ -221,7 +172,7 @@ def decode_kernel_source(kind, d, walk=False, masked=False):
         """Copy load ``u`` of the run (K of its tile u // 2 for even u, V for odd) into ring
         buffer ``dst``: this thread's CPT chunks, rows at or past jend zero-filled; then
         close the group (an empty one past the run's last load keeps the counting even)."""
-        k, v, kp, vp, table, b, crow, ccol, c_at, k_rows, v_rows, blocks, slots = at
+        k, v, kp, vp, table, b, crow, ccol, c_at, k_rows, v_rows, columns = at
         if u < 2 * nt:
             is_v = u & 1
             rows = v_rows if is_v else k_rows
@@ -235,15 +186,16 @@ def decode_kernel_source(kind, d, walk=False, masked=False):
                     else:
                         X.cp_async_16_zfill(ring, to, k, 0, 0)
                 else:
-                    if not is_v:        # K(t) finds the rows, V(t) (the next load) reuses them
-                        blocks[c], slots[c] = PAST_END, 0
+                    if not is_v:        # K(t) divides, V(t) (the next load) reuses its columns
+                        columns[c] = PAST_END
                         if j < jend:
-                            blocks[c], slots[c] = _kv_place(rows[0], rows[1], table, b, j)
-                    if blocks[c] == PAST_END:
+                            columns[c] = kv_block_of(rows[0], rows[1], j)
+                    if columns[c] == PAST_END:
                         X.cp_async_16_zfill(ring, to, k, 0, 0)
                     else:
-                        off = _kv_at(rows, blocks[c], slots[c]) + ccol
-                        prefix = blocks[c] == IN_PREFIX
+                        where, idx = kv_place_in(rows[0], rows[1], table, b, j, columns[c])
+                        off = kv_at(rows, where, idx) + ccol
+                        prefix = where == IN_PREFIX
                         src = (vp if prefix else v) if is_v else (kp if prefix else k)
                         X.cp_async_16_zfill(ring, to, src, off, 16)
                 j += RSTEP
@@ -388,9 +340,9 @@ def decode_kernel_source(kind, d, walk=False, masked=False):
         lane_at = (F.swizzle(ar, ac, D), F.swizzle(br, bc, D), g4, t4, w)
         crow, ccol = F.tile_chunk(tid, D)
         at = (k, v, kp, vp, table, b, crow, ccol, F.swizzle(crow, ccol, D),
-              _kv_rows(strides, boff, params, T_K, T_PK, b, gh),
-              _kv_rows(strides, boff, params, T_V, T_PV, b, gh),
-              cuda.local.array(CPT, int64), cuda.local.array(CPT, int64))
+              kv_places(strides, boff, params, T_K, T_PK, b, gh),
+              kv_places(strides, boff, params, T_V, T_PV, b, gh),
+              cuda.local.array(CPT, int32))
         c2 = fparams[F_SCALE] * LOG2E
         # the lane's two rows as query rows (rows a block does not compute: past qL)
         n0, i0, used0 = _row_place(gh, g4, G, sq)
@@ -527,13 +479,6 @@ def finish_source(kind):
 
 
 _KERNELS = {}
-
-
-def walks(p):
-    """Whether planned problem ``p``'s kv rows are found through a shared prefix or a block
-    table (the split kernel's ``walk`` variant)."""
-    cache = p.cache
-    return cache is not None and (cache.block_table is not None or bool(cache.P))
 
 
 def needs_guard(p):

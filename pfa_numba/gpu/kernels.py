@@ -6,9 +6,10 @@ tiles of its band only (tiles outside the band or past kL are skipped), staging 
 tile in shared memory with coalesced loads (consecutive threads read consecutive elements of a
 row) widened to float32 by ``_core.widen``; the float kernel's rows come through
 fused_infer_attention_score's kv sequence (:func:`_kv_source`: a shared prefix, contiguous or
-paged rows, int8 ones dequantized by ``_core.antiquant``). Then each thread runs the three online-softmax
-steps of the CPU kernel on its row: scores (band, user mask, pse, fp16 mask), update m and l,
-rescale acc and add P V. The band predicate and the row rule of contract 'Empty rows' (``_band``),
+paged rows, int8 ones dequantized by ``_core.antiquant``). Then each thread runs the three
+online-softmax steps of the CPU kernel on its row: scores (band, user mask, pse, fp16 mask),
+update m and l, rescale acc and add P V. The band predicate and the row rule of contract
+'Empty rows' (``_band``),
 the online update, exp, the int8 steps and every dtype conversion (``_core``) are the functions the
 CPU kernels use; the kernels read the arguments ``_kernel_args`` builds for both targets.
 """
@@ -88,6 +89,60 @@ def kernel_signature(storage, out_storage=None, int8=False, kv_storage=None, kv_
 
 
 @array_function
+def kv_places(strides, boff, params, t, tp, b, gh):
+    """Where kv head gh's rows of batch b lie in tensor t (T_K or T_V) and its shared prefix
+    tp: (prefix rows P, block size (0: contiguous), first element, row stride, block stride,
+    the prefix's first element, its row stride), for :func:`kv_at`."""
+    return (params[P_PREFIX], params[P_BLOCK], boff[t, b] + gh * strides[t, S_HEAD],
+            strides[t, S_ROW], strides[t, S_BLOCK], boff[tp, b] + gh * strides[tp, S_HEAD],
+            strides[tp, S_ROW])
+
+
+#: a kv place's block for a shared prefix's row (its index is the prefix row) / a row past
+#: the run's end (zero-filled)
+IN_PREFIX, PAST_END = -1, -2
+
+
+@array_function
+def kv_block_of(P, block, j):
+    """The block-table column of logical kv row j (IN_PREFIX for a shared prefix's row, 0 for
+    contiguous rows): the division of the walk, which K and V of one row share."""
+    if j < P:
+        return IN_PREFIX
+    return (j - P) // block if block != 0 else 0
+
+
+@array_function
+def kv_place_in(P, block, table, b, j, n):
+    """(block, index) of logical kv row j of batch b whose block-table column is ``n``
+    (:func:`kv_block_of`): (IN_PREFIX, j) for a shared prefix's row, else the pool block and
+    its slot, or block 0 and the row itself for contiguous rows (``_kernel_args.row_offset``'s
+    walk)."""
+    if n == IN_PREFIX:
+        return IN_PREFIX, j
+    j -= P
+    if block == 0:
+        return 0, j
+    return table[b, n], j - n * block
+
+
+@array_function
+def kv_place(P, block, table, b, j):
+    """:func:`kv_place_in` of logical kv row j."""
+    return kv_place_in(P, block, table, b, j, kv_block_of(P, block, j))
+
+
+@array_function
+def kv_at(rows, where, idx):
+    """Element offset of the row at place (where, idx) (:func:`kv_place`) in the tensor whose
+    places :func:`kv_places` gives: in the prefix's array for IN_PREFIX."""
+    _, _, base, row, block_stride, p_base, p_row = rows
+    if where == IN_PREFIX:
+        return p_base + idx * p_row
+    return base + where * block_stride + idx * row
+
+
+@array_function
 def _kv_source(strides, boff, table, params, t, t_prefix, t_token, mode, scales, offsets, b, g,
                j):
     """Where kv row j (logical: a shared prefix's rows first) of kv head g of batch b lies in
@@ -95,23 +150,19 @@ def _kv_source(strides, boff, table, params, t, t_prefix, t_token, mode, scales,
     value, its element stride, its token scale and offset, (1, 0) without token planes of
     ``mode`` 1 by row or 2 by paged slot: scales at geometry row t_token, offsets at the next).
     The CPU's cpu.kv walks the same rows."""
-    P = params[P_PREFIX]
-    if j < P:
-        return (True, boff[t_prefix, b] + g * strides[t_prefix, S_HEAD]
-                + j * strides[t_prefix, S_ROW], strides[t_prefix, S_ELEM], F32_ONE, F32_ZERO)
-    j -= P
-    block = params[P_BLOCK]
-    block_id = table[b, j // block] if block != 0 else 0
-    off = row_offset(boff[t, b], strides[t, S_ROW], strides[t, S_BLOCK], block, block_id,
-                     j) + g * strides[t, S_HEAD]
+    places = kv_places(strides, boff, params, t, t_prefix, b, g)
+    where, idx = kv_place(places[0], places[1], table, b, j)
+    off = kv_at(places, where, idx)
+    if where == IN_PREFIX:
+        return True, off, strides[t_prefix, S_ELEM], F32_ONE, F32_ZERO
     scale, offset = F32_ONE, F32_ZERO
     if mode != 0:
-        tblock = block if mode == 2 else 0
+        tblock, own = (places[1] if mode == 2 else 0), j - places[0]
         ts, to = t_token, t_token + 1
         scale = scales[row_offset(boff[ts, b], strides[ts, S_ROW], strides[ts, S_BLOCK], tblock,
-                                  block_id, j) + g * strides[ts, S_HEAD]]
+                                  where, own) + g * strides[ts, S_HEAD]]
         offset = offsets[row_offset(boff[to, b], strides[to, S_ROW], strides[to, S_BLOCK],
-                                    tblock, block_id, j) + g * strides[to, S_HEAD]]
+                                    tblock, where, own) + g * strides[to, S_HEAD]]
     return False, off, strides[t, S_ELEM], scale, offset
 
 
@@ -303,7 +354,8 @@ def kernel_source(dpad, bq, bkv):
 
         # finalize: every output row of the block is written (the output is not pre-zeroed)
         if i < rows_b:
-            outcome, mlo, mhi, denom = row_outcome(active, m, l, inner_precise, i, pre_e, next_e, kl)
+            outcome, mlo, mhi, denom = row_outcome(active, m, l, inner_precise, i, pre_e, next_e,
+                                                   kl)
             o_off, osd = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1], strides[T_O, 2]
             if outcome == ROW_MEAN:
                 for d in range(D):
@@ -325,7 +377,9 @@ def kernel_source(dpad, bq, bkv):
                     out[o_off + d * osd] = f32_to_bf16(x)
                 elif ocode == CODE_I8:
                     ch = n * D + d if scale2.shape[0] > 1 else 0
-                    y = quantize_output(x, scale2[ch], offset2[ch]) if outcome != ROW_ZERO else F32_ZERO
+                    y = F32_ZERO
+                    if outcome != ROW_ZERO:
+                        y = quantize_output(x, scale2[ch], offset2[ch])
                     out[o_off + d * osd] = y
                 else:
                     out[o_off + d * osd] = x
@@ -409,7 +463,8 @@ def kernel_source_int8(dpad, bq, bkv):
                 cuda.syncthreads()   # every row is done with this tile before it is overwritten
 
         if i < rows_b:
-            outcome, mlo, mhi, denom = row_outcome(active, m, l, inner_precise, i, pre_e, next_e, kl)
+            outcome, mlo, mhi, denom = row_outcome(active, m, l, inner_precise, i, pre_e, next_e,
+                                                   kl)
             o_off, osd = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1], strides[T_O, 2]
             if outcome == ROW_MEAN:
                 # contract 'Empty rows' for int8: every band score equal (E = 1 on the band)

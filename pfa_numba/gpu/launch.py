@@ -322,17 +322,20 @@ class Launch:
         launches = []
         from . import tc_kernel as tc
         kind = tc.kind_of(p.dtype)
-        if guard_id != 0:
-            launches.append((tc.nonfinite_scan(kind), *tc.SCAN_GRID,
-                             [t["v"], guard, guard_id]))
+        if guard_id != 0:               # V, and a shared prefix's value rows, scanned
+            for values in ([t["v"], t["vp"]] if p.cache is not None and p.cache.P
+                           else [t["v"]]):
+                launches.append((tc.nonfinite_scan(kind), *tc.SCAN_GRID,
+                                 [values, guard, guard_id]))
         if self.kernel == DECODE:
             launches += self._decode_launches(kind, t, views, d_out, d_lse, state, guard_id)
             if guard_id == 0:
                 return launches
         elif self.kernel == TENSOR_CORE:
             tc_tiles = max(1, -(-self.rows // tc.ROWS))
-            launches.append((tc.tc_kernel_for(kind, p.D, tc.reads_mask_or_pse(p)),
-                             (p.B * tc_tiles, p.N), tc.THREADS, head + small + [tc_tiles] + tail))
+            launches.append((tc.tc_kernel_for(kind, p.D, tc.reads_mask_or_pse(p), tc.walks(p)),
+                             (p.B * tc_tiles, p.N), tc.THREADS,
+                             head + small + [tc_tiles] + tail + [t["kp"], t["vp"], t["table"]]))
         launches.append((kernel_for(dpad, bq, bkv, int8=int8), (p.B * qtiles, p.N), bq,
                          portable))
         return launches
@@ -340,9 +343,9 @@ class Launch:
     def _decode_launches(self, kind, t, views, d_out, d_lse, state, guard_id):
         """The split kernel's and the finish kernel's launches."""
         from . import decode_kernel as dk
-        from .tc_kernel import reads_mask_or_pse
+        from .tc_kernel import reads_mask_or_pse, walks
         p, splits = self.p, self.splits
-        split, finish = dk.decode_kernels_for(kind, p.D, dk.walks(p), reads_mask_or_pse(p))
+        split, finish = dk.decode_kernels_for(kind, p.D, walks(p), reads_mask_or_pse(p))
         ws = state.workspace(dk.workspace_floats(p, splits))
         geo = [t["table"], views["strides"], views["boff"], views["lens"], views["params"],
                views["fparams"]]

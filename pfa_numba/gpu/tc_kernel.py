@@ -37,9 +37,14 @@ holds it): addresses are computed once per lane and reached by constants
 on a 64-bit head base, advanced by adds), so the kv loops hold no 64-bit multiply-add; row
 maxima by ``max.NaN``, weights by one ``ex2.approx.ftz`` (config.CUDA_EXP2_FTZ).
 
+fused_infer_attention_score's paged and prefixed caches take the ``walk`` variant: each K
+row's place is found through the kv sequence (``kernels.kv_block_of`` / ``kv_place_in``: a
+shared prefix's rows, then the batch's own in the slots of its blocks), the V row of the same
+place reuses its block-table column, and the offsets are 64-bit.
+
 Not this kernel (:func:`tensor_core_reason` says why; the scalar kernel runs them): other
-dtypes and head dims, quantized outputs, fused_infer_attention_score's paged, prefixed and int8
-kv caches, scale_value 0 or needing a second factor or a power of two, rows or strides not
+dtypes and head dims, quantized outputs, fused_infer_attention_score's int8 kv caches,
+scale_value 0 or needing a second factor or a power of two, rows or strides not
 16-byte aligned, mask or pse columns not contiguous, a key or value head spanning 2^31
 elements, compute capability < 8.0, and a V holding inf or NaN (a dropped column would reach
 the rows through 0 * inf in P V, see the warp model: a scan before the kernel finds it on the
@@ -48,7 +53,7 @@ device, and the kernel then leaves the call to the portable kernel launched besi
 """
 import numba
 import numpy as np
-from numba import cuda, float32, uint16, uint32
+from numba import cuda, float32, int32, uint16, uint32
 
 from .. import config
 from .._band import (ROW_MEAN, ROW_SOFTMAX, block_kv_range, interior_tiles, row_band,
@@ -58,10 +63,12 @@ from .._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, 
                      f32_to_f16, lse_log2, online_update_log2)
 from .._dtypes import F16, is_bf16
 from .._kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_G, P_IP, P_LSE,
-                            P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_Q, T_V, scale_factors)
+                            P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_PK, T_PV, T_Q, T_V,
+                            T_VT, scale_factors)
 from . import fragments as F
 from . import ptx as X
-from .kernels import array_function
+from .kernels import (IN_PREFIX, PAST_END, _kv_source, array_function, kv_at, kv_block_of,
+                      kv_place_in, kv_places)
 
 #: query rows per warp / warps per block / rows per block / threads per block / keys per tile
 WARP_ROWS, WARPS = F.MMA_M, 4
@@ -174,10 +181,12 @@ def make_row_masks(ns, code):
     return _device(row_masks)
 
 
-def tc_kernel_source(kind, d, masked=False):
+def tc_kernel_source(kind, d, masked=False, walk=False):
     """The kernel's Python source (before ``cuda.jit``) for ``kind`` ("f16" or "bf16"), head
-    dim ``d`` (64 or 128) and ``masked``: whether it reads a user mask and pse (the variant
-    without them has no per-element loads in its kv loop)."""
+    dim ``d`` (64 or 128), ``masked``: whether it reads a user mask and pse (the variant
+    without them has no per-element loads in its kv loop), and ``walk``: whether K/V rows are
+    found through fused_infer_attention_score's kv sequence (a shared prefix, a paged pool's
+    block table: ``kernels.kv_place``), else each batch's own contiguous rows."""
     assert kind in ("f16", "bf16") and d in HEAD_DIMS
     D = d
     KT = D // 16                       # k-steps of S = Q K^T; pairs of 8-column n-tiles of O
@@ -194,8 +203,53 @@ def tc_kernel_source(kind, d, masked=False):
     to_f32 = f16_to_f32 if kind == "f16" else bf16_to_f32
     to_bits = f32_to_f16 if kind == "f16" else f32_to_bf16
     CODE = CODE_F16 if kind == "f16" else CODE_BF16
-    MASKED = bool(masked)
+    MASKED, WALK = bool(masked), bool(walk)
     ALIGN = None if SIMULATOR else 16  # the simulator's shared arrays take no alignment
+
+    def stage_kv(smem, is_v, j_row, rows_left, kv):
+        """Stage this thread's chunks of a K (``is_v`` False) or V tile whose rows start at
+        ``j_row`` for this thread (rows at or past ``rows_left`` of them, or past the block's
+        jend when walking, zero-filled). Walking, K finds each row's place through the kv
+        sequence (the division a row) and the V tile of the same rows, staged next, reuses its
+        block-table columns."""
+        k, v, k_base, v_base, ks1, vs1, c_at, crow, jend, wk = kv
+        if not WALK:
+            if is_v:
+                _stage(smem, c_at, v, v_base, j_row, vs1, rows_left, CPT, RSTEP, D)
+            else:
+                _stage(smem, c_at, k, k_base, j_row, ks1, rows_left, CPT, RSTEP, D)
+            return
+        kp, vp, table, b, gh, ccol, geometry, k_places, columns = wk
+        strides, boff, params = geometry     # V's places, read per tile: registers are short
+        places = kv_places(strides, boff, params, T_V, T_PV, b, gh) if is_v else k_places
+        j = j_row
+        for c in range(CPT):
+            to = c_at + c * RSTEP * D
+            if not is_v:
+                columns[c] = PAST_END
+                if j < jend:
+                    columns[c] = kv_block_of(places[0], places[1], j)
+            if columns[c] == PAST_END:
+                X.cp_async_16_zfill(smem, to, k, 0, 0)
+            else:
+                where, idx = kv_place_in(places[0], places[1], table, b, j, columns[c])
+                prefix = where == IN_PREFIX
+                src = (vp if prefix else v) if is_v else (kp if prefix else k)
+                X.cp_async_16_zfill(smem, to, src, kv_at(places, where, idx) + ccol, 16)
+            j += RSTEP
+
+    stage_kv = _device(stage_kv)
+
+    def v_value(v, vp, table, strides, boff, params, fparams, b, gh, j, col):
+        """V[j, col] of kv head gh of batch b as float32: row j of the kv sequence
+        (``kernels._kv_source``) when walking, else of the batch's own rows."""
+        if WALK:
+            pre, at, sd, _, _ = _kv_source(strides, boff, table, params, T_V, T_PV, T_VT, 0,
+                                           fparams, fparams, b, gh, j)
+            return to_f32(vp[at + col * sd] if pre else v[at + col * sd])
+        return to_f32(v[_row(boff, strides, T_V, b, gh, j) + col * strides[T_V, 2]])
+
+    v_value = _device(v_value)
 
     def scores(s, j0, band, lane_at, rows, ex):
         """What the tile's scores need before the softmax: the masked variant's t = s * scale *
@@ -223,14 +277,13 @@ def tc_kernel_source(kind, d, masked=False):
         """One tile of the kv loop (``band``: the tile crosses the band of some row)."""
         def tile_step(j0, jn, smem, kv, frag, lane_at, rows, ex):
             ks, vs = smem
-            k, v, k_base, v_base, ks1, vs1, c_at, crow, jend = kv
+            crow, jend = kv[7], kv[8]
             qa, o, s, pa, mr, lr = frag
             a_at, b_at, g4, t4, wi = lane_at
             X.cp_async_wait(0)
             cuda.syncthreads()              # K(j0) landed; every warp is done with V(before)
             # (a tile inside the band is whole: its rows need no zero-fill test)
-            _stage(vs, c_at, v, v_base, j0 + crow, vs1, jend - j0 - crow if band else BKV, CPT,
-                   RSTEP, D)
+            stage_kv(vs, True, j0 + crow, jend - j0 - crow if band else BKV, kv)
             X.cp_async_commit()
             # (inside the band, a warp with a row below qL keeps every column of the tile)
             busy = _warp_busy(rows[0], rows[1], wi, j0) if band else wi < rows[2]
@@ -284,7 +337,7 @@ def tc_kernel_source(kind, d, masked=False):
             X.cp_async_wait(0)
             cuda.syncthreads()              # V(j0) landed; every warp is done with K(j0)
             if jn >= 0:                     # the next tile's K, during O += P V
-                _stage(ks, c_at, k, k_base, jn + crow, ks1, jend - jn - crow, CPT, RSTEP, D)
+                stage_kv(ks, False, jn + crow, jend - jn - crow, kv)
                 X.cp_async_commit()
             if busy:
                 # O += P V, V by ldmatrix.trans
@@ -306,7 +359,7 @@ def tc_kernel_source(kind, d, masked=False):
     tile_inside, tile_edge = make_tile_step(False), make_tile_step(True)
 
     def attention_tc(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, qtiles,
-                     fparams, scale2, offset2, guard, guard_id):
+                     fparams, scale2, offset2, guard, guard_id, kp, vp, table):
         if guard[0] == guard_id:       # V holds inf or NaN: the portable kernel runs the call
             return
         ks = cuda.shared.array(TILE, uint16, alignment=ALIGN)
@@ -346,9 +399,11 @@ def tc_kernel_source(kind, d, masked=False):
         # this thread's first chunk of a tile: its row, its shared offset, its column
         crow, ccol = F.tile_chunk(tid, D)
         c_at = F.swizzle(crow, ccol, D)
+        wk = (kp, vp, table, b, gh, ccol, (strides, boff, params),
+              kv_places(strides, boff, params, T_K, T_PK, b, gh), cuda.local.array(CPT, int32))
         kv = (k, v, _row(boff, strides, T_K, b, gh, 0) + ccol,
               _row(boff, strides, T_V, b, gh, 0) + ccol, strides[T_K, 1], strides[T_V, 1], c_at,
-              crow, jend)
+              crow, jend, wk)
         # the scale in log2 units, made >= 0 (a negative one negates Q instead: exact, and
         # it keeps the max of the scores the max of the weights' exponents)
         c2 = fparams[F_SCALE] * LOG2E
@@ -376,7 +431,7 @@ def tc_kernel_source(kind, d, masked=False):
                     qa[x] ^= SIGNS
             cuda.syncthreads()              # every warp has its Q before the first K overwrites it
             j = jstart + _tile_order(0, ta, tb) * BKV
-            _stage(ks, c_at, k, kv[2], j + crow, kv[4], jend - j - crow, CPT, RSTEP, D)
+            stage_kv(ks, False, j + crow, jend - j - crow, kv)
             X.cp_async_commit()
         # the tiles inside the band, then those crossing it (FA2's unmasked and masked steps):
         # two loops, so that the first has no band test at all
@@ -396,7 +451,7 @@ def tc_kernel_source(kind, d, masked=False):
         for h in range(2):
             for sh in (1, 2):
                 lr[h] += X.shfl_xor_sync(FULL, lr[h], sh)
-        rows_b, sv2 = lens[L_ROWS, b], strides[T_V, 2]
+        rows_b = lens[L_ROWS, b]
         for h in range(2):
             i = wi + g4 + 8 * h
             rs = w * WARP_ROWS + g4 + 8 * h                 # its row in the staging tile
@@ -408,7 +463,8 @@ def tc_kernel_source(kind, d, masked=False):
                     for e in range(2):
                         y = F32_ZERO
                         for j in range(mlo, mhi + 1):
-                            y += to_f32(v[_row(boff, strides, T_V, b, gh, j) + (col + e) * sv2])
+                            y += v_value(v, vp, table, strides, boff, params, fparams, b, gh,
+                                         j, col + e)
                         ks[F.swizzle(rs, col + e, D)] = to_bits(y / denom)
             else:       # rounded by cvt.rn (pack): o stays in registers
                 for dt in range(NO):
@@ -441,10 +497,17 @@ def reads_mask_or_pse(p):
     return p.mask_kind != MASK_NONE or p.pse is not None
 
 
-def tc_kernel_for(kind, d, masked):
-    """The compiled (lazily, on first launch) tensor-core kernel for ``kind``, ``d`` and
-    ``masked`` (a user mask or pse to read)."""
-    key = kind, d, bool(masked)
+def walks(p):
+    """Whether planned problem ``p``'s K/V rows are found through a shared prefix or a block
+    table (the kernels' ``walk`` variants)."""
+    cache = p.cache
+    return cache is not None and (cache.block_table is not None or bool(cache.P))
+
+
+def tc_kernel_for(kind, d, masked, walk=False):
+    """The compiled (lazily, on first launch) tensor-core kernel for ``kind``, ``d``,
+    ``masked`` (a user mask or pse to read) and ``walk`` (kv rows through the kv sequence)."""
+    key = kind, d, bool(masked), bool(walk)
     if key not in _KERNELS:
         bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
         _KERNELS[key] = cuda.jit(tc_kernel_source(*key), fastmath=False, **bounds)
@@ -455,25 +518,35 @@ def tc_kernel_for(kind, d, masked):
 PTX_ARCHS = ((8, 0), (9, 0))
 
 
-def tc_ptx(kind, d, cc, masked=False):
-    """The PTX of the tensor-core kernel for ``kind``, ``d``, compute capability ``cc`` and
-    ``masked`` (compiled without a GPU)."""
+def tc_signature():
+    """The kernel's argument types: the scalar kernels' common ones
+    (``kernels.kernel_signature(..., kv_cache=False)``), then a shared prefix's key and value
+    and the block table."""
     from numba import types
     from .kernels import kernel_signature
-    signature = kernel_signature(types.uint16, kv_cache=False)
-    ptx, _ = cuda.compile_ptx(tc_kernel_source(kind, d, masked), signature, cc=cc,
+    u16 = types.Array(types.uint16, 1, "C")
+    return kernel_signature(types.uint16, kv_cache=False) + (
+        u16, u16, types.Array(types.int64, 2, "C"))
+
+
+def tc_ptx(kind, d, cc, masked=False, walk=False):
+    """The PTX of the tensor-core kernel for ``kind``, ``d``, compute capability ``cc``,
+    ``masked`` and ``walk`` (compiled without a GPU)."""
+    ptx, _ = cuda.compile_ptx(tc_kernel_source(kind, d, masked, walk), tc_signature(), cc=cc,
                               fastmath=False, launch_bounds=(THREADS,))
     return ptx
 
 
 def ptx_names():
-    """{file name: (kind, head dim, compute capability, masked)} of every specialisation, e.g.
-    ``tc_bf16_d128_sm90.ptx`` and ``tc_bf16_d128_masked_sm90.ptx`` (a user mask or pse read
-    per element); the band, the lengths and lse are runtime data, not variants."""
-    return {f"tc_{kind}_d{d}{'_masked' if masked else ''}_sm{cc[0]}{cc[1]}.ptx":
-            (kind, d, cc, masked)
+    """{file name: (kind, head dim, compute capability, masked, walk)} of every
+    specialisation, e.g. ``tc_bf16_d128_sm90.ptx``, ``tc_bf16_d128_masked_sm90.ptx`` (a user
+    mask or pse read per element) and ``tc_bf16_d128_walk_sm90.ptx`` (K/V rows through a
+    shared prefix or a block table); the band, the lengths and lse are runtime data, not
+    variants."""
+    return {f"tc_{kind}_d{d}{'_masked' if masked else ''}{'_walk' if walk else ''}"
+            f"_sm{cc[0]}{cc[1]}.ptx": (kind, d, cc, masked, walk)
             for kind in ("f16", "bf16") for d in HEAD_DIMS for masked in (False, True)
-            for cc in PTX_ARCHS}
+            for walk in (False, True) for cc in PTX_ARCHS}
 
 
 def loop_names(masked):
@@ -507,6 +580,25 @@ def scale_reason(scale):
     return None
 
 
+def rows_reason(p):
+    """None when planned problem ``p``'s query, key and value rows (a shared prefix's too)
+    are contiguous 16-byte-aligned runs and its mask and pse columns contiguous, as the
+    tensor-core kernels read them, else why not."""
+    arrays = [("query", p.q), ("key", p.k), ("value", p.v)]
+    if p.cache is not None and p.cache.P:
+        arrays += [("key_shared_prefix", p.cache.prefix_key),
+                   ("value_shared_prefix", p.cache.prefix_value)]
+    for name, x in arrays:
+        if not strides_aligned(x):
+            return f"{name} rows are not contiguous 16-byte-aligned runs (strides {x.strides})"
+    for name, x in (("atten_mask", p.mask), ("pse_shift", p.pse)):
+        if (reads_mask_or_pse(p) and x is not None and x.shape[-1] > 1
+                and x.strides[-1] != x.itemsize):
+            return (f"{name}'s columns are not contiguous (strides {x.strides}): the "
+                    "tensor-core kernels read them at constant offsets")
+    return None
+
+
 def tensor_core_reason(p, cc=None):
     """None when the tensor-core kernel can run planned problem ``p`` (on a device of compute
     capability ``cc``, when given), else why not. (Device pointers' alignment is checked by
@@ -521,23 +613,19 @@ def tensor_core_reason(p, cc=None):
     if cc is not None and tuple(cc) < (8, 0):
         return f"compute capability {cc[0]}.{cc[1]}: mma.bf16 / cp.async need 8.0 or newer"
     cache = p.cache
-    if cache is not None and (cache.block_table is not None or cache.P or cache.antiquant):
-        return ("a paged, prefixed or int8 kv cache: the tensor-core kernel reads contiguous "
-                "rows of the query's dtype")
+    if cache is not None and cache.antiquant:
+        return "an int8 kv cache: the tensor-core kernel reads rows of the query's dtype"
     why = scale_reason(p.scale)
     if why is not None:
         return why
-    for name, x in (("query", p.q), ("key", p.k), ("value", p.v)):
-        if not strides_aligned(x):
-            return f"{name} rows are not contiguous 16-byte-aligned runs (strides {x.strides})"
-    for name, x in (("atten_mask", p.mask), ("pse_shift", p.pse)):
-        if (reads_mask_or_pse(p) and x is not None and x.shape[-1] > 1
-                and x.strides[-1] != x.itemsize):
-            return (f"{name}'s columns are not contiguous (strides {x.strides}): the "
-                    "tensor-core kernel reads them at constant offsets")
+    why = rows_reason(p)
+    if why is not None:
+        return why
     axis = 0 if p.packed else 2                 # the row axis of the planned views
-    for name, x, rows in (("query", p.q, ROWS), ("key", p.k, p.k.shape[axis] + BKV),
-                          ("value", p.v, p.v.shape[axis] + BKV)):
+    spans = [("query", p.q, ROWS)]
+    if not walks(p):                            # (walking, kv offsets are 64-bit)
+        spans += [("key", p.k, p.k.shape[axis] + BKV), ("value", p.v, p.v.shape[axis] + BKV)]
+    for name, x, rows in spans:
         if rows * abs(x.strides[axis]) // x.itemsize + x.shape[-1] >= 2 ** 31:
             return (f"{name}'s rows span 2^31 elements or more: the tensor-core kernel's row "
                     "offsets are 32-bit (a block's 64 query rows, one head's key and value "
@@ -552,11 +640,10 @@ def selection_note(cc=None):
     if cc is not None and tuple(cc) < (8, 0):
         return f"portable kernel: compute capability {cc[0]}.{cc[1]} < 8.0"
     return (f"split-kv decode kernel for at most 16 query rows a kv head (D in {HEAD_DIMS}, "
-            "contiguous, paged or prefixed fp16/bf16 caches, no mask or pse); tensor-core "
-            f"kernel (mma.sync m16n8k16) for D in {HEAD_DIMS}, contiguous 16-byte-aligned "
-            "rows, plain scale, no paged / prefixed / int8 kv cache, finite V (decided on the "
-            "device); the portable kernel otherwise (the pfa_numba.cuda log says which a call "
-            "gets and why)")
+            "contiguous, paged or prefixed fp16/bf16 caches); tensor-core kernel (mma.sync "
+            f"m16n8k16) for D in {HEAD_DIMS}, contiguous 16-byte-aligned rows, plain scale, no "
+            "int8 kv cache, finite V (decided on the device); the portable kernel otherwise "
+            "(the pfa_numba.cuda log says which a call gets and why)")
 
 
 def _scan_source(exp_mask):

@@ -133,3 +133,73 @@ def test_fia_prefill_on_a_contiguous_cache(tensor_core_device):
                                            softmax_lse_flag=True, device="cuda")
     assert "the tensor-core kernel runs this call" in tensor_core_device.text
     assert_matches_reference(out, (q, k, v, CAUSAL), kw, np.float16, lse=lse)
+
+
+def _fia_check(args, kw, dtype, log):
+    """fused_infer_attention_score on CUDA against the float64 reference of the operator."""
+    from pfa_numba import reference
+    from test_fia import _check
+    import test_fia
+    assert "the tensor-core kernel runs this call" in log.text, log.text
+    real = test_fia.fia
+    test_fia.fia = lambda *a, **k: fused_infer_attention_score(*a, **k, device="cuda")
+    try:
+        _check(args, kw, dtype)
+    finally:
+        test_fia.fia = real
+    assert reference is not None
+
+
+def test_fia_prefill_on_a_paged_pool(tensor_core_device):
+    """70 query rows over a paged BSH pool of 16-row blocks in shuffled order (kv lengths 100
+    and 37), causal: the tiles walk the block table; the value pool a view with wider rows
+    than the key pool's (K and V places differ)."""
+    rng = np.random.default_rng(8)
+    bs, lens, n, nkv, d = 16, [100, 37], 2, 1, 64
+    table = np.full((2, 7), -1, np.int64)
+    order = rng.permutation(10)
+    table[0], table[1, :3] = order[:7], order[7:]
+    keys = rng.standard_normal((10, bs, nkv * d)).astype(np.float16)
+    vals = rng.standard_normal((10, bs, 2 * nkv * d)).astype(np.float16)[..., nkv * d:]
+    q = rng.standard_normal((2, 70, n * d)).astype(np.float16)
+    kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BSH", scale=d ** -0.5,
+              softmax_lse_flag=True, block_table=table, block_size=bs,
+              actual_seq_lengths_kv=lens, atten_mask=CAUSAL, sparse_mode=3)
+    fused_infer_attention_score(q, keys, vals, **kw, device="cuda")
+    _fia_check((q, keys, vals), kw, np.float16, tensor_core_device)
+
+
+def test_fia_prefill_after_a_shared_prefix_with_empty_rows(tensor_core_device):
+    """bf16, a shared prefix of 70 rows before each batch's own, a user mask with a row that
+    keeps nothing (contract 'Empty rows': the mean of V over the prefix and the own rows)."""
+    rng = np.random.default_rng(9)
+    n, nkv, d, sq = 2, 1, 64, 40
+    q = rng.standard_normal((2, n, sq, d)).astype(BF16)
+    k, v = (rng.standard_normal((2, nkv, 50, d)).astype(BF16) for _ in range(2))
+    pk, pv = (rng.standard_normal((1, nkv, 80, d)).astype(BF16) for _ in range(2))
+    mask = rng.random((2, 1, sq, 120)) < 0.3
+    mask[:, :, 7] = True
+    kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", scale=d ** -0.5,
+              softmax_lse_flag=True, key_shared_prefix=pk, value_shared_prefix=pv,
+              actual_shared_prefix_len=70, actual_seq_lengths_kv=[50, 20], atten_mask=mask)
+    fused_infer_attention_score(q, k, v, **kw, device="cuda")
+    _fia_check((q, k, v), kw, BF16, tensor_core_device)
+
+
+def test_an_inf_in_a_shared_prefix_value_row_dropped_by_a_row(tensor_core_device):
+    """A masked prefill after a shared prefix whose V holds inf in a row the first rows drop:
+    the guard scans the prefix's values too, and the portable kernel computes the call (the
+    dropping rows stay finite)."""
+    rng = np.random.default_rng(10)
+    n, nkv, d, sq = 2, 1, 64, 20
+    q = rng.standard_normal((1, n, sq, d)).astype(np.float16)
+    k, v = (rng.standard_normal((1, nkv, 30, d)).astype(np.float16) for _ in range(2))
+    pk, pv = (rng.standard_normal((1, nkv, 40, d)).astype(np.float16) for _ in range(2))
+    mask = np.zeros((1, 1, sq, 70), bool)
+    mask[0, 0, :5, 20:40] = True            # rows 0-4 drop prefix rows 20-39
+    pv[0, 0, 39, 3] = np.inf                # kept by rows 5 on only
+    kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", scale=d ** -0.5,
+              softmax_lse_flag=True, key_shared_prefix=pk, value_shared_prefix=pv,
+              actual_shared_prefix_len=40, atten_mask=mask)
+    fused_infer_attention_score(q, k, v, **kw, device="cuda")
+    _fia_check((q, k, v), kw, np.float16, tensor_core_device)
