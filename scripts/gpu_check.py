@@ -23,7 +23,8 @@ runs the script again with that folder first on PYTHONPATH and the project secon
    time of a whole and of a planned call (the calls' own time, the stream not waited for).
 3. ``--decode`` instead: fused_infer_attention_score decode steps (N 32, Nkv 8, D 128; B 1, 8,
    32; kv lengths 1k-32k and 128k at B 1; fp16 and bf16; contiguous and paged caches, block
-   sizes 16 and 128 in a shuffled table) through a planned call, against torch SDPA with
+   sizes 16 and 128 in a shuffled table, int8 caches contiguous and paged by 16 with a
+   per-channel scale) through a planned call, against torch SDPA with
    enable_gqa on the contiguous cache: ms, the cache's bytes a second and their share of a
    device copy's bandwidth, and each output's error against torch's.
 4. ``--profile``: an ncu summary (launch, speed of light, occupancy) of one tensor-core launch.
@@ -273,7 +274,9 @@ def bench(quick):
 #: (B, kv lengths) of the decode table (N 32, Nkv 8, D 128); forms of the cache
 DECODE_SHAPES = [(1, (1024, 4096, 32768, 131072)), (8, (1024, 4096, 32768)),
                  (32, (1024, 4096, 32768))]
-DECODE_FORMS = ("contiguous", "paged 16", "paged 128")
+DECODE_FORMS = ("contiguous", "paged 16", "paged 128", "int8", "int8 paged 16")
+#: the int8 caches' per-channel scale: values of about N(0, 1) quantized to steps of 1/16
+INT8_STEP = 1.0 / 16
 
 
 def _copy_bandwidth(torch):
@@ -287,7 +290,14 @@ def _copy_bandwidth(torch):
 
 def _decode_cache(torch, form, k, v):
     """(key, value, extra FIA arguments) of cache ``k``, ``v`` (B, Nkv, L, D) in ``form``:
-    contiguous BNSD, or paged pools (blocks, Nkv, block_size, D) in a shuffled table."""
+    contiguous BNSD, or paged pools (blocks, Nkv, block_size, D) in a shuffled table; "int8"
+    forms quantize it (steps of INT8_STEP, a per-channel antiquant scale)."""
+    if form.startswith("int8"):
+        k, v = ((x / INT8_STEP).round().clamp(-128, 127).to(torch.int8) for x in (k, v))
+        scale = torch.full((2, k.shape[1] * k.shape[3]), INT8_STEP, dtype=torch.float16,
+                           device="cuda")
+        kc, vc, extra = _decode_cache(torch, form[5:] or "contiguous", k, v)
+        return kc, vc, dict(extra, antiquant_scale=scale)
     if form == "contiguous":
         return k, v, {}
     bs = int(form.split()[1])
@@ -342,15 +352,18 @@ def decode(quick):
                             continue
                         t = float(np.median([_back_to_back(torch, fn)[0] for _ in range(RUNS)]))
                         t_torch = t if t_torch is None else min(t_torch, t)
-                nbytes = 2 * k.numel() * k.element_size()
                 for form in DECODE_FORMS:
                     kc, vc, extra = _decode_cache(torch, form, k, v)
+                    if "antiquant_scale" in extra:          # extra: query's dtype scales
+                        extra["antiquant_scale"] = extra["antiquant_scale"].to(tdt)
+                    nbytes = 2 * k.numel() * kc.element_size()
                     plan = FiaPlan(q, kc, vc, num_heads=32, num_key_value_heads=8,
                                    input_layout="BNSD", scale=128 ** -0.5, **extra)
                     out, _ = plan(q, kc, vc)
                     err = float((out.float() - ref.float()).abs().max()) if ref is not None \
                         else float("nan")
-                    ok &= err <= 2e-2
+                    # (an int8 cache against torch on the unquantized one: steps of 1/16)
+                    ok &= err <= (6e-2 if form.startswith("int8") else 2e-2)
                     t = float(np.median([_back_to_back(torch, lambda: plan(q, kc, vc))[0]
                                          for _ in range(RUNS)]))
                     ratio = f"{t_torch / t:7.2f}" if t_torch else "      -"
@@ -360,7 +373,6 @@ def decode(quick):
                           f"{(t_torch or float('nan')) * 1e3:9.3f} {ratio} {err:8.1e}",
                           flush=True)
                 torch.cuda.empty_cache()
-    print("  int8 caches run on the portable kernel (decode_kernel.decode_reason): not timed")
     return ok
 
 

@@ -17,10 +17,11 @@ def _x(rng, shape, dtype):
 
 def _check(args, kw, dtype):
     """The kernel against the reference: within twice the reference's own error in the input
-    dtype, plus one ulp; lse to 1e-4; the placeholder lse without the flag."""
+    dtype, plus one ulp; lse to 1e-4 or twice the reference's own lse error in the input dtype
+    (an int8 cache's values rounded to it); the placeholder lse without the flag."""
     out, lse = fia(*args, **kw)
     ref, ref_lse = reference.fused_infer_attention_score(*args, **kw)
-    low, _ = reference.fused_infer_attention_score(*args, **kw, compute_dtype=dtype)
+    low, low_lse = reference.fused_infer_attention_score(*args, **kw, compute_dtype=dtype)
     assert out.dtype == dtype and out.shape == ref.shape
     got = out.astype(np.float64)
     fin = np.isfinite(ref)
@@ -33,8 +34,9 @@ def _check(args, kw, dtype):
         assert lse.dtype == np.float32 and lse.shape == ref_lse.shape
         assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
         ok = np.isfinite(ref_lse)
-        assert np.abs(lse[ok] - ref_lse[ok]).max(initial=0.0) <= 1e-4 * max(
-            1.0, np.abs(ref_lse[ok]).max(initial=0.0))
+        assert np.abs(lse[ok] - ref_lse[ok]).max(initial=0.0) <= max(
+            1e-4 * max(1.0, np.abs(ref_lse[ok]).max(initial=0.0)),
+            2 * np.abs(low_lse[ok] - ref_lse[ok]).max(initial=0.0))
     else:
         assert lse.shape == (1,) and lse.dtype == np.float32 and not lse.any()
     return out, lse

@@ -226,8 +226,9 @@ def test_speculative_rows_take_the_guard(shim):
     assert _kernel_names(shim) == ["nonfinite", "decode_split", "decode_finish", "attention",
                                    "fill_kernel"]
     scan, split, finish, portable = (args for _, _, _, args in shim.launches[:4])
-    assert scan[2] == split[-1] == finish[-1] == portable[17] != 0
-    assert scan[1] is split[-2] is finish[-2] is portable[16]
+    # (the decode kernels' guard and id come before the int8 cache's five planes)
+    assert scan[2] == split[-6] == finish[-6] == portable[17] != 0
+    assert scan[1] is split[-7] is finish[-7] is portable[16]
 
 
 def test_splits_follow_the_multiprocessors_and_the_cache(monkeypatch):

@@ -340,6 +340,45 @@ def test_decode_group_matches_the_reference(dt, d, name):
     run_decode_case(name, DTYPES[dt], d)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_decode_group_over_an_int8_cache_matches_the_reference(dt, d):
+    """An int8 cache (key: channel scales and offsets; value: token scales and offsets)
+    staged as the int8 variants do (W.dequantize: float32, rounded to the query's type), then
+    the decode kernel's warp steps, against fused_infer_attention_score's float64 reference:
+    within twice the error of the reference computed in the query's type, plus an ulp."""
+    from pfa_numba import reference
+    dtype, g, skv, splits = DTYPES[dt], 4, 200, 3
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, g, 1, d)).astype(np.float32).astype(dtype)
+    k8, v8 = (rng.integers(-128, 128, (1, 1, skv, d)).astype(np.int8) for _ in range(2))
+    cs = (rng.random((1, 1, d)) * 0.02 + 0.005).astype(dtype)
+    co = (rng.standard_normal((1, 1, d)) * 3).astype(dtype)
+    vs = (rng.random((1, skv)) * 0.02 + 0.005).astype(np.float32)
+    vo = (rng.standard_normal((1, skv)) * 3).astype(np.float32)
+    kd = W.dequantize(k8[0, 0], cs.reshape(-1), co.reshape(-1), 1, 0, dtype)
+    vd = W.dequantize(v8[0, 0], np.ones(d), np.zeros(d), vs[0], vo[0], dtype)
+    rows = np.array([0 if r < g else 1 for r in range(16)])
+    q16 = np.zeros((16, d), dtype)
+    q16[:g] = q[0, :, 0]
+    scale = 1.0 / np.sqrt(d)
+    from pfa_numba._band import band_edges
+    pre_e, next_e = (int(e[0]) for e in band_edges(0, False, 2147483647, 2147483647,
+                                                   np.array([1]), np.array([skv])))
+    out, lse = W.decode_group(q16, kd, vd, rows, 1, skv, pre_e, next_e, scale, splits)
+    kw = dict(num_heads=g, num_key_value_heads=1, input_layout="BNSD", scale=scale,
+              softmax_lse_flag=True, key_antiquant_mode=0, value_antiquant_mode=1,
+              key_antiquant_scale=cs, key_antiquant_offset=co, value_antiquant_scale=vs,
+              value_antiquant_offset=vo)
+    ref, ref_lse = reference.fused_infer_attention_score(q, k8, v8, **kw)
+    low, _ = reference.fused_infer_attention_score(q, k8, v8, **kw, compute_dtype=dtype)
+    got = out[:g].astype(dtype).astype(np.float64).reshape(ref.shape)
+    eps = float(np.finfo(np.float16).eps) if dtype == np.float16 else 2.0 ** -7
+    bound = 2 * np.abs(low - ref).max() + (eps + 16 * 2.0 ** -23) * max(1.0, np.abs(ref).max())
+    assert np.abs(got - ref).max() <= bound
+    assert np.abs(lse[:g] - ref_lse.reshape(-1)).max() <= 1e-3 * max(1.0, np.abs(ref_lse).max())
+
+
 # ---------------------------------------------------------------------------------------------
 # every check can fail
 # ---------------------------------------------------------------------------------------------

@@ -5,9 +5,11 @@ A decode step reads a long kv cache for one query row per head; so do the specul
 prefill calls of a few rows. Every query head of one kv head reads the same K/V rows, so one
 block takes them all: its 16 query rows are the G heads x Sq rows of one kv head (row r is
 head ``g * G + r // Sq``, query row ``r % Sq``; G x Sq <= 16, rows past G x Sq are idle), and
-each K/V row is read once per group. The grid is (B x splits, Nkv): the kv range of a batch
-(``block_kv_range`` of its query rows) is cut into ``splits`` runs of whole 64-key tiles, as
-many as keep the GPU's SMs busy (:func:`split_plan`).
+each K/V row is read once per group. An int8 cache takes the ``int8`` variant: its tiles
+arrive as int8 rows and each warp dequantizes the 16 it reads into one 16-bit tile (a lane
+pair a row). The grid is (B x splits, Nkv): the kv range of a batch (``block_kv_range`` of
+its query rows) is cut into ``splits`` runs of whole 64-key tiles, as many as keep the GPU's
+SMs busy (:func:`split_plan`).
 
 One block: 4 warps, 128 threads. Tiles of 64 keys arrive by ``cp.async`` (16-byte chunks,
 consecutive threads on consecutive chunks of a row: coalesced) into a ring of ``NBUF``
@@ -34,9 +36,10 @@ kernel's guard (a scan of V on the device; the portable kernel computes the call
 finds one).
 
 Not this kernel (:func:`decode_reason` says why): more than 16 rows per kv head, TND, other
-dtypes and head dims, int8 caches, quantized outputs, a scale the tensor-core kernel does not
-take, rows or strides not 16-byte aligned, mask or pse columns not contiguous, compute
-capability below 8.0.
+dtypes and head dims, int8 caches whose channel planes could take a dequantized value beyond
+the query's type (``tc_kernel.antiquant_limits``), quantized outputs, a scale the
+tensor-core kernel does not take, rows or strides not 16-byte aligned, mask or pse columns
+not contiguous, compute capability below 8.0.
 """
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
@@ -46,15 +49,14 @@ from .._band import ROW_MEAN, ROW_SOFTMAX, block_kv_range, interior_tiles, row_o
 from .._core import (CODE_BF16, CODE_F16, F32_NEG_INF, F32_ONE, F32_ZERO, f32_as_u32, jit,
                      lse_log2, max_nan, online_update_log2, u32_as_f32)
 from .._kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_D, P_G, P_IP,
-                            P_LSE, P_MASK, P_PSE, P_VTOK, T_K, T_L, T_M, T_O, T_P, T_PK, T_PV,
-                            T_Q, T_V, T_VT)
+                            P_LSE, P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_PK, T_PV, T_Q, T_V)
 from . import fragments as F
 from . import ptx as X
-from .kernels import (IN_PREFIX, PAST_END, _kv_source, array_function, kv_at, kv_block_of,
-                      kv_place_in, kv_places)
-from .tc_kernel import (FULL, HEAD_DIMS, LOG2E, SIGNS, SIMULATOR, _band32, _banded, _device,
-                        kind_of, make_row_masks, reads_mask_or_pse, rows_reason,
-                        scale_reason)
+from .kernels import (IN_PREFIX, PAST_END, array_function, kv_at, kv_block_of, kv_place_in,
+                      kv_places, kv_value)
+from .tc_kernel import (FULL, HEAD_DIMS, KV_SOURCES, LOG2E, SIGNS, SIMULATOR, _band32, _banded,
+                        _device, antiquant_reason, kind_of, make_dequant, make_row_masks,
+                        reads_mask_or_pse, row_tokens, rows_reason, scale_reason)
 
 #: query rows of a block (one mma tile) / warps / threads / keys per tile / keys per warp
 ROWS, WARPS, BKV = F.MMA_M, 4, 64
@@ -65,8 +67,11 @@ RING_BYTES = 48 * 1024
 ML = 2
 
 
-def ring_buffers(d):
-    """Tile buffers of the ring at head dim ``d`` (each 64 keys x d 16-bit values)."""
+def ring_buffers(d, int8=False):
+    """Tile buffers of the ring at head dim ``d``: each 64 keys x d 16-bit values, or, for an
+    int8 cache, 64 x d bytes beside one 16-bit tile the warps dequantize their rows into."""
+    if int8:
+        return (RING_BYTES - BKV * d * 2) // (BKV * d)
     return RING_BYTES // (BKV * d * 2)
 
 
@@ -87,10 +92,7 @@ def decode_reason(p, cc=None):
         return f"head dim {p.D}: the decode kernel has D in {HEAD_DIMS}"
     if cc is not None and tuple(cc) < (8, 0):
         return f"compute capability {cc[0]}.{cc[1]}: mma.bf16 / cp.async need 8.0 or newer"
-    cache = p.cache
-    if cache is not None and cache.antiquant:
-        return "an int8 kv cache: the decode kernel reads the query's dtype"
-    why = scale_reason(p.scale)
+    why = scale_reason(p.scale) or antiquant_reason(p)
     if why is not None:
         return why
     return rows_reason(p)
@@ -138,35 +140,54 @@ def _row_place(gh, r, G, sq):
     return n, i, r < G * sq
 
 
-def decode_kernel_source(kind, d, walk=False, masked=False):
+def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
     """The split kernel's Python source (before ``cuda.jit``) for ``kind`` ("f16" or "bf16"),
     head dim ``d`` (64 or 128) and ``walk``: whether kv rows are found through a shared
     prefix or a paged pool's block table (else each batch's own contiguous rows: a multiply
     and an add a row); ``masked``: whether a user mask or pse is read (every tile is then
-    tested per accumulator, by the tensor-core kernel's ``make_row_masks``).
+    tested per accumulator, by the tensor-core kernel's ``make_row_masks``); ``int8``
+    (walking): an int8 cache, its tiles copied as int8 rows into the ring and each warp's
+    rows dequantized into one 16-bit tile before its ``ldmatrix`` (``make_dequant``).
 
-    Arguments: q, k, v, kp, vp, table, strides, boff, lens, params, fparams (the
-    ``_kernel_args`` arrays), ws (the float32 workspace), sq (query rows a head), per_split
-    (tiles a split), splits, guard, guard_id (a guard_id other than 0 returns where guard[0]
-    holds it: V is not finite, the portable kernel computes the call)."""
-    assert kind in ("f16", "bf16") and d in HEAD_DIMS
+    Arguments: q, k, v, kp, vp, mask8, mask16, pse, table, strides, boff, lens, params,
+    fparams (the ``_kernel_args`` arrays), ws (the float32 workspace), sq (query rows a head),
+    per_split (tiles a split), splits, guard, guard_id (a guard_id other than 0 returns where
+    guard[0] holds it: the portable kernel computes the call), channel, kts, kto, vts, vto
+    (an int8 cache's planes)."""
+    assert kind in ("f16", "bf16") and d in HEAD_DIMS and (walk or not int8)
     D = d
     KT, NO = D // 16, D // 8          # k-steps of S = Q K^T (and 16-dim pairs of O), O n-tiles
     QREGS, OACC = KT * 4, NO * 4
     TILE = BKV * D
-    NBUF = ring_buffers(D)
-    RING = NBUF * TILE
+    INT8 = bool(int8)
+    NBUF = ring_buffers(D, INT8)
+    # a ring buffer's 16-bit words, a staged row's, the 16-byte chunks each thread copies and
+    # the rows between them; an int8 cache's warps dequantize into the tile at STAGE_AT
+    ROW_U16 = D // 2 if INT8 else D
+    RAW_TILE = BKV * ROW_U16
+    KV_CPT = RAW_TILE // 8 // THREADS
+    KV_RSTEP = THREADS // (ROW_U16 // 8)
+    STAGE_AT = NBUF * RAW_TILE
+    RING = STAGE_AT + TILE if INT8 else STAGE_AT
+    RAW_CHUNKS = D // 16              # an int8 row's 16-byte chunks
+
+    def raw_chunk(row, k):
+        """Where chunk k of row ``row`` of an int8 tile lies (16-bit words): XOR swizzled by
+        the row as the 16-bit tiles are, so that the lane pairs reading 16 rows at once hit
+        different banks."""
+        return row * ROW_U16 + ((k ^ (row & (RAW_CHUNKS - 1))) << 3)
+
+    raw_chunk = _device(raw_chunk)
     MAX_AT = 2 * WARPS * ROWS * D      # the warps' row maxima after their sums, then sums
     SUM_AT = MAX_AT + 2 * WARPS * ROWS
     AHEAD = NBUF - 2                   # loads still in flight when one is consumed
-    CPT = TILE // F.CHUNK // THREADS  # 16-byte chunks each thread copies a tile
-    RSTEP = THREADS // (D // F.CHUNK)  # rows between a thread's chunks
     mma = X.mma_m16n8k16_f16 if kind == "f16" else X.mma_m16n8k16_bf16
     pack = X.pack_f16x2 if kind == "f16" else X.pack_bf16x2
     exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
     ALIGN = None if SIMULATOR else 16
     WALK, MASKED = bool(walk), bool(masked)
     row_masks = make_row_masks(2, CODE_F16 if kind == "f16" else CODE_BF16)
+    dequant_chunk = make_dequant(kind, D)
 
     def stage(ring, dst, u, t0, nt, jstart, jend, at):
         """Copy load ``u`` of the run (K of its tile u // 2 for even u, V for odd) into ring
@@ -177,8 +198,8 @@ def decode_kernel_source(kind, d, walk=False, masked=False):
             is_v = u & 1
             rows = v_rows if is_v else k_rows
             j = jstart + (t0 + (u >> 1)) * BKV + crow
-            for c in range(CPT):
-                to = dst + c_at + c * RSTEP * D
+            for c in range(KV_CPT):
+                to = dst + c_at + c * KV_RSTEP * ROW_U16
                 if not WALK:
                     if j < jend:
                         X.cp_async_16_zfill(ring, to, v if is_v else k,
@@ -198,19 +219,39 @@ def decode_kernel_source(kind, d, walk=False, masked=False):
                         prefix = where == IN_PREFIX
                         src = (vp if prefix else v) if is_v else (kp if prefix else k)
                         X.cp_async_16_zfill(ring, to, src, off, 16)
-                j += RSTEP
+                j += KV_RSTEP
         X.cp_async_commit()
+
+    def dequantize(ring, raw, r, j0, jend, w, lane, dq):
+        """The int8 variant: warp w's rows 16w .. 16w + 15 of the K (r = 0) or V (r = 1) tile
+        at ring offset ``raw``, key j0 first, dequantized into the tile at STAGE_AT: a row
+        a lane pair (one token pair a lane), half its chunks each."""
+        row = WARP_KEYS * w + (lane >> 1)
+        j = j0 + row
+        scale, offset = row_tokens(r, j, jend, dq)
+        for it in range(RAW_CHUNKS // 2):
+            k = (lane & 1) * (RAW_CHUNKS // 2) + it
+            dequant_chunk(ring, raw + raw_chunk(row, k), ring,
+                          STAGE_AT + F.swizzle(row, 16 * k, D),
+                          STAGE_AT + F.swizzle(row, 16 * k + 8, D), r, 16 * k, j < jend, scale,
+                          offset, dq)
 
     def make_tile_step(band):
         """One tile: S from K(t) in its buffer, the softmax, P V from V(t) in the next load's
         buffer (``band``: the tile crosses some row's band)."""
-        def tile_step(ring, u, t0, nt, jstart, jend, j0, at, frag, lane_at, rows, fold, ex):
+        def tile_step(ring, u, t0, nt, jstart, jend, j0, at, frag, lane_at, rows, fold, ex, dq):
             qa, o, s, pa, mr, lr = frag
             a_at, b_at, g4, t4, w = lane_at
             kbuf = (u % NBUF) * TILE
             X.cp_async_wait(AHEAD)
             cuda.syncthreads()           # K(t) landed; every warp is done with the buffer
-            stage(ring, ((u + NBUF - 1) % NBUF) * TILE, u + NBUF - 1, t0, nt, jstart, jend, at)
+            stage(ring, ((u + NBUF - 1) % NBUF) * RAW_TILE, u + NBUF - 1, t0, nt, jstart, jend,
+                  at)
+            if INT8:
+                X.syncwarp()             # the warp's lanes are past their reads of the tile
+                dequantize(ring, (u % NBUF) * RAW_TILE, 0, j0, jend, w, g4 * 4 + t4, dq)
+                X.syncwarp()
+                kbuf = STAGE_AT
             for x in range(8):
                 s[x] = F32_ZERO
             for kk in range(KT):
@@ -259,7 +300,12 @@ def decode_kernel_source(kind, d, walk=False, masked=False):
             vbuf = ((u + 1) % NBUF) * TILE
             X.cp_async_wait(AHEAD)
             cuda.syncthreads()           # V(t) landed; every warp is done with K(t)'s buffer
-            stage(ring, (u % NBUF) * TILE, u + NBUF, t0, nt, jstart, jend, at)
+            stage(ring, (u % NBUF) * RAW_TILE, u + NBUF, t0, nt, jstart, jend, at)
+            if INT8:
+                X.syncwarp()
+                dequantize(ring, ((u + 1) % NBUF) * RAW_TILE, 1, j0, jend, w, g4 * 4 + t4, dq)
+                X.syncwarp()
+                vbuf = STAGE_AT
             for dp in range(KT):
                 v0, v1, v2, v3 = X.ldmatrix_x4_trans(
                     ring, vbuf + F.swizzle_step(a_at, WARP_KEYS * w, 16 * dp, D))
@@ -271,6 +317,7 @@ def decode_kernel_source(kind, d, walk=False, masked=False):
         return _device(tile_step)
 
     stage = _device(stage)
+    dequantize = _device(dequantize)
     tile_inside, tile_edge = make_tile_step(False), make_tile_step(True)
 
     def load_q(qa, q, boff, strides, b, gh, G, sq, ql, lane):
@@ -306,7 +353,8 @@ def decode_kernel_source(kind, d, walk=False, masked=False):
     block_max = _device(block_max)
 
     def decode_split(q, k, v, kp, vp, mask8, mask16, pse, table, strides, boff, lens, params,
-                     fparams, ws, sq, per_split, splits, guard, guard_id):
+                     fparams, ws, sq, per_split, splits, guard, guard_id, channel, kts, kto, vts,
+                     vto):
         if guard_id != 0 and guard[0] == guard_id:
             return                      # V holds inf or NaN: the portable kernel runs the call
         ring = cuda.shared.array(RING, uint16, alignment=ALIGN)
@@ -338,11 +386,17 @@ def decode_kernel_source(kind, d, walk=False, masked=False):
         ar, ac = F.ldsm_a_addr(lane)
         br, bc = F.ldsm_b_addr(lane)
         lane_at = (F.swizzle(ar, ac, D), F.swizzle(br, bc, D), g4, t4, w)
-        crow, ccol = F.tile_chunk(tid, D)
-        at = (k, v, kp, vp, table, b, crow, ccol, F.swizzle(crow, ccol, D),
+        if INT8:                         # 16 int8 values a chunk
+            crow, ccol = tid // RAW_CHUNKS, tid % RAW_CHUNKS * 16
+            c_at = raw_chunk(crow, ccol >> 4)
+        else:
+            crow, ccol = F.tile_chunk(tid, D)
+            c_at = F.swizzle(crow, ccol, D)
+        at = (k, v, kp, vp, table, b, crow, ccol, c_at,
               kv_places(strides, boff, params, T_K, T_PK, b, gh),
               kv_places(strides, boff, params, T_V, T_PV, b, gh),
-              cuda.local.array(CPT, int32))
+              cuda.local.array(KV_CPT, int32))
+        dq = (channel, kts, kto, vts, vto, strides, boff, params, table, b, gh)
         c2 = fparams[F_SCALE] * LOG2E
         # the lane's two rows as query rows (rows a block does not compute: past qL)
         n0, i0, used0 = _row_place(gh, g4, G, sq)
@@ -362,20 +416,20 @@ def decode_kernel_source(kind, d, walk=False, masked=False):
                 for x in range(QREGS):
                     qa[x] ^= SIGNS
             for u in range(NBUF - 1):
-                stage(ring, u * TILE, u, t0, nt, jstart, jend, at)
+                stage(ring, u * RAW_TILE, u, t0, nt, jstart, jend, at)
             # the run's tiles before the band's interior, inside it (no band test), after it
             a = min(max(ta - t0, 0), nt)
             z = min(max(tb - t0, a), nt)
             for idx in range(a):
                 tile_edge(ring, 2 * idx, t0, nt, jstart, jend, jstart + (t0 + idx) * BKV, at,
-                          frag, lane_at, rows, fold, ex)
+                          frag, lane_at, rows, fold, ex, dq)
             if not MASKED:
                 for idx in range(a, z):
                     tile_inside(ring, 2 * idx, t0, nt, jstart, jend, jstart + (t0 + idx) * BKV,
-                                at, frag, lane_at, rows, fold, ex)
+                                at, frag, lane_at, rows, fold, ex, dq)
             for idx in range(z, nt):
                 tile_edge(ring, 2 * idx, t0, nt, jstart, jend, jstart + (t0 + idx) * BKV, at,
-                          frag, lane_at, rows, fold, ex)
+                          frag, lane_at, rows, fold, ex, dq)
         # the warps' states merged: each warp's sums over its keys, rescaled to the block's max
         for h in range(2):
             for sh in (1, 2):
@@ -425,15 +479,14 @@ def ml_offset(pieces, d):
 def finish_source(kind):
     """The kernel that merges a batch's pieces and finishes its rows (grid (B, Nkv), 128
     threads: 8 a row, each on every 8th head dim). Arguments: ws, out, lse, v, vp, table,
-    strides, boff, lens, params, fparams, sq, splits, guard, guard_id."""
+    strides, boff, lens, params, sq, splits, guard, guard_id, channel, kts, kto, vts, vto."""
     exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
-    from .._core import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
-    to_f32 = f16_to_f32 if kind == "f16" else bf16_to_f32
+    from .._core import f32_to_bf16, f32_to_f16
     to_bits = f32_to_f16 if kind == "f16" else f32_to_bf16
     LANES = THREADS // ROWS
 
-    def decode_finish(ws, out, lse, v, vp, table, strides, boff, lens, params, fparams, sq,
-                      splits, guard, guard_id):
+    def decode_finish(ws, out, lse, v, vp, table, strides, boff, lens, params, sq, splits, guard,
+                      guard_id, channel, kts, kto, vts, vto):
         if guard_id != 0 and guard[0] == guard_id:
             return
         b, gh = cuda.blockIdx.x, cuda.blockIdx.y
@@ -465,10 +518,8 @@ def finish_source(kind):
                 y = y / denom
             elif outcome == ROW_MEAN:     # contract 'Empty rows': the mean of V over the band
                 for j in range(mlo, mhi + 1):
-                    in_prefix, off, sd, _, _ = _kv_source(strides, boff, table, params, T_V,
-                                                          T_PV, T_VT, params[P_VTOK], fparams,
-                                                          fparams, b, gh, j)
-                    y += to_f32(vp[off + d * sd] if in_prefix else v[off + d * sd])
+                    y += kv_value(v, vp, table, strides, boff, params, channel, kts, kto, vts,
+                                  vto, 1, b, gh, j, d)
                 y = y / denom
             out[o_at + d * strides[T_O, 2]] = to_bits(y)
         if c == 0 and params[P_LSE] != 0:
@@ -488,10 +539,10 @@ def needs_guard(p):
     return p.Sq > 1 or reads_mask_or_pse(p)
 
 
-def decode_kernels_for(kind, d, walk, masked):
+def decode_kernels_for(kind, d, walk, masked, int8=False):
     """The compiled (lazily, at first launch) split and finish kernels for ``kind``, ``d``,
-    ``walk`` and ``masked``."""
-    key = kind, d, bool(walk), bool(masked)
+    ``walk``, ``masked`` and ``int8``."""
+    key = kind, d, bool(walk), bool(masked), bool(int8)
     if key not in _KERNELS:
         bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
         _KERNELS[key] = (cuda.jit(decode_kernel_source(*key), fastmath=False, **bounds),
@@ -499,24 +550,25 @@ def decode_kernels_for(kind, d, walk, masked):
     return _KERNELS[key]
 
 
-def decode_signature():
-    """The split kernel's argument types."""
+def decode_signature(int8=False):
+    """The split kernel's argument types (key and value int8 for the ``int8`` variant)."""
     from numba import types
     flat = lambda t: types.Array(t, 1, "C")  # noqa: E731
     grid = types.Array(types.int64, 2, "C")
-    u16 = flat(types.uint16)
-    return (u16, u16, u16, u16, u16, flat(types.uint8), u16, u16, grid, grid, grid, grid,
-            flat(types.int64),
-            flat(types.float32), flat(types.float32), types.int64, types.int64, types.int64,
-            flat(types.int64), types.int64)
+    u16, f32 = flat(types.uint16), flat(types.float32)
+    kv = flat(types.int8) if int8 else u16
+    return (u16, kv, kv, kv, kv, flat(types.uint8), u16, u16, grid, grid, grid, grid,
+            flat(types.int64), f32, f32, types.int64, types.int64, types.int64,
+            flat(types.int64), types.int64, types.Array(types.float32, 2, "C"), f32, f32, f32,
+            f32)
 
 
-def decode_ptx(kind, d, cc, walk=False, masked=False):
-    """The split kernel's PTX for ``kind``, ``d``, compute capability ``cc``, ``walk`` and
-    ``masked``."""
-    ptx, _ = cuda.compile_ptx(decode_kernel_source(kind, d, walk, masked), decode_signature(),
-                              cc=cc,
-                              fastmath=False, launch_bounds=(THREADS,))
+def decode_ptx(kind, d, cc, walk=False, masked=False, int8=False):
+    """The split kernel's PTX for ``kind``, ``d``, compute capability ``cc``, ``walk``,
+    ``masked`` and ``int8``."""
+    ptx, _ = cuda.compile_ptx(decode_kernel_source(kind, d, walk, masked, int8),
+                              decode_signature(int8), cc=cc, fastmath=False,
+                              launch_bounds=(THREADS,))
     return ptx
 
 
@@ -525,19 +577,21 @@ PTX_ARCHS = ((8, 0), (9, 0))
 
 
 def ptx_names():
-    """{file name: (kind, head dim, compute capability, walk, masked)} of every
+    """{file name: (kind, head dim, compute capability, walk, masked, int8)} of every
     specialisation, e.g. ``decode_f16_d128_sm90.ptx``, ``decode_f16_d128_walk_sm90.ptx`` (kv
-    rows through a prefix or a block table), ``decode_f16_d128_masked_sm90.ptx`` (a user mask
-    or pse)."""
-    return {f"decode_{kind}_d{d}{'_walk' if walk else ''}{'_masked' if masked else ''}"
-            f"_sm{cc[0]}{cc[1]}.ptx": (kind, d, cc, walk, masked)
-            for kind in ("f16", "bf16") for d in HEAD_DIMS for walk in (False, True)
+    rows through a prefix or a block table), ``decode_f16_d128_int8_sm90.ptx`` (an int8
+    cache, walked), ``decode_f16_d128_masked_sm90.ptx`` (a user mask or pse)."""
+    return {f"decode_{kind}_d{d}{suffix}{'_masked' if masked else ''}"
+            f"_sm{cc[0]}{cc[1]}.ptx": (kind, d, cc, walk, masked, int8)
+            for kind in ("f16", "bf16") for d in HEAD_DIMS
+            for (walk, int8), suffix in KV_SOURCES.items()
             for masked in (False, True) for cc in PTX_ARCHS}
 
 
-def loop_names(walk, masked=False):
+def loop_names(walk, masked=False, int8=False):
     """What each kv loop of a specialisation's SASS is, in code order."""
-    rows = "rows through the kv sequence" if walk else "contiguous rows"
+    rows = ("int8 rows through the kv sequence" if int8 else
+            "rows through the kv sequence" if walk else "contiguous rows")
     if masked:
         return (f"kv loop, tiles before the band's interior ({rows})",
                 f"kv loop, every tile ({rows}; mask and pse per accumulator)")

@@ -233,15 +233,34 @@ def _place_rows(places, tokens, strides, boff, table, params, kts, kto, vts, vto
     (r = 1): places[3r] whether in the prefix, [3r + 1] offset, [3r + 2] element stride;
     tokens[2r], [2r + 1] its token scale and offset."""
     for r in range(2):
-        t, tp, tt = (T_K, T_PK, T_KT) if r == 0 else (T_V, T_PV, T_VT)
-        mode, ts, to = (params[P_KTOK], kts, kto) if r == 0 else (params[P_VTOK], vts, vto)
-        in_prefix, off, sd, scale, offset = _kv_source(strides, boff, table, params, t, tp, tt,
-                                                       mode, ts, to, b, g, j0 + c)
+        in_prefix, off, sd, scale, offset = kv_row(strides, boff, table, params, r, kts, kto,
+                                                   vts, vto, b, g, j0 + c)
         places[3 * r, c] = 1 if in_prefix else 0
         places[3 * r + 1, c] = off
         places[3 * r + 2, c] = sd
         tokens[2 * r, c] = scale
         tokens[2 * r + 1, c] = offset
+
+
+@array_function
+def kv_row(strides, boff, table, params, r, kts, kto, vts, vto, b, g, j):
+    """:func:`_kv_source` of kv row j of kv head g of batch b in K (r = 0) or V (r = 1), with
+    that tensor's token planes."""
+    t, tp, tt = (T_K, T_PK, T_KT) if r == 0 else (T_V, T_PV, T_VT)
+    mode, ts, to = (params[P_KTOK], kts, kto) if r == 0 else (params[P_VTOK], vts, vto)
+    return _kv_source(strides, boff, table, params, t, tp, tt, mode, ts, to, b, g, j)
+
+
+@array_function
+def kv_value(own, prefix, table, strides, boff, params, channel, kts, kto, vts, vto, r, b, g,
+             j, col):
+    """Element ``col`` of kv row j of kv head g of batch b in K (r = 0) or V (r = 1) as
+    float32, through the kv sequence and int8 dequantized (:func:`_kv_element`): what the
+    tensor-core kernels' rows of contract 'Empty rows' average."""
+    in_prefix, off, sd, scale, offset = kv_row(strides, boff, table, params, r, kts, kto, vts,
+                                               vto, b, g, j)
+    return _kv_element(own, prefix, in_prefix, off + col * sd, params[P_KVCODE],
+                       params[P_DEQUANT] != 0, channel, r, g * params[P_D] + col, scale, offset)
 
 
 @array_function
@@ -361,9 +380,8 @@ def kernel_source(dpad, bq, bkv):
                 for d in range(D):
                     acc[d] = F32_ZERO
                 for j in range(mlo, mhi + 1):
-                    in_prefix, off, sd, ts, to = _kv_source(
-                        strides, boff, table, params, T_V, T_PV, T_VT, params[P_VTOK], vts, vto,
-                        b, g, j)
+                    in_prefix, off, sd, ts, to = kv_row(strides, boff, table, params, 1, kts,
+                                                        kto, vts, vto, b, g, j)
                     for d in range(D):
                         acc[d] += _kv_element(v, vp, in_prefix, off + d * sd, kv_code, dequant,
                                               channel, 1, g * D + d, ts, to)

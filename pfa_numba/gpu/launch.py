@@ -17,10 +17,12 @@ stream's buffer (one host-to-device copy; an allocation only when the buffer is 
 grows), a :class:`Launch` kept by a plan holds its own, copied once when the plan is made.
 
 The tensor-core kernel (:mod:`.tc_kernel`) takes the float16 / bfloat16 problems it supports
-except where V holds inf or NaN, and that is decided on the device: a scan of V writes the
-call's guard id into its stream's guard word where it finds one, the tensor-core kernel then
-returns at once and the portable kernel launched behind it computes the call (which otherwise
-returns at once). No host read decides.
+except where V holds inf or NaN (or, for an int8 cache, a token plane holds a value that could
+take a dequantized one beyond the query's type), and that is decided on the device: a scan
+(:func:`guard_scans`) writes the call's guard id into its stream's guard word where it finds
+one, the tensor-core kernel then returns at once and the portable kernel launched behind it
+computes the call (which otherwise returns at once). No host read decides. The decode kernel
+takes the guard where its rows may drop different columns of a tile, or for such token planes.
 """
 import logging
 import math
@@ -216,14 +218,14 @@ class Launch:
                 self.sources[field] = ("host", x)
         self.packed = Packed(host)
         self.rows = int(a.lens[L_ROWS].max())
-        from .decode_kernel import needs_guard, split_plan
+        from .decode_kernel import split_plan
         if self.kernel == DECODE:
             self.splits, self.per_split = split_plan(p, a.lens, sms or DEFAULT_SMS)
         self.own_views = None
         if not self.aligned(self.pointers):
             self.kernel, self.reason = PORTABLE, "a query, key or value device pointer is " \
                                                  "not 16-byte aligned"
-        self.guarded = self.kernel == TENSOR_CORE or (self.kernel == DECODE and needs_guard(p))
+        self.scans = guard_scans(p, self.kernel)
 
     def keep_arguments(self, stream):
         """Copy the packed arguments to a buffer of this launch's own, once (a plan's): its
@@ -259,7 +261,7 @@ class Launch:
                 state.small_args(self.packed)
             tensors, uploads = self._tensors(views, pointers, stream)
             out, lse, d_out, d_lse = self._outputs(query, views, stream)
-            guard_id = state.next_guard_id() if self.guarded else 0
+            guard_id = state.next_guard_id() if self.scans else 0
             for kernel, grid, block, args in self._launches(tensors, views, d_out, d_lse,
                                                             state, guard_id):
                 device.launch(kernel, grid, block, stream, args)
@@ -322,39 +324,61 @@ class Launch:
         launches = []
         from . import tc_kernel as tc
         kind = tc.kind_of(p.dtype)
-        if guard_id != 0:               # V, and a shared prefix's value rows, scanned
-            for values in ([t["v"], t["vp"]] if p.cache is not None and p.cache.P
-                           else [t["v"]]):
+        for field, limit in self.scans:
+            if limit is None:
                 launches.append((tc.nonfinite_scan(kind), *tc.SCAN_GRID,
-                                 [values, guard, guard_id]))
+                                 [t[field], guard, guard_id]))
+            else:
+                launches.append((tc.limit_scan(), *tc.SCAN_GRID,
+                                 [t[field], np.float32(limit), guard, guard_id]))
         if self.kernel == DECODE:
             launches += self._decode_launches(kind, t, views, d_out, d_lse, state, guard_id)
-            if guard_id == 0:
-                return launches
         elif self.kernel == TENSOR_CORE:
             tc_tiles = max(1, -(-self.rows // tc.ROWS))
-            launches.append((tc.tc_kernel_for(kind, p.D, tc.reads_mask_or_pse(p), tc.walks(p)),
+            launches.append((tc.tc_kernel_for(kind, p.D, tc.reads_mask_or_pse(p), tc.walks(p),
+                                              tc.dequantizes(p)),
                              (p.B * tc_tiles, p.N), tc.THREADS,
-                             head + small + [tc_tiles] + tail + [t["kp"], t["vp"], t["table"]]))
-        launches.append((kernel_for(dpad, bq, bkv, int8=int8), (p.B * qtiles, p.N), bq,
-                         portable))
+                             head + small + [tc_tiles] + tail + [t[field] for field in _CACHE]))
+        if self.kernel == PORTABLE or guard_id != 0:
+            launches.append((kernel_for(dpad, bq, bkv, int8=int8), (p.B * qtiles, p.N), bq,
+                             portable))
         return launches
 
     def _decode_launches(self, kind, t, views, d_out, d_lse, state, guard_id):
         """The split kernel's and the finish kernel's launches."""
         from . import decode_kernel as dk
-        from .tc_kernel import reads_mask_or_pse, walks
+        from .tc_kernel import dequantizes, reads_mask_or_pse, walks
         p, splits = self.p, self.splits
-        split, finish = dk.decode_kernels_for(kind, p.D, walks(p), reads_mask_or_pse(p))
+        split, finish = dk.decode_kernels_for(kind, p.D, walks(p), reads_mask_or_pse(p),
+                                              dequantizes(p))
         ws = state.workspace(dk.workspace_floats(p, splits))
-        geo = [t["table"], views["strides"], views["boff"], views["lens"], views["params"],
-               views["fparams"]]
+        geo = [t["table"], views["strides"], views["boff"], views["lens"], views["params"]]
+        planes = [t[field] for field in ("channel", "kts", "kto", "vts", "vto")]
         (sgrid, sblock), (fgrid, fblock) = dk.grids(p, splits)
         return [(split, sgrid, sblock, [t["q"], t["k"], t["v"], t["kp"], t["vp"], t["mask8"],
-                                        t["mask16"], t["pse"], *geo, ws,
-                                        p.Sq, self.per_split, splits, state.guard, guard_id]),
+                                        t["mask16"], t["pse"], *geo, views["fparams"], ws,
+                                        p.Sq, self.per_split, splits, state.guard, guard_id,
+                                        *planes]),
                 (finish, fgrid, fblock, [ws, d_out, d_lse, t["v"], t["vp"], *geo, p.Sq, splits,
-                                         state.guard, guard_id])]
+                                         state.guard, guard_id, *planes])]
+
+
+def guard_scans(p, kernel):
+    """[(tensor argument, limit)] the guard scans before ``kernel`` runs planned problem
+    ``p``, each writing the call's guard id where it finds what the portable kernel must
+    compute: a value of V (and of a shared prefix's values) that is inf or NaN (limit None)
+    for the tensor-core kernel, and for the decode kernel where its rows may drop different
+    columns (``decode_kernel.needs_guard``); for an int8 cache instead, its token planes
+    beyond their limits (``tc_kernel.antiquant_limits``); none for the portable kernel."""
+    from .decode_kernel import needs_guard
+    from .tc_kernel import antiquant_limits, dequantizes
+    if kernel == PORTABLE:
+        return []
+    if dequantizes(p):
+        return antiquant_limits(p)
+    if kernel == DECODE and not needs_guard(p):
+        return []
+    return [("v", None)] + ([("vp", None)] if p.cache is not None and p.cache.P else [])
 
 
 def _empty_results(p, query):

@@ -168,7 +168,7 @@ def families():
     return ((tc_kernel.ptx_names, lambda spec: tc_kernel.tc_ptx(*spec),
              lambda spec: tc_kernel.loop_names(spec[3])),
             (decode_kernel.ptx_names, lambda spec: decode_kernel.decode_ptx(*spec),
-             lambda spec: decode_kernel.loop_names(spec[3], spec[4])))
+             lambda spec: decode_kernel.loop_names(*spec[3:])))
 
 
 def write_ptx(out_dir, name_filter=""):

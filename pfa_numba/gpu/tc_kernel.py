@@ -40,10 +40,14 @@ maxima by ``max.NaN``, weights by one ``ex2.approx.ftz`` (config.CUDA_EXP2_FTZ).
 fused_infer_attention_score's paged and prefixed caches take the ``walk`` variant: each K
 row's place is found through the kv sequence (``kernels.kv_block_of`` / ``kv_place_in``: a
 shared prefix's rows, then the batch's own in the slots of its blocks), the V row of the same
-place reuses its block-table column, and the offsets are 64-bit.
+place reuses its block-table column, and the offsets are 64-bit. An int8 cache takes the
+``int8`` variant (walking): its rows are copied as int8 past each 16-bit tile and
+dequantized into it by the threads that copied them (:func:`make_dequant`), the guard
+scanning its token planes' limits (:func:`antiquant_limits`).
 
 Not this kernel (:func:`tensor_core_reason` says why; the scalar kernel runs them): other
-dtypes and head dims, quantized outputs, fused_infer_attention_score's int8 kv caches,
+dtypes and head dims, quantized outputs, int8 kv caches whose channel planes could take a
+dequantized value beyond the query's type,
 scale_value 0 or needing a second factor or a power of two, rows or strides not
 16-byte aligned, mask or pse columns not contiguous, a key or value head spanning 2^31
 elements, compute capability < 8.0, and a V holding inf or NaN (a dropped column would reach
@@ -59,16 +63,16 @@ from .. import config
 from .._band import (ROW_MEAN, ROW_SOFTMAX, block_kv_range, interior_tiles, row_band,
                      row_outcome)
 from .._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_ZERO,
-                     MASK_ADD_F16, MASK_DISCARD, MASK_NONE, bf16_to_f32, f16_to_f32, f32_to_bf16,
-                     f32_to_f16, lse_log2, online_update_log2)
+                     MASK_ADD_F16, MASK_DISCARD, MASK_NONE, antiquant, bf16_to_f32, f16_to_f32,
+                     f32_to_bf16, f32_to_f16, lse_log2, online_update_log2)
 from .._dtypes import F16, is_bf16
 from .._kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_G, P_IP, P_LSE,
                             P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_PK, T_PV, T_Q, T_V,
-                            T_VT, scale_factors)
+                            scale_factors)
 from . import fragments as F
 from . import ptx as X
-from .kernels import (IN_PREFIX, PAST_END, _kv_source, array_function, kv_at, kv_block_of,
-                      kv_place_in, kv_places)
+from .kernels import (IN_PREFIX, PAST_END, array_function, kv_at, kv_block_of, kv_place_in,
+                      kv_places, kv_row, kv_value)
 
 #: query rows per warp / warps per block / rows per block / threads per block / keys per tile
 WARP_ROWS, WARPS = F.MMA_M, 4
@@ -181,13 +185,15 @@ def make_row_masks(ns, code):
     return _device(row_masks)
 
 
-def tc_kernel_source(kind, d, masked=False, walk=False):
+def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
     """The kernel's Python source (before ``cuda.jit``) for ``kind`` ("f16" or "bf16"), head
     dim ``d`` (64 or 128), ``masked``: whether it reads a user mask and pse (the variant
-    without them has no per-element loads in its kv loop), and ``walk``: whether K/V rows are
+    without them has no per-element loads in its kv loop), ``walk``: whether K/V rows are
     found through fused_infer_attention_score's kv sequence (a shared prefix, a paged pool's
-    block table: ``kernels.kv_place``), else each batch's own contiguous rows."""
-    assert kind in ("f16", "bf16") and d in HEAD_DIMS
+    block table: ``kernels.kv_place``), else each batch's own contiguous rows, and ``int8``
+    (walking): an int8 cache, each tile staged as int8 rows and dequantized into the tile by
+    the threads that copied them (:func:`make_dequant`)."""
+    assert kind in ("f16", "bf16") and d in HEAD_DIMS and (walk or not int8)
     D = d
     KT = D // 16                       # k-steps of S = Q K^T; pairs of 8-column n-tiles of O
     NO = D // 8                        # n-tiles of O (8 head dims each)
@@ -203,8 +209,16 @@ def tc_kernel_source(kind, d, masked=False, walk=False):
     to_f32 = f16_to_f32 if kind == "f16" else bf16_to_f32
     to_bits = f32_to_f16 if kind == "f16" else f32_to_bf16
     CODE = CODE_F16 if kind == "f16" else CODE_BF16
-    MASKED, WALK = bool(masked), bool(walk)
+    MASKED, WALK, INT8 = bool(masked), bool(walk), bool(int8)
     ALIGN = None if SIMULATOR else 16  # the simulator's shared arrays take no alignment
+    # a staged kv row: 16-bit words in shared memory, 16-byte chunks each thread copies a
+    # tile, rows between them; int8 rows are staged past each tile (at RAW_AT), unswizzled
+    ROW_U16 = D // 2 if INT8 else D
+    KV_CPT = BKV * ROW_U16 // 8 // THREADS
+    KV_RSTEP = THREADS // (ROW_U16 // 8)
+    RAW_AT = TILE if INT8 else 0
+    SMEM = RAW_AT + BKV * ROW_U16 if INT8 else TILE     # 16-bit words of the K or V buffer
+    dequant_chunk = make_dequant(kind, D)
 
     def stage_kv(smem, is_v, j_row, rows_left, kv):
         """Stage this thread's chunks of a K (``is_v`` False) or V tile whose rows start at
@@ -223,8 +237,8 @@ def tc_kernel_source(kind, d, masked=False, walk=False):
         strides, boff, params = geometry     # V's places, read per tile: registers are short
         places = kv_places(strides, boff, params, T_V, T_PV, b, gh) if is_v else k_places
         j = j_row
-        for c in range(CPT):
-            to = c_at + c * RSTEP * D
+        for c in range(KV_CPT):
+            to = RAW_AT + c_at + c * KV_RSTEP * ROW_U16
             if not is_v:
                 columns[c] = PAST_END
                 if j < jend:
@@ -236,17 +250,30 @@ def tc_kernel_source(kind, d, masked=False, walk=False):
                 prefix = where == IN_PREFIX
                 src = (vp if prefix else v) if is_v else (kp if prefix else k)
                 X.cp_async_16_zfill(smem, to, src, kv_at(places, where, idx) + ccol, 16)
-            j += RSTEP
+            j += KV_RSTEP
 
     stage_kv = _device(stage_kv)
 
-    def v_value(v, vp, table, strides, boff, params, fparams, b, gh, j, col):
-        """V[j, col] of kv head gh of batch b as float32: row j of the kv sequence
-        (``kernels._kv_source``) when walking, else of the batch's own rows."""
+    def dequantize(tile, r, j0, kv, dq):
+        """The int8 variant: this thread's staged chunks of K (r = 0) or V (r = 1) tile j0,
+        landed (its own copies: no barrier before), dequantized into ``tile``."""
+        c_at, crow, jend, ccol = kv[6], kv[7], kv[8], kv[9][5]
+        at0, at1 = F.swizzle(crow, ccol, D), F.swizzle(crow, ccol + 8, D)
+        for c in range(KV_CPT):
+            j = j0 + crow + c * KV_RSTEP
+            scale, offset = row_tokens(r, j, jend, dq)
+            dequant_chunk(tile, RAW_AT + c_at + c * KV_RSTEP * ROW_U16, tile,
+                          at0 + c * KV_RSTEP * D, at1 + c * KV_RSTEP * D, r, ccol, j < jend,
+                          scale, offset, dq)
+
+    dequantize = _device(dequantize)
+
+    def v_value(v, vp, table, strides, boff, params, dq, b, gh, j, col):
+        """V[j, col] of kv head gh of batch b as float32: row j of the kv sequence, int8
+        dequantized (``kernels.kv_value``) when walking, else of the batch's own rows."""
         if WALK:
-            pre, at, sd, _, _ = _kv_source(strides, boff, table, params, T_V, T_PV, T_VT, 0,
-                                           fparams, fparams, b, gh, j)
-            return to_f32(vp[at + col * sd] if pre else v[at + col * sd])
+            return kv_value(v, vp, table, strides, boff, params, dq[0], dq[1], dq[2], dq[3],
+                            dq[4], 1, b, gh, j, col)
         return to_f32(v[_row(boff, strides, T_V, b, gh, j) + col * strides[T_V, 2]])
 
     v_value = _device(v_value)
@@ -275,12 +302,14 @@ def tc_kernel_source(kind, d, masked=False, walk=False):
 
     def make_tile_step(band):
         """One tile of the kv loop (``band``: the tile crosses the band of some row)."""
-        def tile_step(j0, jn, smem, kv, frag, lane_at, rows, ex):
+        def tile_step(j0, jn, smem, kv, frag, lane_at, rows, ex, dq):
             ks, vs = smem
             crow, jend = kv[7], kv[8]
             qa, o, s, pa, mr, lr = frag
             a_at, b_at, g4, t4, wi = lane_at
             X.cp_async_wait(0)
+            if INT8:
+                dequantize(ks, 0, j0, kv, dq)
             cuda.syncthreads()              # K(j0) landed; every warp is done with V(before)
             # (a tile inside the band is whole: its rows need no zero-fill test)
             stage_kv(vs, True, j0 + crow, jend - j0 - crow if band else BKV, kv)
@@ -335,6 +364,8 @@ def tc_kernel_source(kind, d, masked=False, walk=False):
                         e = 4 * (2 * kk + nt2) + x
                         pa[4 * kk + reg] = pack(s[e], s[e + 1])
             X.cp_async_wait(0)
+            if INT8:
+                dequantize(vs, 1, j0, kv, dq)
             cuda.syncthreads()              # V(j0) landed; every warp is done with K(j0)
             if jn >= 0:                     # the next tile's K, during O += P V
                 stage_kv(ks, False, jn + crow, jend - jn - crow, kv)
@@ -359,11 +390,12 @@ def tc_kernel_source(kind, d, masked=False, walk=False):
     tile_inside, tile_edge = make_tile_step(False), make_tile_step(True)
 
     def attention_tc(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, qtiles,
-                     fparams, scale2, offset2, guard, guard_id, kp, vp, table):
-        if guard[0] == guard_id:       # V holds inf or NaN: the portable kernel runs the call
-            return
-        ks = cuda.shared.array(TILE, uint16, alignment=ALIGN)
-        vs = cuda.shared.array(TILE, uint16, alignment=ALIGN)
+                     fparams, scale2, offset2, guard, guard_id, kp, vp, table, channel, kts, kto,
+                     vts, vto):
+        if guard_id != 0 and guard[0] == guard_id:     # the guard found what the portable
+            return                                      # kernel computes: it runs the call
+        ks = cuda.shared.array(SMEM, uint16, alignment=ALIGN)
+        vs = cuda.shared.array(SMEM, uint16, alignment=ALIGN)
         qa = cuda.local.array(QREGS, uint32)
         o = cuda.local.array(OACC, float32)
         s = cuda.local.array(SACC, float32)
@@ -399,11 +431,15 @@ def tc_kernel_source(kind, d, masked=False, walk=False):
         # this thread's first chunk of a tile: its row, its shared offset, its column
         crow, ccol = F.tile_chunk(tid, D)
         c_at = F.swizzle(crow, ccol, D)
-        wk = (kp, vp, table, b, gh, ccol, (strides, boff, params),
-              kv_places(strides, boff, params, T_K, T_PK, b, gh), cuda.local.array(CPT, int32))
+        # (an int8 tile's chunks: 16 values, rows unswizzled)
+        krow, kcol = (tid // (D // 16), tid % (D // 16) * 16) if INT8 else (crow, ccol)
+        k_at = krow * ROW_U16 + kcol // 2 if INT8 else c_at
+        wk = (kp, vp, table, b, gh, kcol, (strides, boff, params),
+              kv_places(strides, boff, params, T_K, T_PK, b, gh), cuda.local.array(KV_CPT, int32))
         kv = (k, v, _row(boff, strides, T_K, b, gh, 0) + ccol,
-              _row(boff, strides, T_V, b, gh, 0) + ccol, strides[T_K, 1], strides[T_V, 1], c_at,
-              crow, jend, wk)
+              _row(boff, strides, T_V, b, gh, 0) + ccol, strides[T_K, 1], strides[T_V, 1], k_at,
+              krow, jend, wk)
+        dq = (channel, kts, kto, vts, vto, strides, boff, params, table, b, gh)
         # the scale in log2 units, made >= 0 (a negative one negates Q instead: exact, and
         # it keeps the max of the scores the max of the weights' exponents)
         c2 = fparams[F_SCALE] * LOG2E
@@ -431,7 +467,7 @@ def tc_kernel_source(kind, d, masked=False, walk=False):
                     qa[x] ^= SIGNS
             cuda.syncthreads()              # every warp has its Q before the first K overwrites it
             j = jstart + _tile_order(0, ta, tb) * BKV
-            stage_kv(ks, False, j + crow, jend - j - crow, kv)
+            stage_kv(ks, False, j + krow, jend - j - krow, kv)
             X.cp_async_commit()
         # the tiles inside the band, then those crossing it (FA2's unmasked and masked steps):
         # two loops, so that the first has no band test at all
@@ -439,11 +475,11 @@ def tc_kernel_source(kind, d, masked=False, walk=False):
         for idx in range(tb - ta):
             j0 = jstart + (ta + idx) * BKV
             tile_inside(j0, j0 + BKV if idx + 1 < tb - ta else j_edge, smem, kv, frag, lane_at,
-                        rows, ex)
+                        rows, ex, dq)
         for idx in range(tb - ta, ntiles):
             j0 = jstart + _tile_order(idx, ta, tb) * BKV
             jn = jstart + _tile_order(idx + 1, ta, tb) * BKV if idx + 1 < ntiles else -1
-            tile_edge(j0, jn, smem, kv, frag, lane_at, rows, ex)
+            tile_edge(j0, jn, smem, kv, frag, lane_at, rows, ex, dq)
 
         # finish: the row sums over the quad, the division, the rows of contract 'Empty rows',
         # lse; the output staged in the K buffer (free: no copy into it is pending and every
@@ -463,8 +499,8 @@ def tc_kernel_source(kind, d, masked=False, walk=False):
                     for e in range(2):
                         y = F32_ZERO
                         for j in range(mlo, mhi + 1):
-                            y += v_value(v, vp, table, strides, boff, params, fparams, b, gh,
-                                         j, col + e)
+                            y += v_value(v, vp, table, strides, boff, params, dq, b, gh, j,
+                                         col + e)
                         ks[F.swizzle(rs, col + e, D)] = to_bits(y / denom)
             else:       # rounded by cvt.rn (pack): o stays in registers
                 for dt in range(NO):
@@ -497,17 +533,69 @@ def reads_mask_or_pse(p):
     return p.mask_kind != MASK_NONE or p.pse is not None
 
 
+@array_function
+def _s8(w):
+    """The signed byte in the low 8 bits of ``w``, as int32."""
+    return (np.int32(w & 0xFF) ^ np.int32(0x80)) - np.int32(0x80)
+
+
+@array_function
+def row_tokens(r, j, jend, dq):
+    """The token pair (scale, offset) of kv row j of K (r = 0) or V (r = 1) (``kernels.kv_row``;
+    (1, 0) for a row at or past jend, which is zero-filled). ``dq``: (channel, kts, kto, vts,
+    vto, strides, boff, params, table, b, kv head)."""
+    if j >= jend:
+        return F32_ONE, F32_ZERO
+    src = kv_row(dq[5], dq[6], dq[8], dq[7], r, dq[1], dq[2], dq[3], dq[4], dq[9], dq[10], j)
+    return src[3], src[4]
+
+
+def make_dequant(kind, d):
+    """The int8 variants' step from a staged row chunk to a tile: ``dequant_chunk(raw, raw_at,
+    tile, at0, at1, r, col, live, scale, offset, dq)`` reads 16 int8 values of a row of K
+    (r = 0) or V (r = 1), head dims col .. col + 15, at 16-bit words raw_at .. raw_at + 7 of
+    the shared ``raw``; dequantizes them as every kernel does (``_core.antiquant`` with the
+    channel plane's pairs and the row's token pair, :func:`row_tokens`), rounds them to
+    ``kind`` (contract: the values may be rounded to the query's dtype before the products)
+    and stores them as the two 8-value chunks at offsets at0 and at1 of ``tile`` (a swizzled
+    row keeps each 16-byte chunk whole); zeros where the row is not ``live``."""
+    pack = X.pack_f16x2 if kind == "f16" else X.pack_bf16x2
+    D = d
+
+    def dequant_chunk(raw, raw_at, tile, at0, at1, r, col, live, scale, offset, dq):
+        channel, ch = dq[0], dq[10] * D + col
+        for h in range(8):
+            bits = uint32(0)
+            if live:
+                w = np.int32(raw[raw_at + h])
+                c = ch + 2 * h
+                bits = pack(antiquant(float32(_s8(w)), channel[2 * r, c], channel[2 * r + 1, c],
+                                      scale, offset),
+                            antiquant(float32(_s8(w >> 8)), channel[2 * r, c + 1],
+                                      channel[2 * r + 1, c + 1], scale, offset))
+            X.st_shared_u32(tile, (at0 if h < 4 else at1) + 2 * (h & 3), bits)
+    return _device(dequant_chunk)
+
+
+def dequantizes(p):
+    """Whether planned problem ``p`` reads an int8 kv cache (the kernels' ``int8`` variants)."""
+    return p.cache is not None and bool(p.cache.antiquant)
+
+
 def walks(p):
-    """Whether planned problem ``p``'s K/V rows are found through a shared prefix or a block
-    table (the kernels' ``walk`` variants)."""
+    """Whether planned problem ``p``'s K/V rows are found through the kv sequence (the
+    kernels' ``walk`` variants): a shared prefix, a block table, or an int8 cache (whose rows'
+    token pairs are found there too)."""
     cache = p.cache
-    return cache is not None and (cache.block_table is not None or bool(cache.P))
+    return cache is not None and (cache.block_table is not None or bool(cache.P)
+                                  or dequantizes(p))
 
 
-def tc_kernel_for(kind, d, masked, walk=False):
+def tc_kernel_for(kind, d, masked, walk=False, int8=False):
     """The compiled (lazily, on first launch) tensor-core kernel for ``kind``, ``d``,
-    ``masked`` (a user mask or pse to read) and ``walk`` (kv rows through the kv sequence)."""
-    key = kind, d, bool(masked), bool(walk)
+    ``masked`` (a user mask or pse to read), ``walk`` (kv rows through the kv sequence) and
+    ``int8`` (an int8 cache)."""
+    key = kind, d, bool(masked), bool(walk), bool(int8)
     if key not in _KERNELS:
         bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
         _KERNELS[key] = cuda.jit(tc_kernel_source(*key), fastmath=False, **bounds)
@@ -518,35 +606,38 @@ def tc_kernel_for(kind, d, masked, walk=False):
 PTX_ARCHS = ((8, 0), (9, 0))
 
 
-def tc_signature():
-    """The kernel's argument types: the scalar kernels' common ones
-    (``kernels.kernel_signature(..., kv_cache=False)``), then a shared prefix's key and value
-    and the block table."""
+def tc_signature(int8=False):
+    """The kernel's argument types: the float kernel's (``kernels.kernel_signature``: the
+    common ones, then a shared prefix's key and value, the block table, the int8 cache's
+    channel and token planes), key and value int8 for the ``int8`` variant."""
     from numba import types
     from .kernels import kernel_signature
-    u16 = types.Array(types.uint16, 1, "C")
-    return kernel_signature(types.uint16, kv_cache=False) + (
-        u16, u16, types.Array(types.int64, 2, "C"))
+    return kernel_signature(types.uint16, kv_storage=types.int8 if int8 else None,
+                            kv_cache=True)
 
 
-def tc_ptx(kind, d, cc, masked=False, walk=False):
+def tc_ptx(kind, d, cc, masked=False, walk=False, int8=False):
     """The PTX of the tensor-core kernel for ``kind``, ``d``, compute capability ``cc``,
-    ``masked`` and ``walk`` (compiled without a GPU)."""
-    ptx, _ = cuda.compile_ptx(tc_kernel_source(kind, d, masked, walk), tc_signature(), cc=cc,
-                              fastmath=False, launch_bounds=(THREADS,))
+    ``masked``, ``walk`` and ``int8`` (compiled without a GPU)."""
+    ptx, _ = cuda.compile_ptx(tc_kernel_source(kind, d, masked, walk, int8), tc_signature(int8),
+                              cc=cc, fastmath=False, launch_bounds=(THREADS,))
     return ptx
 
 
+#: the kv sources of the variants: (walk, int8) and their name suffixes
+KV_SOURCES = {(False, False): "", (True, False): "_walk", (True, True): "_int8"}
+
+
 def ptx_names():
-    """{file name: (kind, head dim, compute capability, masked, walk)} of every
+    """{file name: (kind, head dim, compute capability, masked, walk, int8)} of every
     specialisation, e.g. ``tc_bf16_d128_sm90.ptx``, ``tc_bf16_d128_masked_sm90.ptx`` (a user
-    mask or pse read per element) and ``tc_bf16_d128_walk_sm90.ptx`` (K/V rows through a
-    shared prefix or a block table); the band, the lengths and lse are runtime data, not
-    variants."""
-    return {f"tc_{kind}_d{d}{'_masked' if masked else ''}{'_walk' if walk else ''}"
-            f"_sm{cc[0]}{cc[1]}.ptx": (kind, d, cc, masked, walk)
+    mask or pse read per element), ``tc_bf16_d128_walk_sm90.ptx`` (K/V rows through a shared
+    prefix or a block table) and ``tc_bf16_d128_int8_sm90.ptx`` (an int8 cache, walked); the
+    band, the lengths and lse are runtime data, not variants."""
+    return {f"tc_{kind}_d{d}{'_masked' if masked else ''}{suffix}"
+            f"_sm{cc[0]}{cc[1]}.ptx": (kind, d, cc, masked, walk, int8)
             for kind in ("f16", "bf16") for d in HEAD_DIMS for masked in (False, True)
-            for walk in (False, True) for cc in PTX_ARCHS}
+            for (walk, int8), suffix in KV_SOURCES.items() for cc in PTX_ARCHS}
 
 
 def loop_names(masked):
@@ -578,6 +669,48 @@ def scale_reason(scale):
     if s1 == 0:
         return "scale_value 0: the tensor-core kernels fold a nonzero scale into their weights"
     return None
+
+
+#: the largest finite values of the kernels' types (an int8 cache's rows are rounded to them)
+TYPE_MAX = {"f16": 65504.0, "bf16": 3.3895313892515355e38}
+#: the margin kept below TYPE_MAX for float32's rounding of the dequantization
+_ROUNDING = 1.0 - 2.0 ** -8
+
+
+def antiquant_limits(p):
+    """How the tensor-core kernels, which round an int8 cache's dequantized values to the
+    query's type, keep them finite there: [(token plane, limit)], where a call whose plane
+    holds a value of magnitude beyond its limit or NaN is the portable kernel's (the guard
+    scans the planes on the device), or None where the channel planes already decide that
+    the values may not be finite (a scale or offset not finite, or beyond the range). With
+    A = 128 + max |channel offset| and S = max |channel scale|: |x + offsets| <= 3 A while a
+    token offset is <= 2 A, so |value| < max while a token scale is <= max / (3 A S)."""
+    top = TYPE_MAX[kind_of(p.dtype)] * _ROUNDING
+    limits = []
+    for planes, (ts, to) in zip(p.cache.antiquant, (("kts", "kto"), ("vts", "vto"))):
+        scales, offsets = planes.channel
+        if not (np.isfinite(scales).all() and np.isfinite(offsets).all()):
+            return None
+        a, sc = 128.0 + float(np.abs(offsets).max()), float(np.abs(scales).max())
+        if planes.token_scale is None:
+            if a * sc >= top:
+                return None
+            continue
+        span = 3 * a if planes.token_offset is not None else a
+        limits.append((ts, min(top / (span * sc), 3e38) if sc else 3e38))
+        if planes.token_offset is not None:
+            limits.append((to, 2 * a))
+    return limits
+
+
+def antiquant_reason(p):
+    """None unless planned problem ``p`` reads an int8 cache whose dequantized values the
+    channel planes say may not be finite in the query's type (:func:`antiquant_limits`)."""
+    if not dequantizes(p) or antiquant_limits(p) is not None:
+        return None
+    return (f"an int8 cache whose channel scales or offsets are not finite or may take its "
+            f"values beyond {np.dtype(p.dtype).name}'s range: the portable kernel keeps them "
+            "in float32")
 
 
 def rows_reason(p):
@@ -612,10 +745,7 @@ def tensor_core_reason(p, cc=None):
         return f"head dim {p.D}: the tensor-core kernel has D in {HEAD_DIMS}"
     if cc is not None and tuple(cc) < (8, 0):
         return f"compute capability {cc[0]}.{cc[1]}: mma.bf16 / cp.async need 8.0 or newer"
-    cache = p.cache
-    if cache is not None and cache.antiquant:
-        return "an int8 kv cache: the tensor-core kernel reads rows of the query's dtype"
-    why = scale_reason(p.scale)
+    why = scale_reason(p.scale) or antiquant_reason(p)
     if why is not None:
         return why
     why = rows_reason(p)
@@ -640,9 +770,10 @@ def selection_note(cc=None):
     if cc is not None and tuple(cc) < (8, 0):
         return f"portable kernel: compute capability {cc[0]}.{cc[1]} < 8.0"
     return (f"split-kv decode kernel for at most 16 query rows a kv head (D in {HEAD_DIMS}, "
-            "contiguous, paged or prefixed fp16/bf16 caches); tensor-core kernel (mma.sync "
-            f"m16n8k16) for D in {HEAD_DIMS}, contiguous 16-byte-aligned rows, plain scale, no "
-            "int8 kv cache, finite V (decided on the device); the portable kernel otherwise "
+            "contiguous, paged, prefixed or int8 caches); tensor-core kernel (mma.sync "
+            f"m16n8k16) for D in {HEAD_DIMS}, contiguous 16-byte-aligned rows, plain scale, "
+            "finite V and int8 values finite in the query's type (decided on the device); the "
+            "portable kernel otherwise "
             "(the pfa_numba.cuda log says which a call gets and why)")
 
 
@@ -654,6 +785,12 @@ def _scan_source(exp_mask):
             if (x[e] & mask) == mask:
                 guard[0] = guard_id
     return nonfinite
+
+
+def _beyond(x, limit, guard, guard_id):
+    for e in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        if not abs(x[e]) <= limit:
+            guard[0] = guard_id
 
 
 _SCANS = {}
@@ -672,3 +809,12 @@ def nonfinite_scan(kind):
     if kind not in _SCANS:
         _SCANS[kind] = cuda.jit(_scan_source(0x7C00 if kind == "f16" else 0x7F80))
     return _SCANS[kind]
+
+
+def limit_scan():
+    """The kernel that writes its guard_id to guard[0] where a float32 value of its flat span
+    (an int8 cache's token plane) is NaN or of magnitude beyond its ``limit``
+    (:func:`antiquant_limits`), launched as :func:`nonfinite_scan` is."""
+    if "limit" not in _SCANS:
+        _SCANS["limit"] = cuda.jit(_beyond)
+    return _SCANS["limit"]

@@ -42,7 +42,7 @@ import ml_dtypes
 import numpy as np
 
 from .._band import ROW_MEAN, ROW_SOFTMAX, band_edges, block_kv_range, row_band, row_outcome
-from .._core import lse_log2, max_nan, online_update_log2
+from .._core import antiquant, lse_log2, max_nan, online_update_log2
 from . import fragments as F
 
 LOG2E = np.float32(1.4426950408889634)
@@ -371,6 +371,17 @@ def _merge(ms, ls, accs):
             l = (l + lv * f).astype(np.float32)
             acc = (acc + av * f[:, None]).astype(np.float32)
     return top, l, acc
+
+
+def dequantize(x, channel_scale, channel_offset, token_scale, token_offset, dtype):
+    """int8 kv rows x (L, D) as the kernels' int8 variants stage them: ``_core.antiquant``
+    in float32 with the channel pairs (D,) and the token pairs (L,), rounded to ``dtype``."""
+    f32 = np.float32
+    with np.errstate(over="ignore"):
+        return antiquant(x.astype(f32), np.asarray(channel_scale, f32)[None],
+                         np.asarray(channel_offset, f32)[None],
+                         np.asarray(token_scale, f32).reshape(-1, 1),
+                         np.asarray(token_offset, f32).reshape(-1, 1)).astype(dtype)
 
 
 def decode_warp(q, k, v, lo, hi, j_tiles, w, c2, maps=MAPS):

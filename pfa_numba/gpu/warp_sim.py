@@ -121,10 +121,14 @@ def cvt_f32_f16(h):
 
 
 def cp_async_16_zfill(dst, dst_off, src, src_off, src_bytes):
-    """cp.async of 16 bytes, done at once: the first ``src_bytes`` from ``src``, zeros after."""
+    """cp.async of 16 bytes, done at once: the first ``src_bytes`` from ``src``, zeros after
+    (bytes as they lie: 16 int8 values land in 8 uint16 words)."""
     n = int(src_bytes) // src.dtype.itemsize
-    for e in range(16 // dst.dtype.itemsize):
-        dst[dst_off + e] = src[src_off + e] if e < n else 0
+    data = np.zeros(16 // src.dtype.itemsize, src.dtype)
+    for e in range(n):
+        data[e] = src[src_off + e]
+    for e, word in enumerate(data.view(dst.dtype)):
+        dst[dst_off + e] = word
 
 
 def cp_async_16(dst, dst_off, src, src_off):

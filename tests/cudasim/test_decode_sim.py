@@ -141,3 +141,49 @@ def test_masks_and_pse():
     pse = _x(rng, (2, n, 1, 130), F16)
     _check((q, k, v), _kw(n, nkv, d, atten_mask=mask, pse_shift=pse,
                           actual_seq_lengths_kv=[130, 90]), F16)
+
+
+def _int8(rng, shape):
+    return rng.integers(-128, 128, shape).astype(np.int8)
+
+
+@pytest.mark.parametrize("form", ["merged per-channel", "per-token-head"])
+def test_int8_cache(form):
+    """An int8 cache dequantized as the warps read it (channel planes; token planes, whose
+    limits the guard scans), kv lengths 150 and 70."""
+    rng = np.random.default_rng(7)
+    n, nkv, d, s = 4, 2, 64, 150
+    q = _x(rng, (2, n, 1, d), F16)
+    k, v = _int8(rng, (2, nkv, s, d)), _int8(rng, (2, nkv, s, d))
+    _check((q, k, v), _kw(n, nkv, d, actual_seq_lengths_kv=[150, 70],
+                          **test_fia._antiquant_args(rng, form, s, b=2, nkv=nkv, d=d)), F16)
+
+
+def test_int8_paged_pool_with_an_empty_row():
+    """An int8 paged pool (token planes by paged slot, per head, with offsets), a mask that
+    leaves batch 1's row empty (contract 'Empty rows': the mean of the dequantized V)."""
+    rng = np.random.default_rng(8)
+    bs, nb, n, nkv, d = 16, 12, 4, 2, 64
+    table = rng.permutation(nb)[:10].reshape(2, 5).astype(np.int32)
+    k, v = _int8(rng, (nb, nkv, bs, d)), _int8(rng, (nb, nkv, bs, d))
+    q = _x(rng, (2, n, 1, d), F16)
+    mask = rng.random((2, 80)) < 0.3
+    mask[1] = True
+    _check((q, k, v), _kw(n, nkv, d, block_table=table, block_size=bs, atten_mask=mask,
+                          actual_seq_lengths_kv=[80, 37],
+                          **test_fia._antiquant_args(rng, "paged per-token-head", 80, nb, bs,
+                                                     b=2, nkv=nkv, d=d)), F16)
+
+
+def test_int8_token_scale_beyond_float16_goes_to_the_portable_kernel():
+    """A value token scale that takes a dequantized value past float16's range: the guard's
+    scan of the token plane hands the call to the portable kernel (float32 values, finite
+    output, as the reference)."""
+    rng = np.random.default_rng(9)
+    n, nkv, d, s = 4, 1, 64, 100
+    q = _x(rng, (1, n, 1, d), F16)
+    k, v = _int8(rng, (1, nkv, s, d)), _int8(rng, (1, nkv, s, d))
+    kw = test_fia._antiquant_args(rng, "per-channel key, per-token value", s, b=1, nkv=nkv,
+                                  d=d)
+    kw["value_antiquant_scale"][0, 7] = 1000.0             # |v| up to 128000 in row 7
+    _check((q, k, v), _kw(n, nkv, d, **kw), F16)

@@ -58,7 +58,7 @@ def tensor_core_route(monkeypatch):
     def attention_tc(*args):
         """What stands in for the tensor-core kernel (never launched here)."""
 
-    monkeypatch.setattr(T, "tc_kernel_for", lambda kind, d, masked, walk: attention_tc)
+    monkeypatch.setattr(T, "tc_kernel_for", lambda kind, d, masked, walk, int8: attention_tc)
     monkeypatch.setattr(device, "launch", without_tc)
     monkeypatch.setattr(device, "empty", nan_filled)
 

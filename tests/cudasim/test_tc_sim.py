@@ -203,3 +203,40 @@ def test_an_inf_in_a_shared_prefix_value_row_dropped_by_a_row(tensor_core_device
               actual_shared_prefix_len=40, atten_mask=mask)
     fused_infer_attention_score(q, k, v, **kw, device="cuda")
     _fia_check((q, k, v), kw, np.float16, tensor_core_device)
+
+
+def _int8(rng, shape):
+    return rng.integers(-128, 128, shape).astype(np.int8)
+
+
+def test_fia_prefill_on_an_int8_cache_causal(tensor_core_device):
+    """70 query rows over an int8 cache (channel planes with offsets), causal: each tile
+    staged as int8 rows and dequantized into the tile by the threads that copied them."""
+    from test_fia import _antiquant_args
+    rng = np.random.default_rng(11)
+    n, nkv, d, s = 2, 1, 64, 100
+    q = rng.standard_normal((1, n, 70, d)).astype(np.float16)
+    k, v = _int8(rng, (1, nkv, s, d)), _int8(rng, (1, nkv, s, d))
+    kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", scale=d ** -0.5,
+              softmax_lse_flag=True, atten_mask=CAUSAL, sparse_mode=3,
+              **_antiquant_args(rng, "merged per-channel", s, b=1, nkv=nkv, d=d))
+    fused_infer_attention_score(q, k, v, **kw, device="cuda")
+    _fia_check((q, k, v), kw, np.float16, tensor_core_device)
+
+
+def test_fia_prefill_on_an_int8_paged_pool_bf16_d128(tensor_core_device):
+    """bf16 at D 128 over an int8 paged pool with token planes by paged slot (the guard scans
+    their limits), kv lengths 90 and 20."""
+    from test_fia import _antiquant_args
+    rng = np.random.default_rng(12)
+    bs, nb, n, nkv, d = 16, 10, 2, 1, 128
+    table = rng.permutation(nb)[:8].reshape(2, 4).astype(np.int32)
+    table = np.concatenate([table, rng.permutation(nb)[:4].reshape(2, 2).astype(np.int32)], 1)
+    k, v = _int8(rng, (nb, nkv, bs, d)), _int8(rng, (nb, nkv, bs, d))
+    q = rng.standard_normal((2, n, 65, d)).astype(BF16)
+    kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout="BNSD", scale=d ** -0.5,
+              softmax_lse_flag=True, block_table=table, block_size=bs,
+              actual_seq_lengths_kv=[90, 20],
+              **_antiquant_args(rng, "paged per-token", 96, nb, bs, b=2, nkv=nkv, d=d))
+    fused_infer_attention_score(q, k, v, **kw, device="cuda")
+    _fia_check((q, k, v), kw, BF16, tensor_core_device)

@@ -1,6 +1,7 @@
 """The tensor-core kernel (pfa_numba.gpu.tc_kernel) compiles for every specialisation, float16 /
 bfloat16 x D 64 / 128 x sm_80 / sm_90 x plain / masked x contiguous / walking the kv
-sequence, without a GPU, with the scalar kernel's signature (and the cache's arrays); its
+sequence / an int8 cache, without a GPU, with the float kernel's signature (the cache's
+arrays too); its
 PTX has the tensor-core instructions and no fp64, and ptxas (the nvidia-cuda-nvcc-cu12 wheel's,
 see test_tensor_core_ptx.wheel_ptxas) assembles it. tensor_core_reason picks the problems it
 runs; config.CUDA_TENSOR_CORES (on by default) lets it run them.
@@ -24,7 +25,7 @@ from test_tensor_core_ptx import assemble  # noqa: E402
 F64 = re.compile(r"\.f64\b")
 #: every plain specialisation, the masked ones for sm_90 (the same source as sm_80's: the
 #: lane's time goes to compiling, and the sm_80 plain ones already hold the arch difference),
-#: and the float16 sm_90 ones that walk the kv sequence
+#: and the float16 sm_90 ones that walk the kv sequence (int8 caches too)
 SPECS = [pytest.param(*spec, id=name[:-4]) for name, spec in T.ptx_names().items()
          if (not spec[4] and (not spec[3] or spec[2] == (9, 0)))
          or (spec[4] and spec[0] == "f16" and spec[2] == (9, 0))]
@@ -40,7 +41,8 @@ def tc_ptx(*spec):
 def test_cuda_ptx_command_writes_one_file_a_specialisation(tmp_path):
     from pfa_numba.__main__ import main
     from pfa_numba.gpu import sass
-    assert len(T.ptx_names()) == 32 and "tc_bf16_d128_masked_walk_sm90.ptx" in T.ptx_names()
+    assert len(T.ptx_names()) == 48 and "tc_bf16_d128_masked_walk_sm90.ptx" in T.ptx_names()
+    assert T.ptx_names()["tc_f16_d64_int8_sm80.ptx"] == ("f16", 64, (8, 0), False, True, True)
     assert main(["cuda-ptx", "--out", str(tmp_path), "--filter", "tc_f16_d64_sm80"]) == 0
     written = sorted(p.name for p in tmp_path.iterdir())
     with_sass = ["tc_f16_d64_sm80.sass.txt"] if not sass.missing_tools() else []
@@ -53,10 +55,10 @@ def test_cuda_ptx_command_writes_one_file_a_specialisation(tmp_path):
     assert not F64.search(ptx)
 
 
-@pytest.mark.parametrize("kind, d, cc, masked, walk", SPECS)
-def test_tc_kernel_compiles_with_the_tensor_core_instructions(kind, d, cc, masked, walk,
+@pytest.mark.parametrize("kind, d, cc, masked, walk, int8", SPECS)
+def test_tc_kernel_compiles_with_the_tensor_core_instructions(kind, d, cc, masked, walk, int8,
                                                                tmp_path):
-    ptx = tc_ptx(kind, d, cc, masked, walk)
+    ptx = tc_ptx(kind, d, cc, masked, walk, int8)
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
     # per tile: S = Q K^T is 8 n-tiles x d/16 k-steps, O += P V is d/8 n-tiles x 4 k-steps,
     # once per kv loop (the plain variant has two: tiles inside the band, tiles crossing it)
@@ -75,8 +77,9 @@ def test_tc_kernel_compiles_with_the_tensor_core_instructions(kind, d, cc, maske
 
     log, _ = assemble(ptx, cc, tmp_path, f"tc {kind} D={d}")
     smem = re.search(r"(\d+) bytes smem", log)
-    assert smem and int(smem.group(1)) == 2 * 64 * d * 2       # one K and one V tile
-    _holds_the_sass_targets(kind, d, cc, masked, walk, tmp_path / f"tc {kind} D={d}.cubin",
+    # one K and one V tile (and, for an int8 cache, the int8 rows staged past each)
+    assert smem and int(smem.group(1)) == 2 * 64 * d * 2 + (2 * 64 * d if int8 else 0)
+    _holds_the_sass_targets(kind, d, cc, masked, walk, int8, tmp_path / f"tc {kind} D={d}.cubin",
                             log)
 
 
@@ -91,9 +94,12 @@ PER_HMMA_CEILINGS = {(64, False): 9.9, (128, False): 6.75, (64, True): 19.5, (12
 #: the variants that walk the kv sequence (a block-table lookup a K row, reused by its V row;
 #: 64-bit row offsets), by (head dim, masked): instructions per HMMA of the last loop
 WALK_CEILINGS = {(64, False): 25.3, (128, False): 21.5, (64, True): 34.9, (128, True): 26.4}
+#: the int8 variants (each thread dequantizes the chunks it copied: a token pair a row, two
+#: channel values and a conversion a value), the same way
+INT8_CEILINGS = {(64, False): 33.2, (128, False): 22.1, (64, True): 43.5, (128, True): 26.6}
 
 
-def _holds_the_sass_targets(kind, d, cc, masked, walk, cubin, log):
+def _holds_the_sass_targets(kind, d, cc, masked, walk, int8, cubin, log):
     from pfa_numba.gpu import sass
     missing = sass.missing_tools()
     if missing:
@@ -106,7 +112,8 @@ def _holds_the_sass_targets(kind, d, cc, masked, walk, cubin, log):
     assert len(loops) == len(T.loop_names(masked)), s
     assert all(loop["hmma"] == 2 * 8 * d // 16 for loop in loops), s   # each loop: a whole tile
     if walk:
-        assert loops[-1]["per_hmma"] <= WALK_CEILINGS[d, masked], s
+        ceilings = INT8_CEILINGS if int8 else WALK_CEILINGS
+        assert loops[-1]["per_hmma"] <= ceilings[d, masked], s
     else:
         assert all(loop["imad_wide"] == 0 for loop in loops), s
         if not masked:
@@ -151,26 +158,38 @@ def test_tensor_core_reason_refuses_what_the_kernel_does_not_run():
     assert "value rows" in T.tensor_core_reason(p)
 
 
-def test_int8_kv_caches_get_the_portable_kernel():
-    """fused_infer_attention_score's int8 caches are refused with the reason (the launch logs
-    it and runs the portable kernel); contiguous, paged and prefixed caches are taken."""
+def test_paged_prefixed_and_int8_caches_are_taken_unless_dequantized_values_overflow():
+    """fused_infer_attention_score's contiguous, paged, prefixed and int8 caches are taken;
+    an int8 cache whose channel planes may take its values beyond float16 is refused with
+    the reason (the launch logs it and runs the portable kernel); token planes are left to
+    the guard's scan, with limits that keep the values finite."""
     from pfa_numba import _validate_fia as FV
     from pfa_numba.fia import planned
     q = np.zeros((1, 4, 1, 64), np.float16)
     pool = np.zeros((3, 2, 16, 64), np.float16)
+    i8 = pool[:1].astype(np.int8)
     kw = dict(num_heads=4, num_key_value_heads=2, input_layout="BNSD")
     calls = {"paged": FV.FiaCall(q, pool, pool, block_table=np.array([[2, 0]], np.int32),
                                  block_size=16, actual_seq_lengths_kv=[20], **kw),
              "prefix": FV.FiaCall(q, pool[:1], pool[:1], key_shared_prefix=pool[:1],
                                   value_shared_prefix=pool[:1], **kw),
-             "int8": FV.FiaCall(q, pool[:1].astype(np.int8), pool[:1].astype(np.int8),
-                                antiquant_scale=np.ones(2, np.float16), **kw)}
+             "int8": FV.FiaCall(q, i8, i8, antiquant_scale=np.ones(2, np.float16), **kw),
+             "contiguous": FV.FiaCall(q, pool[:1], pool[:1], **kw)}
     for name, call in calls.items():
-        why = T.tensor_core_reason(planned(FV.validate(call)), (9, 0))
-        assert (why is None) == (name != "int8"), (name, why)
-    assert "int8 kv cache" in why
-    assert T.tensor_core_reason(planned(FV.validate(FV.FiaCall(q, pool[:1], pool[:1], **kw))),
-                                (9, 0)) is None
+        assert T.tensor_core_reason(planned(FV.validate(call)), (9, 0)) is None, name
+    big = planned(FV.validate(FV.FiaCall(q, i8, i8, antiquant_scale=np.array([1, 600],
+                                                                              np.float16),
+                                         **kw)))
+    assert "int8 cache" in T.tensor_core_reason(big) and T.antiquant_limits(big) is None
+    tokens = planned(FV.validate(FV.FiaCall(
+        q, i8, i8, key_antiquant_scale=np.ones((1, 16), np.float32),
+        value_antiquant_scale=np.ones((1, 16), np.float32),
+        value_antiquant_offset=np.zeros((1, 16), np.float32),
+        key_antiquant_offset=np.zeros((1, 16), np.float32),
+        key_antiquant_mode=1, value_antiquant_mode=1, **kw)))
+    limits = dict(T.antiquant_limits(tokens))
+    assert set(limits) == {"kts", "kto", "vts", "vto"} and limits["kto"] == 256.0
+    assert 3 * 128 * limits["kts"] < 65504 < 3 * 128 * limits["kts"] * 1.01
 
 
 def test_the_tensor_core_kernel_is_on_by_default_and_info_says_so(monkeypatch):

@@ -40,10 +40,11 @@ def wheel_ptxas():
     return None
 
 
-def assemble(ptx, cc, tmp_path, name):
+def assemble(ptx, cc, tmp_path, name, spills=0):
     """ptxas -v of ``ptx`` for compute capability ``cc`` (skips without the wheel's ptxas):
-    asserts it assembles with 0 spill bytes, a 0-byte stack frame and <= 255 registers, and
-    returns (its log, the register line)."""
+    asserts it assembles with at most ``spills`` spill bytes (0 unless a test names a
+    specialisation's figure), that stack frame, and <= 255 registers, and returns (its log,
+    the register line)."""
     ptxas = wheel_ptxas()
     if ptxas is None:
         pytest.skip("the nvidia-cuda-nvcc-cu12 wheel (test extra) with its ptxas is not installed")
@@ -54,12 +55,13 @@ def assemble(ptx, cc, tmp_path, name):
                          text=True, timeout=300)
     log = res.stdout + res.stderr
     assert res.returncode == 0, log
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert spills and all(st == "0" and ld == "0" for st, ld in spills), log
-    assert re.search(r"\b0 bytes stack frame", log), log
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert found and all(int(st) + int(ld) <= spills for st, ld in found), log
+    frame = re.search(r"\b(\d+) bytes stack frame", log)
+    assert frame and int(frame.group(1)) <= spills, log
     regs = re.search(r"Used (\d+) registers", log)
     assert regs and int(regs.group(1)) <= 255, log
-    print(f"\nsm_{cc[0]}{cc[1]} {name}: {regs.group(0)}, 0 bytes spill stores and loads")
+    print(f"\nsm_{cc[0]}{cc[1]} {name}: {regs.group(0)}, {found}")
     return log, regs.group(0)
 
 
