@@ -37,7 +37,7 @@ finds one).
 
 Not this kernel (:func:`decode_reason` says why): more than 16 rows per kv head, TND, other
 dtypes and head dims, int8 caches whose channel planes could take a dequantized value beyond
-the query's type (``tc_kernel.antiquant_limits``), quantized outputs, a scale the
+the query's type (``guard.antiquant_limits``), quantized outputs, a scale the
 tensor-core kernel does not take, rows or strides not 16-byte aligned, mask or pse columns
 not contiguous, compute capability below 8.0.
 """
@@ -55,8 +55,10 @@ from . import ptx as X
 from .kernels import (IN_PREFIX, PAST_END, array_function, kv_at, kv_block_of, kv_place_in,
                       kv_places, kv_value)
 from .tc_kernel import (FULL, HEAD_DIMS, KV_SOURCES, LOG2E, SIGNS, SIMULATOR, _band32, _banded,
-                        _device, antiquant_reason, kind_of, make_dequant, make_row_masks,
-                        reads_mask_or_pse, row_tokens, rows_reason, scale_reason)
+                        _device, kind_of, make_row_masks, reads_mask_or_pse, rows_reason,
+                        scale_reason)
+from .dequant import make_dequant, row_tokens
+from .guard import antiquant_reason
 
 #: query rows of a block (one mma tile) / warps / threads / keys per tile / keys per warp
 ROWS, WARPS, BKV = F.MMA_M, 4, 64

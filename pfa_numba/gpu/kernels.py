@@ -48,6 +48,14 @@ def array_function(fn):
     return njit(inline="always", cache=True)(fn)
 
 
+def device_function(fn):
+    """A kernel's own device function: inlined into it on a GPU, plain Python under the
+    simulator."""
+    if numba.config.ENABLE_CUDASIM:
+        return fn
+    return cuda.jit(device=True, inline="always")(fn)
+
+
 _KERNELS = {}
 
 

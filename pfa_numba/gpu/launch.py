@@ -34,6 +34,7 @@ import numpy as np
 from .. import config
 from .._kernel_args import L_ROWS, kernel_args
 from . import device
+from . import guard as guard_kernels
 from .arrays import array_kind
 
 #: the kernel a call gets and why (INFO)
@@ -326,10 +327,10 @@ class Launch:
         kind = tc.kind_of(p.dtype)
         for field, limit in self.scans:
             if limit is None:
-                launches.append((tc.nonfinite_scan(kind), *tc.SCAN_GRID,
+                launches.append((guard_kernels.nonfinite_scan(kind), *guard_kernels.SCAN_GRID,
                                  [t[field], guard, guard_id]))
             else:
-                launches.append((tc.limit_scan(), *tc.SCAN_GRID,
+                launches.append((guard_kernels.limit_scan(), *guard_kernels.SCAN_GRID,
                                  [t[field], np.float32(limit), guard, guard_id]))
         if self.kernel == DECODE:
             launches += self._decode_launches(kind, t, views, d_out, d_lse, state, guard_id)
@@ -369,9 +370,9 @@ def guard_scans(p, kernel):
     compute: a value of V (and of a shared prefix's values) that is inf or NaN (limit None)
     for the tensor-core kernel, and for the decode kernel where its rows may drop different
     columns (``decode_kernel.needs_guard``); for an int8 cache instead, its token planes
-    beyond their limits (``tc_kernel.antiquant_limits``); none for the portable kernel."""
+    beyond their limits (``guard.antiquant_limits``); none for the portable kernel."""
     from .decode_kernel import needs_guard
-    from .tc_kernel import antiquant_limits, dequantizes
+    from .guard import antiquant_limits, dequantizes
     if kernel == PORTABLE:
         return []
     if dequantizes(p):

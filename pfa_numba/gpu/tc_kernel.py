@@ -42,8 +42,8 @@ row's place is found through the kv sequence (``kernels.kv_block_of`` / ``kv_pla
 shared prefix's rows, then the batch's own in the slots of its blocks), the V row of the same
 place reuses its block-table column, and the offsets are 64-bit. An int8 cache takes the
 ``int8`` variant (walking): its rows are copied as int8 past each 16-bit tile and
-dequantized into it by the threads that copied them (:func:`make_dequant`), the guard
-scanning its token planes' limits (:func:`antiquant_limits`).
+dequantized into it by the threads that copied them (``dequant.make_dequant``), the guard
+scanning its token planes' limits (``guard.antiquant_limits``).
 
 Not this kernel (:func:`tensor_core_reason` says why; the scalar kernel runs them): other
 dtypes and head dims, quantized outputs, int8 kv caches whose channel planes could take a
@@ -53,7 +53,7 @@ scale_value 0 or needing a second factor or a power of two, rows or strides not
 elements, compute capability < 8.0, and a V holding inf or NaN (a dropped column would reach
 the rows through 0 * inf in P V, see the warp model: a scan before the kernel finds it on the
 device, and the kernel then leaves the call to the portable kernel launched beside it,
-:func:`nonfinite_scan`).
+``guard.nonfinite_scan``).
 """
 import numba
 import numpy as np
@@ -63,16 +63,18 @@ from .. import config
 from .._band import (ROW_MEAN, ROW_SOFTMAX, block_kv_range, interior_tiles, row_band,
                      row_outcome)
 from .._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_ZERO,
-                     MASK_ADD_F16, MASK_DISCARD, MASK_NONE, antiquant, bf16_to_f32, f16_to_f32,
-                     f32_to_bf16, f32_to_f16, lse_log2, online_update_log2)
+                     MASK_ADD_F16, MASK_DISCARD, MASK_NONE, bf16_to_f32, f16_to_f32, f32_to_bf16,
+                     f32_to_f16, lse_log2, online_update_log2)
 from .._dtypes import F16, is_bf16
 from .._kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_G, P_IP, P_LSE,
                             P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_PK, T_PV, T_Q, T_V,
                             scale_factors)
 from . import fragments as F
 from . import ptx as X
-from .kernels import (IN_PREFIX, PAST_END, array_function, kv_at, kv_block_of, kv_place_in,
-                      kv_places, kv_row, kv_value)
+from .guard import antiquant_reason, dequantizes
+from .dequant import make_dequant, row_tokens
+from .kernels import (IN_PREFIX, PAST_END, array_function, device_function, kv_at,
+                      kv_block_of, kv_place_in, kv_places, kv_value)
 
 #: query rows per warp / warps per block / rows per block / threads per block / keys per tile
 WARP_ROWS, WARPS = F.MMA_M, 4
@@ -85,8 +87,7 @@ SIGNS = np.uint32(0x80008000)      # the sign bits of two packed float16 / bfloa
 #: instructions those of .warp_sim
 SIMULATOR = numba.config.ENABLE_CUDASIM
 LOG2E = np.float32(1.4426950408889634)
-#: a kernel's own device functions: inlined into it on a GPU, plain Python under the simulator
-_device = (lambda fn: fn) if SIMULATOR else cuda.jit(device=True, inline="always")
+_device = device_function
 BIAS_F16 = np.float32(F16_MASK_SCALE * LOG2E)       # the float16 mask's -10000, in log2 units
 
 
@@ -192,7 +193,7 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
     found through fused_infer_attention_score's kv sequence (a shared prefix, a paged pool's
     block table: ``kernels.kv_place``), else each batch's own contiguous rows, and ``int8``
     (walking): an int8 cache, each tile staged as int8 rows and dequantized into the tile by
-    the threads that copied them (:func:`make_dequant`)."""
+    the threads that copied them (``dequant.make_dequant``)."""
     assert kind in ("f16", "bf16") and d in HEAD_DIMS and (walk or not int8)
     D = d
     KT = D // 16                       # k-steps of S = Q K^T; pairs of 8-column n-tiles of O
@@ -533,55 +534,6 @@ def reads_mask_or_pse(p):
     return p.mask_kind != MASK_NONE or p.pse is not None
 
 
-@array_function
-def _s8(w):
-    """The signed byte in the low 8 bits of ``w``, as int32."""
-    return (np.int32(w & 0xFF) ^ np.int32(0x80)) - np.int32(0x80)
-
-
-@array_function
-def row_tokens(r, j, jend, dq):
-    """The token pair (scale, offset) of kv row j of K (r = 0) or V (r = 1) (``kernels.kv_row``;
-    (1, 0) for a row at or past jend, which is zero-filled). ``dq``: (channel, kts, kto, vts,
-    vto, strides, boff, params, table, b, kv head)."""
-    if j >= jend:
-        return F32_ONE, F32_ZERO
-    src = kv_row(dq[5], dq[6], dq[8], dq[7], r, dq[1], dq[2], dq[3], dq[4], dq[9], dq[10], j)
-    return src[3], src[4]
-
-
-def make_dequant(kind, d):
-    """The int8 variants' step from a staged row chunk to a tile: ``dequant_chunk(raw, raw_at,
-    tile, at0, at1, r, col, live, scale, offset, dq)`` reads 16 int8 values of a row of K
-    (r = 0) or V (r = 1), head dims col .. col + 15, at 16-bit words raw_at .. raw_at + 7 of
-    the shared ``raw``; dequantizes them as every kernel does (``_core.antiquant`` with the
-    channel plane's pairs and the row's token pair, :func:`row_tokens`), rounds them to
-    ``kind`` (contract: the values may be rounded to the query's dtype before the products)
-    and stores them as the two 8-value chunks at offsets at0 and at1 of ``tile`` (a swizzled
-    row keeps each 16-byte chunk whole); zeros where the row is not ``live``."""
-    pack = X.pack_f16x2 if kind == "f16" else X.pack_bf16x2
-    D = d
-
-    def dequant_chunk(raw, raw_at, tile, at0, at1, r, col, live, scale, offset, dq):
-        channel, ch = dq[0], dq[10] * D + col
-        for h in range(8):
-            bits = uint32(0)
-            if live:
-                w = np.int32(raw[raw_at + h])
-                c = ch + 2 * h
-                bits = pack(antiquant(float32(_s8(w)), channel[2 * r, c], channel[2 * r + 1, c],
-                                      scale, offset),
-                            antiquant(float32(_s8(w >> 8)), channel[2 * r, c + 1],
-                                      channel[2 * r + 1, c + 1], scale, offset))
-            X.st_shared_u32(tile, (at0 if h < 4 else at1) + 2 * (h & 3), bits)
-    return _device(dequant_chunk)
-
-
-def dequantizes(p):
-    """Whether planned problem ``p`` reads an int8 kv cache (the kernels' ``int8`` variants)."""
-    return p.cache is not None and bool(p.cache.antiquant)
-
-
 def walks(p):
     """Whether planned problem ``p``'s K/V rows are found through the kv sequence (the
     kernels' ``walk`` variants): a shared prefix, a block table, or an int8 cache (whose rows'
@@ -671,48 +623,6 @@ def scale_reason(scale):
     return None
 
 
-#: the largest finite values of the kernels' types (an int8 cache's rows are rounded to them)
-TYPE_MAX = {"f16": 65504.0, "bf16": 3.3895313892515355e38}
-#: the margin kept below TYPE_MAX for float32's rounding of the dequantization
-_ROUNDING = 1.0 - 2.0 ** -8
-
-
-def antiquant_limits(p):
-    """How the tensor-core kernels, which round an int8 cache's dequantized values to the
-    query's type, keep them finite there: [(token plane, limit)], where a call whose plane
-    holds a value of magnitude beyond its limit or NaN is the portable kernel's (the guard
-    scans the planes on the device), or None where the channel planes already decide that
-    the values may not be finite (a scale or offset not finite, or beyond the range). With
-    A = 128 + max |channel offset| and S = max |channel scale|: |x + offsets| <= 3 A while a
-    token offset is <= 2 A, so |value| < max while a token scale is <= max / (3 A S)."""
-    top = TYPE_MAX[kind_of(p.dtype)] * _ROUNDING
-    limits = []
-    for planes, (ts, to) in zip(p.cache.antiquant, (("kts", "kto"), ("vts", "vto"))):
-        scales, offsets = planes.channel
-        if not (np.isfinite(scales).all() and np.isfinite(offsets).all()):
-            return None
-        a, sc = 128.0 + float(np.abs(offsets).max()), float(np.abs(scales).max())
-        if planes.token_scale is None:
-            if a * sc >= top:
-                return None
-            continue
-        span = 3 * a if planes.token_offset is not None else a
-        limits.append((ts, min(top / (span * sc), 3e38) if sc else 3e38))
-        if planes.token_offset is not None:
-            limits.append((to, 2 * a))
-    return limits
-
-
-def antiquant_reason(p):
-    """None unless planned problem ``p`` reads an int8 cache whose dequantized values the
-    channel planes say may not be finite in the query's type (:func:`antiquant_limits`)."""
-    if not dequantizes(p) or antiquant_limits(p) is not None:
-        return None
-    return (f"an int8 cache whose channel scales or offsets are not finite or may take its "
-            f"values beyond {np.dtype(p.dtype).name}'s range: the portable kernel keeps them "
-            "in float32")
-
-
 def rows_reason(p):
     """None when planned problem ``p``'s query, key and value rows (a shared prefix's too)
     are contiguous 16-byte-aligned runs and its mask and pse columns contiguous, as the
@@ -735,7 +645,8 @@ def rows_reason(p):
 def tensor_core_reason(p, cc=None):
     """None when the tensor-core kernel can run planned problem ``p`` (on a device of compute
     capability ``cc``, when given), else why not. (Device pointers' alignment is checked by
-    the launch, ``launch.Launch.aligned``; V's finiteness on the device, :func:`nonfinite_scan`.)"""
+    the launch, ``launch.Launch.aligned``; V's finiteness on the device,
+    ``guard.nonfinite_scan``.)"""
     kind = kind_of(p.dtype)
     if kind is None:
         return f"{np.dtype(p.dtype).name} inputs: the tensor-core kernel takes float16 and bfloat16"
@@ -775,46 +686,3 @@ def selection_note(cc=None):
             "finite V and int8 values finite in the query's type (decided on the device); the "
             "portable kernel otherwise "
             "(the pfa_numba.cuda log says which a call gets and why)")
-
-
-def _scan_source(exp_mask):
-    mask = np.uint16(exp_mask)
-
-    def nonfinite(x, guard, guard_id):
-        for e in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
-            if (x[e] & mask) == mask:
-                guard[0] = guard_id
-    return nonfinite
-
-
-def _beyond(x, limit, guard, guard_id):
-    for e in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
-        if not abs(x[e]) <= limit:
-            guard[0] = guard_id
-
-
-_SCANS = {}
-
-#: the scan's grid: blocks and threads (a grid-stride loop: any grid covers V; the simulator
-#: runs each thread as a Python thread)
-SCAN_GRID = (1, 32) if SIMULATOR else (256, 256)
-
-
-def nonfinite_scan(kind):
-    """The kernel that writes its guard_id to guard[0] where a 16-bit value of its flat V span
-    is inf or NaN (all exponent bits set). A dropped column of such a V would reach its rows
-    through 0 * inf in P V, so the call is then the portable kernel's: the tensor-core kernel
-    and the portable one are launched behind the scan, and each reads guard[0] on the device
-    (:func:`.kernels.runs_here`): no host round trip decides."""
-    if kind not in _SCANS:
-        _SCANS[kind] = cuda.jit(_scan_source(0x7C00 if kind == "f16" else 0x7F80))
-    return _SCANS[kind]
-
-
-def limit_scan():
-    """The kernel that writes its guard_id to guard[0] where a float32 value of its flat span
-    (an int8 cache's token plane) is NaN or of magnitude beyond its ``limit``
-    (:func:`antiquant_limits`), launched as :func:`nonfinite_scan` is."""
-    if "limit" not in _SCANS:
-        _SCANS["limit"] = cuda.jit(_beyond)
-    return _SCANS["limit"]

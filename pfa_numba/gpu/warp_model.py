@@ -33,7 +33,7 @@ swap in a wrong map and see a check fail.
 What the model shows the kernel must also do: a V value that is inf or NaN in a column a row
 drops still reaches that row (0 * inf = NaN in the product), where contract 'The computation' says
 it contributes nothing; so the launch scans V on the device and such calls are computed by the
-portable kernel (``tc_kernel.nonfinite_scan``).
+portable kernel (``guard.nonfinite_scan``).
 """
 import functools
 from typing import Callable, NamedTuple

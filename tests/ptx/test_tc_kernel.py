@@ -19,6 +19,7 @@ import pytest
 cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is in the test extra")
 
 from pfa_numba import _plan, _validate as V, config  # noqa: E402
+from pfa_numba.gpu import guard as G  # noqa: E402
 from pfa_numba.gpu import tc_kernel as T  # noqa: E402
 from test_tensor_core_ptx import assemble  # noqa: E402
 
@@ -180,14 +181,14 @@ def test_paged_prefixed_and_int8_caches_are_taken_unless_dequantized_values_over
     big = planned(FV.validate(FV.FiaCall(q, i8, i8, antiquant_scale=np.array([1, 600],
                                                                               np.float16),
                                          **kw)))
-    assert "int8 cache" in T.tensor_core_reason(big) and T.antiquant_limits(big) is None
+    assert "int8 cache" in T.tensor_core_reason(big) and G.antiquant_limits(big) is None
     tokens = planned(FV.validate(FV.FiaCall(
         q, i8, i8, key_antiquant_scale=np.ones((1, 16), np.float32),
         value_antiquant_scale=np.ones((1, 16), np.float32),
         value_antiquant_offset=np.zeros((1, 16), np.float32),
         key_antiquant_offset=np.zeros((1, 16), np.float32),
         key_antiquant_mode=1, value_antiquant_mode=1, **kw)))
-    limits = dict(T.antiquant_limits(tokens))
+    limits = dict(G.antiquant_limits(tokens))
     assert set(limits) == {"kts", "kto", "vts", "vto"} and limits["kto"] == 256.0
     assert 3 * 128 * limits["kts"] < 65504 < 3 * 128 * limits["kts"] * 1.01
 
