@@ -52,11 +52,10 @@ from .._kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_D,
                             P_LSE, P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_PK, T_PV, T_Q, T_V)
 from . import fragments as F
 from . import ptx as X
-from .kernels import (IN_PREFIX, PAST_END, array_function, kv_at, kv_block_of, kv_place_in,
-                      kv_places, kv_value)
+from .kernels import array_function, kv_places, kv_value
 from .tc_kernel import (FULL, HEAD_DIMS, KV_SOURCES, LOG2E, SIGNS, SIMULATOR, _band32, _banded,
-                        _device, kind_of, make_row_masks, reads_mask_or_pse, rows_reason,
-                        scale_reason)
+                        _device, _stage_walked, kind_of, make_row_masks, reads_mask_or_pse,
+                        rows_reason, scale_reason)
 from .dequant import make_dequant, row_tokens
 from .guard import antiquant_reason
 
@@ -208,19 +207,9 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
                                             rows[2] + j * rows[3] + ccol, 16)
                     else:
                         X.cp_async_16_zfill(ring, to, k, 0, 0)
-                else:
-                    if not is_v:        # K(t) divides, V(t) (the next load) reuses its columns
-                        columns[c] = PAST_END
-                        if j < jend:
-                            columns[c] = kv_block_of(rows[0], rows[1], j)
-                    if columns[c] == PAST_END:
-                        X.cp_async_16_zfill(ring, to, k, 0, 0)
-                    else:
-                        where, idx = kv_place_in(rows[0], rows[1], table, b, j, columns[c])
-                        off = kv_at(rows, where, idx) + ccol
-                        prefix = where == IN_PREFIX
-                        src = (vp if prefix else v) if is_v else (kp if prefix else k)
-                        X.cp_async_16_zfill(ring, to, src, off, 16)
+                else:           # K(t) divides, V(t) (the next load) reuses its columns
+                    _stage_walked(ring, to, is_v, j, jend, columns, c, rows, table, b,
+                                  (k, v, kp, vp), ccol)
                 j += KV_RSTEP
         X.cp_async_commit()
 

@@ -129,6 +129,25 @@ def _stage(smem, dst, src, base, row, stride, rows_left, chunks, row_step, row_e
         off = np.int32(off + step)
 
 
+@_device
+def _stage_walked(smem, to, is_v, j, jend, columns, c, places, table, b, kv, ccol):
+    """cp.async the 16-byte chunk at head dim ``ccol`` of kv row j, found through the kv
+    sequence (``kv``: the cache's K, V and the prefix's K, V), to shared offset ``to`` (zero-
+    filled for a row at or past jend). K divides to find the row's block-table column, kept
+    in ``columns[c]``; V, staged next over the same rows, reuses it."""
+    if not is_v:
+        columns[c] = PAST_END
+        if j < jend:
+            columns[c] = kv_block_of(places[0], places[1], j)
+    if columns[c] == PAST_END:
+        X.cp_async_16_zfill(smem, to, kv[0], 0, 0)
+    else:
+        where, idx = kv_place_in(places[0], places[1], table, b, j, columns[c])
+        prefix = where == IN_PREFIX
+        src = (kv[3] if prefix else kv[1]) if is_v else (kv[2] if prefix else kv[0])
+        X.cp_async_16_zfill(smem, to, src, kv_at(places, where, idx) + ccol, 16)
+
+
 @array_function
 def _tile_order(idx, ta, tb):
     """The tile a block visits idx-th: the run [ta, tb) inside the band first (no per-element
@@ -239,18 +258,8 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
         places = kv_places(strides, boff, params, T_V, T_PV, b, gh) if is_v else k_places
         j = j_row
         for c in range(KV_CPT):
-            to = RAW_AT + c_at + c * KV_RSTEP * ROW_U16
-            if not is_v:
-                columns[c] = PAST_END
-                if j < jend:
-                    columns[c] = kv_block_of(places[0], places[1], j)
-            if columns[c] == PAST_END:
-                X.cp_async_16_zfill(smem, to, k, 0, 0)
-            else:
-                where, idx = kv_place_in(places[0], places[1], table, b, j, columns[c])
-                prefix = where == IN_PREFIX
-                src = (vp if prefix else v) if is_v else (kp if prefix else k)
-                X.cp_async_16_zfill(smem, to, src, kv_at(places, where, idx) + ccol, 16)
+            _stage_walked(smem, RAW_AT + c_at + c * KV_RSTEP * ROW_U16, is_v, j, jend, columns,
+                          c, places, table, b, (k, v, kp, vp), ccol)
             j += KV_RSTEP
 
     stage_kv = _device(stage_kv)
