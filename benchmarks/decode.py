@@ -4,7 +4,7 @@
 """
 import sys
 
-from pfa_numba.__main__ import main
+from pfa_numba.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench-decode", *sys.argv[1:]]))

@@ -22,7 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import pfa_numba
 from pfa_numba import config
-from pfa_numba._bench import environment
+from pfa_numba.cli.bench import environment
 from pfa_numba.integrations import transformers as pfa_hf
 
 

@@ -1,11 +1,13 @@
 """prompt_flash_attention: validate -> plan -> dispatch -> result in the caller's layout."""
 import numpy as np
 
-from . import _validate as V
+from .frontend import checks
+
+from .frontend import pfa as PV
 from . import dispatch
-from ._plan import plan
-from . import _torch
-from .gpu.arrays import Staged
+from .frontend.problem import plan
+from .interop import torch_tensors
+from .interop.cuda_arrays import Staged
 from .plans import Plan
 
 
@@ -138,7 +140,7 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
     kernel (heads, head dim, masks, sparse_mode, inner_precise, pre/next signs). Every message
     names the argument and the value received; invalid input never writes into any array.
     """
-    valid = V.validate(V.Call(query, key, value, attn_mask, actual_seq_lengths,
+    valid = PV.validate(PV.Call(query, key, value, attn_mask, actual_seq_lengths,
                               actual_seq_lengths_kv, pse_shift, deq_scale1, quant_scale1,
                               deq_scale2, quant_scale2, quant_offset2, num_heads, scale_value,
                               pre_tokens, next_tokens, input_layout, num_key_value_heads,
@@ -153,10 +155,10 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
 
 def _stage(call, device):
     """CUDA arguments (any library) or torch CPU tensors made readable on the host, or None."""
-    if V.is_cuda_array(call.query):
+    if checks.is_cuda_array(call.query):
         return Staged(call, device)
-    if any(_torch.is_cpu_tensor(getattr(call, name)) for name in V.ARRAY_ARGS):
-        return _torch.HostTensors(call, V.ARRAY_ARGS)
+    if any(torch_tensors.is_cpu_tensor(getattr(call, name)) for name in PV.ARRAY_ARGS):
+        return torch_tensors.HostTensors(call, PV.ARRAY_ARGS)
     return None
 
 
@@ -179,15 +181,16 @@ class PfaPlan(Plan):
     operator = staticmethod(prompt_flash_attention)
 
     def _checked(self, arguments):
-        valid = V.validate(V.Call(**arguments), stage=_stage)
+        valid = PV.validate(PV.Call(**arguments), stage=_stage)
         return plan(valid), valid.staged, valid.want_lse, valid.device
 
     def _read_at_each_call(self, kwargs):
         return ("attn_mask", "pse_shift")
 
     def _results(self, query, out, lse, on_device):
-        if not on_device and _torch.is_tensor(query):
-            out, lse = _torch.as_tensor(out), (None if lse is None else _torch.as_tensor(lse))
+        if not on_device and torch_tensors.is_tensor(query):
+            out = torch_tensors.as_tensor(out)
+            lse = None if lse is None else torch_tensors.as_tensor(lse)
         return (out, lse) if self._lse_flag else out
 
 

@@ -86,7 +86,7 @@ CUDA_TENSOR_CORES = True
 CUDA_DECODE_BLOCKS_PER_SM = 4
 CUDA_DECODE_MIN_TILES = 4
 
-#: No CUDA fast-math: numba-cuda's flushes subnormals, breaking _core's exact float16 conversions.
+#: No CUDA fast-math: numba-cuda's flushes subnormals, breaking numerics.core's exact float16 conversions.
 CUDA_FASTMATH = frozenset()
 
 #: The tensor-core kernel's softmax weights exp2(t - m) by ``ex2.approx.ftz`` (one instruction,

@@ -5,7 +5,9 @@ problem, or raises one RuntimeError listing every backend's reasons.
 """
 import importlib.util
 
-from . import _validate as V
+from .frontend import checks
+
+from .numerics.dtypes import dtype_name
 
 
 def _numba_cuda_installed():
@@ -39,8 +41,8 @@ class Backend:
     devices = ()
     where = ""                       # the devices in words
     dtypes = ("float16", "bfloat16", "float32", "int8")
-    layouts = V.LAYOUTS
-    max_head_dim = V.MAX_HEAD_DIM
+    layouts = checks.LAYOUTS
+    max_head_dim = checks.MAX_HEAD_DIM
 
     def environment_problems(self):
         """Why this installation cannot run the backend at all (empty: it can)."""
@@ -50,8 +52,8 @@ class Backend:
         if device not in self.devices:
             return [f"runs on {self.where}, not on {device!r}"]
         reasons = self.environment_problems()
-        if problem is not None and V.dtype_name(problem.dtype) not in self.dtypes:
-            reasons.append(f"dtype {V.dtype_name(problem.dtype)} is not supported")
+        if problem is not None and dtype_name(problem.dtype) not in self.dtypes:
+            reasons.append(f"dtype {dtype_name(problem.dtype)} is not supported")
         return reasons
 
 

@@ -21,8 +21,10 @@ layouts (not TND), no quantization.
 """
 import numpy as np
 
-from . import _validate as V
-from ._band import TOKENS_INF as INF, reads_user_mask, shifted_edges, tokens_for_edges
+from .frontend import checks
+
+from .frontend import pfa as PV
+from .numerics.band import TOKENS_INF as INF, reads_user_mask, shifted_edges, tokens_for_edges
 from .api import prompt_flash_attention as _pfa
 from .merge import merge_attention
 
@@ -53,17 +55,17 @@ def prompt_flash_attention(client, query, key, value, attn_mask=None, actual_seq
     tasks. Arguments are validated by a local planning pass first, so bad input fails here,
     not on a worker.
     """
-    layout = V.check_layout(input_layout)
+    layout = checks.check_layout(input_layout)
     if layout == "TND":
         raise ValueError("input_layout 'TND' is not supported by pfa_numba.distributed; split "
                          "packed batches by sequence instead")
-    kv_splits = V.check_int("kv_splits", kv_splits)
-    batch_splits = V.check_int("batch_splits", batch_splits)
+    kv_splits = checks.check_int("kv_splits", kv_splits)
+    batch_splits = checks.check_int("batch_splits", batch_splits)
     if kv_splits < 1 or batch_splits < 1:
         raise ValueError(f"kv_splits and batch_splits must be >= 1, got {kv_splits} and "
                          f"{batch_splits}")
-    from ._plan import plan
-    p = plan(V.validate(V.Call(query, key, value, attn_mask, actual_seq_lengths,
+    from .frontend.problem import plan
+    p = plan(PV.validate(PV.Call(query, key, value, attn_mask, actual_seq_lengths,
                                actual_seq_lengths_kv, pse_shift, num_heads=num_heads,
                                scale_value=scale_value, pre_tokens=pre_tokens,
                                next_tokens=next_tokens, input_layout=input_layout,

@@ -12,14 +12,14 @@ import dataclasses
 
 import numpy as np
 
-from . import _antiquant as AQ
-from . import _torch
-from . import _validate as V
-from . import _validate_fia as FV
+from .frontend import antiquant as AQ
+from .interop import torch_tensors
+from .frontend import checks
+from .frontend import fia as FV
 from . import dispatch
-from ._band import TOKENS_INF
-from ._plan import plan
-from .gpu.arrays import Staged, checked, to_host
+from .numerics.band import TOKENS_INF
+from .frontend.problem import plan
+from .interop.cuda_arrays import Staged, checked, to_host
 from .plans import Plan
 
 
@@ -73,9 +73,9 @@ def fused_infer_attention_score(
         num_heads, scale, pre_tokens, next_tokens, input_layout, num_key_value_heads,
         sparse_mode, inner_precise, block_size, antiquant_mode, key_antiquant_mode,
         value_antiquant_mode, softmax_lse_flag, device)
-    device = V.check_placement(call)
+    device = checks.check_placement(call)
     call = _host(call)
-    staged = Staged(call, device) if V.is_cuda_array(query) else None
+    staged = Staged(call, device) if checks.is_cuda_array(query) else None
     valid = FV.validate(staged.call if staged else call, device)
     problem = planned(valid)
     out, lse = dispatch.choose(problem, device).run(problem, staged)
@@ -92,13 +92,13 @@ def _results(query, out, lse, lse_flag, staged=None):
             lse = placeholder_lse(query)
     if staged is not None:
         return staged.results(out, lse)
-    if _torch.is_tensor(query):
-        return _torch.as_tensor(out), _torch.as_tensor(lse)
+    if torch_tensors.is_tensor(query):
+        return torch_tensors.as_tensor(out), torch_tensors.as_tensor(lse)
     return out, lse
 
 
 def planned(valid):
-    """The planned problem of a :class:`._validate_fia.ValidFia`: its prompt_flash_attention
+    """The planned problem of a :class:`frontend.fia.ValidFia`: its prompt_flash_attention
     plan with the kv cache the kernels walk instead of the stand-in key and value."""
     return plan(valid.pfa, valid.kv, valid.q_off)
 
@@ -107,8 +107,9 @@ def _host(call):
     """The call with its small array arguments (lengths, scales, the block table) and any
     key / value list elements readable on the host (torch CPU tensors as NumPy arrays over their
     memory, CUDA arrays copied), and its other torch CPU tensors as NumPy arrays; the tensors
-    of a CUDA query stay where they are (:class:`.gpu.arrays.Staged` makes them readable)."""
-    on_cuda = V.is_cuda_array(call.query)
+    of a CUDA query stay where they are (:class:`.interop.cuda_arrays.Staged` makes them
+    readable)."""
+    on_cuda = checks.is_cuda_array(call.query)
     arrays = {}
     for name, x in vars(call).items():
         if x is None or isinstance(x, (int, float, str)):       # most arguments, quickly
@@ -116,23 +117,23 @@ def _host(call):
         if isinstance(x, (list, tuple)) and name in ("key", "value"):
             arrays[name] = type(x)(_host_element(f"{name}[{i}]", e, on_cuda)
                                    for i, e in enumerate(x))
-        elif _torch.is_cpu_tensor(x):
-            arrays[name] = _torch.as_numpy(name, x)
-        elif V.is_cuda_array(x) and name not in FV.TENSORS:
+        elif torch_tensors.is_cpu_tensor(x):
+            arrays[name] = torch_tensors.as_numpy(name, x)
+        elif checks.is_cuda_array(x) and name not in FV.TENSORS:
             arrays[name] = checked(name, to_host, x)
     return dataclasses.replace(call, **arrays) if arrays else call
 
 
 def _host_element(name, x, on_cuda):
     """One key / value list element on the host; it lives where the query does."""
-    if V.is_cuda_array(x) != on_cuda:
+    if checks.is_cuda_array(x) != on_cuda:
         raise RuntimeError(f"{name} is {'a CUDA' if not on_cuda else 'a host (NumPy)'} array "
                            f"but query is {'a CUDA' if on_cuda else 'a host (NumPy)'} array: "
                            f"key / value list elements live on the query's device (got "
                            f"{type(x).__name__})")
     if on_cuda:
         return checked(name, to_host, x)
-    return _torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x
+    return torch_tensors.as_numpy(name, x) if torch_tensors.is_cpu_tensor(x) else x
 
 
 class FiaPlan(Plan):
@@ -158,11 +159,11 @@ class FiaPlan(Plan):
 
     def _checked(self, arguments):
         call = FV.FiaCall(**arguments)
-        device = V.check_placement(call)
+        device = checks.check_placement(call)
         # checked before anything is copied; a CPU launch holds its own copies of the
         # lengths, table and scales
         call = _host(call)
-        staged = Staged(call, device) if V.is_cuda_array(call.query) else None
+        staged = Staged(call, device) if checks.is_cuda_array(call.query) else None
         valid = FV.validate(staged.call if staged else call, device)
         return planned(valid), staged, valid.lse_flag, device
 

@@ -13,8 +13,9 @@ call over the whole kv range (up to the output dtype's rounding) for every row w
 """
 import numpy as np
 
-from . import _torch
-from . import _validate as V
+from .interop import torch_tensors
+from .frontend import checks
+from .numerics.dtypes import dtype_name
 
 
 def _weights_to_out_layout(w, layout, out_shape):
@@ -38,7 +39,7 @@ def merge_attention(parts, input_layout="BSH"):
     Returns ``(out, lse)`` in the parts' dtype and layout, rounded once; torch CPU tensor parts
     give torch tensors.
     """
-    layout = V.check_layout(input_layout)
+    layout = checks.check_layout(input_layout)
     parts = list(parts)
     if not parts:
         raise ValueError("parts must hold at least one (out, softmax_lse) pair, got none")
@@ -50,19 +51,20 @@ def merge_attention(parts, input_layout="BSH"):
             raise TypeError(f"parts[{idx}] must be an (out, softmax_lse) pair, got "
                             f"{type(part).__name__}") from None
         if idx == 0:
-            tensors = _torch.is_cpu_tensor(out)
-        out, lse = (_torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x
+            tensors = torch_tensors.is_cpu_tensor(out)
+        out, lse = (torch_tensors.as_numpy(name, x) if torch_tensors.is_cpu_tensor(x) else x
                     for name, x in ((f"parts[{idx}] out", out), (f"parts[{idx}] softmax_lse", lse)))
-        outs.append(V.check_array(f"parts[{idx}] out", out))
-        lses.append(V.check_array(f"parts[{idx}] softmax_lse", lse))
+        outs.append(checks.check_array(f"parts[{idx}] out", out))
+        lses.append(checks.check_array(f"parts[{idx}] softmax_lse", lse))
     shape, dtype, lse_shape = outs[0].shape, outs[0].dtype, lses[0].shape
     for idx, (o, l) in enumerate(zip(outs, lses)):
         if o.shape != shape or o.dtype != dtype:
-            raise ValueError(f"parts[{idx}] out is {V.dtype_name(o.dtype)} {V.shape_str(o.shape)}, "
-                             f"parts[0] out is {V.dtype_name(dtype)} {V.shape_str(shape)}")
+            raise ValueError(f"parts[{idx}] out is {dtype_name(o.dtype)} "
+                             f"{checks.shape_str(o.shape)}, parts[0] out is "
+                             f"{dtype_name(dtype)} {checks.shape_str(shape)}")
         if l.shape != lse_shape:
-            raise ValueError(f"parts[{idx}] softmax_lse has shape {V.shape_str(l.shape)}, "
-                             f"parts[0] has {V.shape_str(lse_shape)}")
+            raise ValueError(f"parts[{idx}] softmax_lse has shape {checks.shape_str(l.shape)}, "
+                             f"parts[0] has {checks.shape_str(lse_shape)}")
     lse_all = np.stack([l.astype(np.float64) for l in lses])
     with np.errstate(invalid="ignore", over="ignore"):
         lse = np.logaddexp.reduce(lse_all, axis=0)      # -inf where every part is -inf
@@ -75,4 +77,4 @@ def merge_attention(parts, input_layout="BSH"):
             acc += np.where(w == 0, 0.0, contrib)       # weight 0: ignored, even if NaN
     with np.errstate(over="ignore", under="ignore"):  # rounding to the output dtype, as a call does
         out, lse = acc.astype(dtype), lse.astype(np.float32)
-    return (_torch.as_tensor(out), _torch.as_tensor(lse)) if tensors else (out, lse)
+    return (torch_tensors.as_tensor(out), torch_tensors.as_tensor(lse)) if tensors else (out, lse)

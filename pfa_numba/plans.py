@@ -15,11 +15,11 @@ import inspect
 
 import numpy as np
 
-from . import _torch
-from . import _validate as V
+from .interop import torch_tensors
+from .frontend import checks
 from . import dispatch
-from ._kernel_args import flat_view, storage
-from .gpu.arrays import interface
+from .numerics.kernel_args import flat_view, storage
+from .interop.cuda_arrays import interface
 
 _QKV = ("query", "key", "value")
 
@@ -66,7 +66,7 @@ class Plan:
         if any(isinstance(x, (list, tuple)) for x in arrays):
             return None
         if backend.name == "cpu" and (staged is None or staged.meta is None) and \
-                not V.is_cuda_array(arrays[0]):
+                not checks.is_cuda_array(arrays[0]):
             return _CpuLaunch.of(backend.prepare(problem), arrays)
         if backend.name == "cuda" and staged is not None and staged.meta is not None:
             return _CudaLaunch(problem, staged.meta)
@@ -144,7 +144,9 @@ def _host_array(name, x):
     """A host tensor argument as the whole call's checks read it: a torch CPU tensor as the
     NumPy array over its memory, an ndarray subclass as the plain array over its memory; the
     whole call's error for what they refuse."""
-    return V.check_array(name, _torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x)
+    if torch_tensors.is_cpu_tensor(x):
+        x = torch_tensors.as_numpy(name, x)
+    return checks.check_array(name, x)
 
 
 def _snapshot(x):
@@ -153,7 +155,7 @@ def _snapshot(x):
         return x.copy()
     if isinstance(x, (list, tuple)):
         return type(x)(_snapshot(e) for e in x)
-    return x.clone() if _torch.is_cpu_tensor(x) else x
+    return x.clone() if torch_tensors.is_cpu_tensor(x) else x
 
 
 def _like(x):
@@ -161,11 +163,11 @@ def _like(x):
     a key / value list only its kind and length (the whole call checks its elements)."""
     if isinstance(x, (list, tuple)):
         return type(x).__name__, None, None, (len(x),), None
-    if _torch.is_tensor(x):
+    if torch_tensors.is_tensor(x):
         return "torch tensor", str(x.device), str(x.dtype), tuple(x.shape), x.stride()
     if isinstance(x, np.ndarray):
         return "NumPy array", "cpu", str(x.dtype), x.shape, x.strides
-    if not V.is_cuda_array(x):
+    if not checks.is_cuda_array(x):
         return type(x).__name__, None, None, None, None
     return (type(x).__name__, "cuda", str(x.dtype), tuple(x.shape), getattr(x, "strides", None))
 
@@ -182,12 +184,12 @@ def _described(like):
     kind, device, dtype, shape, strides = like
     if dtype is None:
         return kind if shape is None else f"{kind} of {shape[0]} elements"
-    return (f"{dtype} {kind} on {device}, of shape {V.shape_str(shape)} and strides "
+    return (f"{dtype} {kind} on {device}, of shape {checks.shape_str(shape)} and strides "
             f"{strides}")
 
 
 def _flat(x):
-    """The flat storage the kernels read array ``x`` through (:func:`._kernel_args.flat_view`)."""
+    """The flat storage the kernels read array ``x`` through (:func:`numerics.kernel_args.flat_view`)."""
     return flat_view(x, storage(x.dtype))[0]
 
 

@@ -17,10 +17,12 @@ import math
 
 import numpy as np
 
-from . import _torch
-from . import _validate as V
+from .interop import torch_tensors
+from .frontend import checks
+from .frontend import pfa as PV
+from .numerics.dtypes import dtype_name
 from . import dispatch
-from ._plan import plan
+from .frontend.problem import plan
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -32,21 +34,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     E, Hq a multiple of Hkv (with ``enable_gqa``; equal head counts without it). ``dropout_p``
     other than 0 is refused (no dropout in inference), and so is a mask with ``is_causal``
     (as torch does)."""
-    tensor_out = _torch.is_tensor(query)
-    q, k, v, mask = (_torch.as_numpy(name, x) if _torch.is_cpu_tensor(x) else x
+    tensor_out = torch_tensors.is_tensor(query)
+    q, k, v, mask = (torch_tensors.as_numpy(name, x) if torch_tensors.is_cpu_tensor(x) else x
                      for name, x in (("query", query), ("key", key), ("value", value),
                                      ("attn_mask", attn_mask)))
     for name, x in (("query", q), ("key", k), ("value", v)):
-        V.check_array(name, x)
+        checks.check_array(name, x)
         if x.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dimensions (..., L, E), got shape "
-                             f"{V.shape_str(x.shape)}")
+                             f"{checks.shape_str(x.shape)}")
     if dropout_p != 0.0:
         raise RuntimeError(f"dropout_p must be 0.0 (pfa_numba computes inference attention), "
                            f"got {dropout_p!r}")
     if is_causal and mask is not None:
         raise RuntimeError("is_causal=True takes no attn_mask (as torch), got an attn_mask of "
-                           f"shape {V.shape_str(np.shape(mask))}")
+                           f"shape {checks.shape_str(np.shape(mask))}")
     if v.shape[-1] != q.shape[-1]:
         raise RuntimeError(f"value's head dim ({v.shape[-1]}) must equal query's "
                            f"({q.shape[-1]}): the kernels compute P V with one head dim")
@@ -58,13 +60,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     pse = discard = band = None
     if mask is not None:
-        mask = V.check_array("attn_mask", mask)
+        mask = checks.check_array("attn_mask", mask)
         pse, discard = _mask(mask, q, k)
         band = _mask_band(mask, q.shape[-2], k.shape[-2]) if mask.dtype == np.bool_ else None
-    call = V.Call(q4, k4, v4, discard, pse_shift=pse, num_heads=hq,
+    call = PV.Call(q4, k4, v4, discard, pse_shift=pse, num_heads=hq,
                   num_key_value_heads=hkv, scale_value=scale, input_layout="BNSD",
                   sparse_mode=0 if discard is None else 1, inner_precise=2)
-    valid = V.validate(call)
+    valid = PV.validate(call)
     if is_causal:
         valid = dataclasses.replace(valid, sparse_mode=2, has_mask=True)   # the band j <= i
     elif band is not None:
@@ -73,7 +75,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     problem = plan(valid)
     out, _ = dispatch.choose(problem, "cpu").run(problem)
     out = out.reshape(q.shape)
-    return _torch.as_tensor(out) if tensor_out else out
+    return torch_tensors.as_tensor(out) if tensor_out else out
 
 
 def _bnsd(x):
@@ -91,13 +93,13 @@ def _mask(mask, q, k):
     try:
         full = np.broadcast_to(mask, scores)
     except ValueError:
-        raise RuntimeError(f"attn_mask of shape {V.shape_str(mask.shape)} does not broadcast to "
-                           f"the scores' shape {V.shape_str(scores)}") from None
+        raise RuntimeError(f"attn_mask of shape {checks.shape_str(mask.shape)} does not "
+                           f"broadcast to the scores' shape {checks.shape_str(scores)}") from None
     sq, skv = scores[-2:]
     if mask.dtype != np.bool_:
         if mask.dtype != q.dtype:
             raise TypeError(f"a float attn_mask must have the query's dtype "
-                            f"({V.dtype_name(q.dtype)}), got {V.dtype_name(mask.dtype)}")
+                            f"({dtype_name(q.dtype)}), got {dtype_name(mask.dtype)}")
         return full.reshape(-1, _heads(q), sq, skv), None
     if mask.ndim >= 3 and mask.shape[-3] != 1 and q.ndim >= 3:     # differs between heads
         bias = np.where(full, np.zeros((), q.dtype), np.array(-np.inf, q.dtype))

@@ -120,7 +120,7 @@ def _check_case(name, dt, c):
     from numba import cuda
 
     from pfa_numba import prompt_flash_attention, reference
-    from pfa_numba.gpu.arrays import numba_device_array
+    from pfa_numba.interop.cuda_arrays import numba_device_array
     rng = np.random.default_rng(0)
     b, n, nkv, s, d = c["B"], c["N"], c["Nkv"], c["S"], c["D"]
     q = rng.standard_normal((b, n, s, d)).astype(dt)
@@ -396,7 +396,7 @@ def one_launch():
     from numba import cuda
 
     from pfa_numba import prompt_flash_attention
-    from pfa_numba.gpu.arrays import numba_device_array
+    from pfa_numba.interop.cuda_arrays import numba_device_array
     x = numba_device_array(np.random.default_rng(0).standard_normal((1, 16, 4096, 128))
                            .astype(np.float16))
     prompt_flash_attention(x, x, x, num_heads=16, input_layout="BNSD", scale_value=128 ** -0.5)
@@ -422,7 +422,7 @@ def tiles(quick, shape=None):
     from numba import cuda
 
     from pfa_numba import config, prompt_flash_attention
-    from pfa_numba.gpu.arrays import numba_device_array
+    from pfa_numba.interop.cuda_arrays import numba_device_array
     b, n, s, d = shape or ((1, 8, 1024, 128) if quick else (1, 16, 2048, 128))
     rng = np.random.default_rng(2)
     dev = [numba_device_array(rng.standard_normal((b, n, s, d)).astype(np.float32))

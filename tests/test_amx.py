@@ -240,7 +240,7 @@ def test_scale_values(scale):
 def test_hardware_bf16_rounding():
     """bf16_bits_hw (VCVTNEPS2BF16) rounds as f32_to_bf16 for the values the softmax splits."""
     from numba import njit
-    from pfa_numba._core import f32_to_bf16
+    from pfa_numba.numerics.core import f32_to_bf16
 
     @njit
     def both(x, hw, sw):

@@ -13,13 +13,13 @@ pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
 
 COMPILE = """
 import numba, numpy as np, ml_dtypes
-from pfa_numba import _validate as V
-from pfa_numba._plan import plan
-from pfa_numba._kernel_args import kernel_args
+from pfa_numba.frontend import pfa as PV
+from pfa_numba.frontend.problem import plan
+from pfa_numba.numerics.kernel_args import kernel_args
 from pfa_numba.cpu.block_amx import _attention_amx
 for dt in (np.float16, ml_dtypes.bfloat16):
     q = np.zeros((1, 2, 8, 32), dt)
-    p = plan(V.validate(V.Call(q, q, q, num_heads=2, input_layout='BNSD')))
+    p = plan(PV.validate(PV.Call(q, q, q, num_heads=2, input_layout='BNSD')))
     a = kernel_args(p, np.zeros(p.out_shape, dt), np.zeros(p.lse_shape, np.float32), rows=8,
                     cols=8, threads=1, sub=32, seg=64, gemm=1)
     args = (a.q, a.k, a.v, a.out, a.lse, np.zeros(1, np.uint8), a.mask8, a.mask16, a.pse,

@@ -3,10 +3,11 @@
 import numpy as np
 import pytest
 
-from pfa_numba import _plan
-from pfa_numba import _validate as V
-from pfa_numba.gpu import arrays as _arrays
-from pfa_numba._kernel_args import geometry
+from pfa_numba.frontend import problem
+from pfa_numba.frontend import checks
+from pfa_numba.frontend import pfa as PV
+from pfa_numba.interop import cuda_arrays as _arrays
+from pfa_numba.numerics.kernel_args import geometry
 
 
 class HostBackedCudaArray:
@@ -25,7 +26,7 @@ class HostBackedCudaArray:
 
 def test_kinds():
     fake = HostBackedCudaArray(np.zeros(3, np.float32))
-    assert V.is_cuda_array(fake) and not V.is_cuda_array(np.zeros(3))
+    assert checks.is_cuda_array(fake) and not checks.is_cuda_array(np.zeros(3))
     assert _arrays.array_kind(fake) == "cuda" and _arrays.array_kind(np.zeros(1)) == "numpy"
 
 
@@ -41,12 +42,12 @@ def test_meta_planning_recovers_every_device_pointer(layout):
     args = dict(num_heads=2, scale_value=0.1, pre_tokens=2147483647, next_tokens=0,
                 input_layout=layout, num_key_value_heads=0, sparse_mode=1, inner_precise=1,
                 return_softmax_lse=False)
-    real = _plan.plan(V.validate(V.Call(q, k, v, mask, **args)))
+    real = problem.plan(PV.validate(PV.Call(q, k, v, mask, **args)))
     meta = _arrays.Meta()
     mq, mk, mv, mm = (meta.make(name, HostBackedCudaArray(x)) for name, x in
                       zip(("query", "key", "value", "attn_mask"), (q, k, v, mask)))
     assert all(isinstance(x, np.ndarray) and not x.flags.writeable for x in (mq, mk, mv, mm))
-    planned = _plan.plan(V.validate(V.Call(mq, mk, mv, mm, **args)))
+    planned = problem.plan(PV.validate(PV.Call(mq, mk, mv, mm, **args)))
     out = np.zeros(real.out_shape, np.float16)
     lse = np.zeros(real.lse_shape, np.float32)
     g_real = geometry(real, out, lse)

@@ -6,7 +6,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from pfa_numba import _bench
+from pfa_numba.cli import bench as _bench
 
 
 def test_harness_times_checks_and_writes(tmp_path, monkeypatch):
@@ -99,7 +99,7 @@ def test_decode_benchmark_runs(tmp_path):
 def test_decode_benchmark_evicts_the_last_level_cache(monkeypatch, tmp_path):
     """The decode benchmark's eviction buffer is sized by the largest cache sysfs names (its
     size units K / M / G), or by the fallback where none is named."""
-    from pfa_numba import _bench_decode
+    from pfa_numba.cli import bench_decode as _bench_decode
     for level, size in ((1, "48K"), (2, "2048K"), (3, "105M")):
         (tmp_path / f"index{level}").mkdir()
         (tmp_path / f"index{level}" / "size").write_text(size + "\n")
@@ -113,7 +113,7 @@ def test_decode_benchmark_evicts_the_last_level_cache(monkeypatch, tmp_path):
 
 def test_decode_benchmark_times_only_the_call_after_eviction_and_another_layer():
     """A cold call reads the eviction buffer, runs the other layer's call, then times its own."""
-    from pfa_numba import _bench_decode
+    from pfa_numba.cli import bench_decode as _bench_decode
     order = []
     cold = _bench_decode._cold_cache(lambda: order.append("call"),
                                      np.ones(1024, np.uint64), lambda: order.append("other"))

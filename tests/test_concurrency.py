@@ -127,7 +127,7 @@ def _parallel_kernels():
 def test_every_parallel_kernel_runs_inside_the_parallel_region(monkeypatch):
     """Each parallel dispatcher, wherever a module holds it, asserts that its caller holds the
     region; then calls of every CPU kernel and the int8 output quantization."""
-    for module in ("pfa_numba._bench_decode",):
+    for module in ("pfa_numba.cli.bench_decode",):
         importlib.import_module(module)
     kernels = _parallel_kernels()
     assert {attr for _, attr in kernels} >= {"_attention", "_attention_int8", "_merge_split",
@@ -156,7 +156,7 @@ def test_every_parallel_kernel_runs_inside_the_parallel_region(monkeypatch):
     pfa_numba.prompt_flash_attention(q8, q8, q8, None, deq_scale1=deq, deq_scale2=deq,
                                      quant_scale1=np.array([40.0], np.float32), num_heads=2,
                                      input_layout="BNSD")
-    from pfa_numba import _bench_decode
+    from pfa_numba.cli import bench_decode as _bench_decode
     _bench_decode._read_each([np.ones(64, np.uint64)])
     assert {"_attention", "_merge_split", "_quantize_rows", "_attention_int8",
             "_read_once"} <= set(calls)

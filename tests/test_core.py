@@ -1,4 +1,4 @@
-"""The shared numerics of pfa_numba._core, checked exhaustively or against NumPy."""
+"""The shared numerics of pfa_numba.numerics.core, checked exhaustively or against NumPy."""
 import bisect
 from fractions import Fraction
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import njit
 
-from pfa_numba import _core as C
+from pfa_numba.numerics import core as C
 
 
 @njit
@@ -287,7 +287,7 @@ def test_int8_out_f16_as_a_python_function():
        pre_e=st.integers(-100, 400), next_e=st.integers(-100, 400))
 def test_interior_tiles_are_exactly_the_whole_tiles_inside_the_band(i0, rows, jstart, cols,
                                                                     width, pre_e, next_e):
-    from pfa_numba._band import interior_tiles, tile_inside_band
+    from pfa_numba.numerics.band import interior_tiles, tile_inside_band
     jend = jstart + cols
     ntiles = -(-cols // width)
     inside = [jstart + (t + 1) * width <= jend

@@ -15,7 +15,7 @@ from _cases import DTYPES, assert_matches_reference, qkv
 
 
 def order_key(x):
-    """_core.order_key on float32 arrays (NumPy)."""
+    """numerics.core.order_key on float32 arrays (NumPy)."""
     i = np.asarray(x, np.float32).view(np.int32)
     a = i & np.int32(0x7FFFFFFF)
     i = np.where(a > 0x7F800000, a, i)                 # NaN of either sign: the positive one
@@ -187,9 +187,9 @@ def test_kernel_buffers_start_a_cache_line():
 @pytest.mark.skipif(not __import__("pfa_numba.cpu._vector").cpu._vector.host_has("f16c"),
                     reason="this CPU has no F16C")
 def test_hardware_f16_widening_is_exact():
-    """f16_bits_to_f32_hw (VCVTPH2PS) widens every binary16 value as _core.f16_to_f32 does."""
+    """f16_bits_to_f32_hw (VCVTPH2PS) widens every binary16 value as numerics.core.f16_to_f32 does."""
     from numba import njit
-    from pfa_numba._core import f16_to_f32
+    from pfa_numba.numerics.core import f16_to_f32
     from pfa_numba.cpu._vector import f16_bits_to_f32_hw
 
     @njit
@@ -212,9 +212,9 @@ def test_hardware_f16_widening_is_exact():
                     reason="this CPU has no F16C")
 def test_hardware_f16_rounding_is_ieee():
     """f32_to_f16_bits_hw (VCVTPS2PH) rounds as NumPy's float16 cast, subnormal, overflowing
-    and tied results included (and so as _core.f32_to_f16)."""
+    and tied results included (and so as numerics.core.f32_to_f16)."""
     from numba import njit
-    from pfa_numba._core import f32_to_f16
+    from pfa_numba.numerics.core import f32_to_f16
     from pfa_numba.cpu._vector import f32_to_f16_bits_hw
 
     @njit

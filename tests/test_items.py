@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pfa_numba import config
-from pfa_numba._band import BAND_INF
+from pfa_numba.numerics.band import BAND_INF
 from pfa_numba.cpu.items import (W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, _work_items, kv_head_runs,
                                  tile_shape)
 

@@ -296,7 +296,7 @@ def test_strided_views_read_in_place(small_tiles, dt):
 
 
 def test_flat_view_shares_memory():
-    from pfa_numba._kernel_args import flat_view
+    from pfa_numba.numerics.kernel_args import flat_view
     x = np.arange(2 * 3 * 4 * 5, dtype=np.float16).reshape(2, 3, 4, 5)
     for view in (x, x[:, ::-1], x.transpose(0, 2, 1, 3), x[..., 1:4], x[:, :, ::-2]):
         flat, origin, strides = flat_view(view, np.uint16)

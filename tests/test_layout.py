@@ -9,15 +9,16 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "pfa_numba"
 
 #: layers, lowest first: a module may import its own layer's modules and lower ones only
 LAYERS = [
-    ("config", "_dtypes", "_core", "reference", "_torch"),   # numerics, the float64 meaning, torch
-    ("_band", "_kernel_args"),                        # the band; the kernels' arguments
+    ("config", "numerics", "reference", "interop"),   # numerics, the float64 meaning, arrays
     ("cpu", "gpu"),                                   # the backends (packages)
-    ("_validate", "_antiquant", "_validate_fia", "_plan"),   # the call: checks, the problem
+    ("frontend",),                                    # the call: checks, the problem
     ("dispatch", "plans"),                            # choosing a backend; plans of calls
     ("api", "fia", "merge", "sdpa"),                  # the public functions
     ("distributed", "__init__", "integrations"),      # other libraries' calls onto the API
-    ("_bench", "_bench_decode", "__main__"),          # the command line and its benchmarks
+    ("cli", "__main__"),                              # the command line and its benchmarks
 ]
+#: the top level: these modules beside the packages (dunder files aside)
+TOP_LEVEL = {"api", "fia", "sdpa", "merge", "config", "distributed", "dispatch", "plans"}
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
@@ -101,11 +102,18 @@ def test_no_import_circle():
 
 def test_the_checks_see_a_circle_and_a_layer_breach():
     graph = _graph()
-    graph["_core"] = graph["_core"] | {"api"}          # as if _core imported api
-    assert "_core" in _circles(graph) and "api" in _circles(graph)
-    assert _layer("api") > _layer("_core")
+    graph["numerics.core"] = graph["numerics.core"] | {"api"}   # as if it imported api
+    assert "numerics.core" in _circles(graph) and "api" in _circles(graph)
+    assert _layer("api") > _layer("numerics.core")
 
 
 @pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=lambda p: str(p.relative_to(PKG)))
 def test_no_module_over_700_lines(path):
     assert len(path.read_text().splitlines()) <= 700
+
+
+def test_the_top_level_holds_the_public_modules_and_packages_only():
+    files = {p.stem for p in PKG.glob("*.py") if not p.stem.startswith("__")}
+    assert files == TOP_LEVEL and len(files) <= 10, files
+    packages = {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()}
+    assert all(_layer(name) is not None for name in packages | files)

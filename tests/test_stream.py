@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pfa_numba._core import CODE_BF16, CODE_F16, CODE_F32
+from pfa_numba.numerics.core import CODE_BF16, CODE_F16, CODE_F32
 from pfa_numba.cpu.stream import stream_pv, stream_scores
 
 STORAGES = {"f16": (np.float16, CODE_F16), "bf16": (ml_dtypes.bfloat16, CODE_BF16),

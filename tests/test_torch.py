@@ -13,7 +13,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _numpy(t):
-    from pfa_numba._torch import as_numpy
+    from pfa_numba.interop.torch_tensors import as_numpy
     return as_numpy("t", t)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from pfa_numba import prompt_flash_attention as pfa
-from pfa_numba import _validate as V
+from pfa_numba.frontend import checks
 
 
 FP16 = np.dtype(np.float16)
@@ -1490,7 +1490,7 @@ def test_s8_tnd_rejects_quantization(qdt, args):
     q, k, v, kw = make("TND", qdt)
     err = assert_raises(RuntimeError, lambda: run(q, k, v, kw, **args), "TND", *args.keys())
     for name, x in args.items():                 # each argument received, with its shape
-        assert f"{name} of shape {V.shape_str(np.shape(x))}" in str(err)
+        assert f"{name} of shape {checks.shape_str(np.shape(x))}" in str(err)
 
 
 @pytest.mark.quant

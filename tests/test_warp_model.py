@@ -302,7 +302,7 @@ DECODE_CASES = {
 
 
 def run_decode_case(name, dtype, d, maps=W.MAPS, seed=11):
-    from pfa_numba._band import band_edges
+    from pfa_numba.numerics.band import band_edges
     g, sq, skv, extra, splits = DECODE_CASES[name]
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((1, g, sq, d)).astype(np.float32).astype(dtype)
@@ -362,7 +362,7 @@ def test_decode_group_over_an_int8_cache_matches_the_reference(dt, d):
     q16 = np.zeros((16, d), dtype)
     q16[:g] = q[0, :, 0]
     scale = 1.0 / np.sqrt(d)
-    from pfa_numba._band import band_edges
+    from pfa_numba.numerics.band import band_edges
     pre_e, next_e = (int(e[0]) for e in band_edges(0, False, 2147483647, 2147483647,
                                                    np.array([1]), np.array([skv])))
     out, lse = W.decode_group(q16, kd, vd, rows, 1, skv, pre_e, next_e, scale, splits)

@@ -56,7 +56,7 @@ def _fma(builder, a, b, c):
 
 
 def _order_key(builder, x):
-    """_core.order_key of a float vector: a NaN of either sign as the positive one, then
+    """numerics.core.order_key of a float vector: a NaN of either sign as the positive one, then
     i ^ ((i >> 31) & 0x7fffffff)."""
     i = builder.bitcast(x, _VI)
     a = builder.and_(i, ir.Constant(_VI, [0x7FFFFFFF] * LANES))
@@ -80,7 +80,7 @@ def _register_block(nv, accumulate):
     C[MR, nv * 16] (+)= A[MR, k] @ B[k, nv * 16]; A is read one broadcast element at a time,
     B and C as rows of vectors (unaligned). ``accumulate`` False overwrites C. With an int32
     array ``keys`` (not None), keys[keys_off + r] becomes the max of itself and the order keys
-    (_core.order_key) of the MR x nv * 16 results of row r."""
+    (numerics.core.order_key) of the MR x nv * 16 results of row r."""
 
     @intrinsic
     def block(typingctx, a, a_off, lda, b, b_off, ldb, c, c_off, ldc, k, keys, keys_off):

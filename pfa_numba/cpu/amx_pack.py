@@ -2,7 +2,7 @@
 + lo parts, in the VNNI pair layout the tile products read."""
 import numpy as np
 from numba import njit
-from .._core import CODE_F16, f32_as_u32, u32_as_f32
+from ..numerics.core import CODE_F16, f32_as_u32, u32_as_f32
 from ._vector import wide_vectors
 from .rows import _f16_to_f32, _u32
 from ._jit import LEAF

@@ -2,8 +2,8 @@
 ``rows``; an item AMX could get wrong runs on the float32 block instead."""
 import numpy as np
 from numba import njit, prange
-from .._core import CODE_F16, F32_NEG_INF, F32_ZERO
-from .._kernel_args import F_SCALE, P_BLAS, P_CODE, P_COLS, P_D, P_G, T_Q
+from ..numerics.core import CODE_F16, F32_NEG_INF, F32_ZERO
+from ..numerics.kernel_args import F_SCALE, P_BLAS, P_CODE, P_COLS, P_D, P_G, T_Q
 from ._amx import BLOCK, gemm_bf16, padded, tile_config
 from ._blas import scratch
 from ._jit import FASTMATH

@@ -2,24 +2,22 @@
 the softmax of ``rows``, the deferred division and contract 'Empty rows' in the finish."""
 import numpy as np
 from numba import njit, prange
-from .._band import ROW_MEAN, ROW_SOFTMAX, row_outcome
-from .._core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, antiquant, lse_value,
-                     order_key, store, widen)
-from .._kernel_args import (F_SCALE, F_SCALE2, P_BLAS, P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_GEMM,
-                            P_IP, P_KVCODE, P_DEQUANT, P_LSE, P_MASK, P_OCODE, P_PSE, P_ROWS,
-                            P_NEXT_K, P_SCALE_EXP, P_STREAM, T_Q)
+from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, row_outcome
+from ..numerics.core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, antiquant,
+                             lse_value, order_key, store, widen)
+from ..numerics.kernel_args import (F_SCALE, F_SCALE2, P_BLAS, P_CODE, P_COLS, P_D, P_FLAGS, P_G,
+                                    P_GEMM, P_IP, P_KVCODE, P_DEQUANT, P_LSE, P_MASK, P_OCODE,
+                                    P_PSE, P_ROWS, P_NEXT_K, P_SCALE_EXP, P_STREAM, T_Q)
 from ._blas import gemm_rm, scratch
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
 from ._jit import FASTMATH, LEAF, LEAF_INLINE
 from ._vector import aligned_empty, take_next, wide_vectors
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, _item, _segment, _sizes
-from .kv import (KEY, VALUE, kv_key_rows, kv_tile_end, kv_tile_rows, kv_value_row,
-                 load_dequant_row)
+from .kv import KEY, VALUE, kv_key_rows, kv_tile_end, kv_tile_rows, kv_value_row, load_dequant_row
 from .rows import (_PF_ROWS, _all_finite, _load_row, _pack_kt, _prefetch_row, _rescale_rows,
                    _scale_row, _softmax_rows, _store_row, band_of, row_place)
 from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
-from .stream import (fold_query, fold_weights, stream_pv, stream_scores, unfold_scores,
-                     unfold_values)
+from .stream import fold_query, fold_weights, stream_pv, stream_scores, unfold_scores, unfold_values
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -2,11 +2,12 @@
 the weights against it and accumulates P8 . V exactly."""
 import numpy as np
 from numba import njit, prange
-from .._band import ROW_MEAN, ROW_SOFTMAX, row_outcome, tile_inside_band
-from .._core import (CODE_F16, CODE_F32, F32_NAN, F32_NEG_INF, F32_ONE, F32_ZERO, int8_out_f16,
-                     int8_score, int8_score_pse, int8_weight, lse_value, max_nan, softmax_weight)
-from .._kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE16, P_BLAS, P_COLS, P_D, P_FLAGS, P_G,
-                            P_IP, P_LSE, P_MASK, P_PSE, T_K, T_Q, T_V)
+from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, row_outcome, tile_inside_band
+from ..numerics.core import (CODE_F16, CODE_F32, F32_NAN, F32_NEG_INF, F32_ONE, F32_ZERO,
+                             int8_out_f16, int8_score, int8_score_pse, int8_weight, lse_value,
+                             max_nan, softmax_weight)
+from ..numerics.kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE16, P_BLAS, P_COLS, P_D, P_FLAGS,
+                                    P_G, P_IP, P_LSE, P_MASK, P_PSE, T_K, T_Q, T_V)
 from ._blas import gemm_rm, scratch
 from ._jit import FASTMATH, LEAF
 from ._vector import take_next

@@ -10,8 +10,8 @@ import numpy as np
 import threading
 from numba import njit, prange
 from .. import config
-from .._core import CODE_BF16, CODE_F16, CODE_F32, quantize_output, widen
-from .._kernel_args import kernel_args, output_scales, scale_factors
+from ..numerics.core import CODE_BF16, CODE_F16, CODE_F32, quantize_output, widen
+from ..numerics.kernel_args import kernel_args, output_scales, scale_factors
 from . import _amx, _gemm
 from ._blas import sgemm_address
 from .amx_pack import AMX_MAX_SCALE
@@ -188,7 +188,7 @@ class Launch:
 
 @njit(parallel=True, cache=True)
 def _quantize_rows(o, code, flags, scale2, offset2, y):
-    """y[b, n, i, :] = _core.quantize_output of the rows computed (flags 1); the others stay 0.
+    """y[b, n, i, :] = numerics.core.quantize_output of the rows computed (flags 1); the others stay 0.
     o, y: (B, N, Sq, D) views; scale2/offset2: float16-rounded, 1 or N*D values."""
     B, N, S, D = o.shape
     per_channel = scale2.size > 1

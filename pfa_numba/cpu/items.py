@@ -3,9 +3,9 @@ order they are taken in."""
 import numpy as np
 from numba import njit
 from .. import config
-from .._band import BAND_INF, block_kv_range, tile_inside_band
-from .._kernel_args import (L_KLEN, L_NEXT, L_PRE, L_QLEN, P_COLS, P_D, P_G, P_ROWS, P_SEG, P_SUB,
-                            P_THREADS)
+from ..numerics.band import BAND_INF, block_kv_range, tile_inside_band
+from ..numerics.kernel_args import (L_KLEN, L_NEXT, L_PRE, L_QLEN, P_COLS, P_D, P_G, P_ROWS, P_SEG,
+                                    P_SUB, P_THREADS)
 from ._amx import BLOCK
 from ._gemm import PANEL
 from ._jit import LEAF

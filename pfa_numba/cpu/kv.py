@@ -1,7 +1,7 @@
 """The kv sequence a work item walks (the float32, streaming and AMX kernels alike): a shared
 prefix's rows (j < P, from the prefix arrays), then the batch's own rows (contiguous from the
-batch's first row, or the slots of a paged pool's blocks, :func:`~.._kernel_args.kv_row`), int8
-ones dequantized as they load (:mod:`.._antiquant`; the AMX kernel takes none). The tile loads
+batch's first row, or the slots of a paged pool's blocks, :func:`numerics.kernel_args.kv_row`), int8
+ones dequantized as they load (:mod:`frontend.antiquant`; the AMX kernel takes none). The tile loads
 read K and V rows at the element offsets these functions give; a tile never straddles the
 prefix's end.
 
@@ -12,9 +12,9 @@ arguments.
 import numpy as np
 from numba import njit
 
-from .._core import F32_ONE, F32_ZERO, antiquant
-from .._kernel_args import (P_BLOCK, P_DEQUANT, P_KTOK, P_PREFIX, P_VTOK, S_ELEM, S_HEAD,
-                            S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row)
+from ..numerics.core import F32_ONE, F32_ZERO, antiquant
+from ..numerics.kernel_args import (P_BLOCK, P_DEQUANT, P_KTOK, P_PREFIX, P_VTOK, S_ELEM, S_HEAD,
+                                    S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row)
 from ._jit import LEAF
 from ._vector import wide_vectors
 

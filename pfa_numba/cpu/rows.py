@@ -3,14 +3,14 @@ round, max, exp, band / user mask, the online-softmax step, K^T packing). Compil
 reference counting (``LEAF``): they take arrays but allocate none."""
 import numpy as np
 from numba import njit
-from .._band import row_band
-from .._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_POS_INF,
-                     F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32, exp_nonpos, exp_nonpos5,
-                     f16_to_f32, f32_as_i32, f32_as_u32, f32_to_bf16, f32_to_f16, from_order_key,
-                     online_update, order_key, running_sum, softmax_weight, store, times_pow2,
-                     u32_as_f32, widen)
-from .._kernel_args import (L_KLEN, L_NEXT, L_PRE, P_CODE, P_G, P_MASK, P_PSE, P_SCALE_EXP,
-                            T_L, T_M, T_O, T_P)
+from ..numerics.band import row_band
+from ..numerics.core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_POS_INF,
+                             F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32, exp_nonpos,
+                             exp_nonpos5, f16_to_f32, f32_as_i32, f32_as_u32, f32_to_bf16,
+                             f32_to_f16, from_order_key, online_update, order_key, running_sum,
+                             softmax_weight, store, times_pow2, u32_as_f32, widen)
+from ..numerics.kernel_args import (L_KLEN, L_NEXT, L_PRE, P_CODE, P_G, P_MASK, P_PSE, P_SCALE_EXP,
+                                    T_L, T_M, T_O, T_P)
 from ._gemm import PANEL
 from ._jit import LEAF, LEAF_INLINE
 from ._vector import (bf16_bits_hw, f16_bits_to_f32_hw, f32_to_f16_bits_hw, host_has, prefetch,
@@ -136,7 +136,7 @@ def _mask_row(s2, r, nc, j0, i, band, inside, extras, where, kinds):
     fp16 mask added, dropped columns at -inf. band = (kL, preE, nextE); extras = (mask8,
     mask16, pse); where = (mask offset, mask column stride, pse offset, pse column stride) at
     column j0; kinds = (mask kind, whether to add pse, storage code of pse, the factor of what
-    is added: 1, or 2^-e for scores kept 2^e times too small, see _kernel_args.scale_factors)."""
+    is added: 1, or 2^-e for scores kept 2^e times too small, see numerics.kernel_args.scale_factors)."""
     wide_vectors()
     kl, pre_e, next_e = band
     mask8, mask16, pse = extras

@@ -3,8 +3,8 @@ to keep busy (decode: one query row per head against a long kv cache, at a small
 each run's kv range cut into pieces, computed in parallel as separate runs, then merged exactly.
 
 A piece leaves the online-softmax state of its rows, (unnormalised sums acc, running max m,
-running sum l) over its kv columns, in a slot of the partial buffers; :func:`merge_pieces`
-combines the slots of an item with the online-softmax step itself (:func:`~.._core.rescale_factor`,
+running sum l) over its kv columns, in a slot of the partial buffers; :func:`merge_rows`
+combines the slots of an item with the online-softmax step itself (:func:`numerics.core.rescale_factor`,
 as between two tiles of one item); block_f32's ``_merge_split`` then finishes the rows as a
 whole item would (contract 'Empty rows', lse, output rounding), so a split changes nothing but the
 order of float32 additions. Only the float32 kernel (:mod:`.block_f32`) takes pieces.
@@ -12,8 +12,8 @@ order of float32 additions. Only the float32 kernel (:mod:`.block_f32`) takes pi
 import numpy as np
 from numba import njit
 from .. import config
-from .._band import block_kv_range
-from .._core import F32_NEG_INF, F32_ZERO, max_nan, rescale_factor
+from ..numerics.band import block_kv_range
+from ..numerics.core import F32_NEG_INF, F32_ZERO, max_nan, rescale_factor
 from ._jit import LEAF
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT
 

@@ -12,7 +12,7 @@ their dequantization into the query rows and the weights (see
 import numpy as np
 from numba import njit
 
-from .._core import CODE_BF16, CODE_F16, F32_ONE, F32_ZERO
+from ..numerics.core import CODE_BF16, CODE_F16, F32_ONE, F32_ZERO
 from ._jit import LEAF, LEAF_INLINE
 from ._simd import (scores_bf16, scores_f16, scores_native, weighted_sum_bf16, weighted_sum_f16,
                     weighted_sum_native)
@@ -127,7 +127,7 @@ def _next_zero(p, lds, nrow, c, nc):
 # int8 rows: dequantization folded out of the products
 # ---------------------------------------------------------------------------------------------
 # An int8 element x dequantizes to (x + co[d] + to) * cs[d] * ts (channel pair (cs, co) of
-# element d, token pair (ts, to) of the row, :func:`.._core.antiquant`). So, with q' = q * cs,
+# element d, token pair (ts, to) of the row, :func:`numerics.core.antiquant`). So, with q' = q * cs,
 #     q . dequant(K row) = ts * (q' . x + q' . co + to * sum(q')),
 # and, with weights w = p * ts,
 #     sum over rows of p * dequant(V row) = cs * (sum of w * x + co * sum(w) + sum(w * to)):

@@ -20,14 +20,14 @@ the batch's own, contiguous at its left-padding offset or in the slots of its pa
 through the block table); rows past the run's last column are zero-filled, never read. Warp w
 takes keys 16w..16w+15 of each tile: S = Q K^T by ``mma.sync`` m16n8k16 (Q held in
 registers as A fragments, K by ``ldmatrix``), the band per accumulator on a tile that crosses
-some row's band, the online softmax in log2 units (``_core.online_update_log2``, the scale
+some row's band, the online softmax in log2 units (``numerics.core.online_update_log2``, the scale
 folded into the weights' fma as in the tensor-core kernel), P packed from S, O += P V (V by
 ``ldmatrix.trans``). The four warps' states are then merged in shared memory by the same rule
 (each warp's sums rescaled by exp2 of ``online_update_log2``'s shift against the block's
 max), and the block writes its piece (unnormalised O, m, l) to a workspace.
 
 :func:`finish_kernel` merges a batch's pieces by that rule once more and finishes its rows as
-every kernel does (``_band.row_outcome``: contract 'Empty rows', the division, lse, output
+every kernel does (``numerics.band.row_outcome``: contract 'Empty rows', the division, lse, output
 rounding). A user mask or pse takes the ``masked`` variant (every tile tested per
 accumulator by the tensor-core kernel's ``make_row_masks``). Calls whose rows may drop
 different columns of a tile (Sq > 1, a mask or pse: :func:`needs_guard`) would let a dropped
@@ -45,11 +45,12 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 from .. import config
-from .._band import ROW_MEAN, ROW_SOFTMAX, block_kv_range, interior_tiles, row_outcome
-from .._core import (CODE_BF16, CODE_F16, F32_NEG_INF, F32_ONE, F32_ZERO, f32_as_u32, jit,
-                     lse_log2, max_nan, online_update_log2, u32_as_f32)
-from .._kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_D, P_G, P_IP,
-                            P_LSE, P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_PK, T_PV, T_Q, T_V)
+from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, block_kv_range, interior_tiles, row_outcome
+from ..numerics.core import (CODE_BF16, CODE_F16, F32_NEG_INF, F32_ONE, F32_ZERO, f32_as_u32, jit,
+                             lse_log2, max_nan, online_update_log2, u32_as_f32)
+from ..numerics.kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_D, P_G, P_IP,
+                                    P_LSE, P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_PK, T_PV, T_Q,
+                                    T_V)
 from . import fragments as F
 from . import ptx as X
 from .kernels import array_function, kv_places, kv_value
@@ -151,7 +152,7 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
     rows dequantized into one 16-bit tile before its ``ldmatrix`` (``make_dequant``).
 
     Arguments: q, k, v, kp, vp, mask8, mask16, pse, table, strides, boff, lens, params,
-    fparams (the ``_kernel_args`` arrays), ws (the float32 workspace), sq (query rows a head),
+    fparams (the ``numerics.kernel_args`` arrays), ws (the float32 workspace), sq (query rows a head),
     per_split (tiles a split), splits, guard, guard_id (a guard_id other than 0 returns where
     guard[0] holds it: the portable kernel computes the call), channel, kts, kto, vts, vto
     (an int8 cache's planes)."""
@@ -472,7 +473,7 @@ def finish_source(kind):
     threads: 8 a row, each on every 8th head dim). Arguments: ws, out, lse, v, vp, table,
     strides, boff, lens, params, sq, splits, guard, guard_id, channel, kts, kto, vts, vto."""
     exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
-    from .._core import f32_to_bf16, f32_to_f16
+    from ..numerics.core import f32_to_bf16, f32_to_f16
     to_bits = f32_to_f16 if kind == "f16" else f32_to_bf16
     LANES = THREADS // ROWS
 

@@ -1,11 +1,11 @@
 """The int8 variants' dequantization (the tensor-core and decode kernels): an int8 cache's
 rows, staged in shared memory as int8, dequantized by the rule every kernel uses
-(``_core.antiquant`` with the channel and token pairs of every antiquant mode) and rounded to
+(``numerics.core.antiquant`` with the channel and token pairs of every antiquant mode) and rounded to
 the query's type into the 16-bit tile the kernels' ``ldmatrix`` reads."""
 import numpy as np
 from numba import float32, uint32
 
-from .._core import F32_ONE, F32_ZERO, antiquant
+from ..numerics.core import F32_ONE, F32_ZERO, antiquant
 from . import ptx as X
 from .kernels import array_function, device_function, kv_row
 
@@ -31,7 +31,7 @@ def make_dequant(kind, d):
     """The int8 variants' step from a staged row chunk to a tile: ``dequant_chunk(raw, raw_at,
     tile, at0, at1, r, col, live, scale, offset, dq)`` reads 16 int8 values of a row of K
     (r = 0) or V (r = 1), head dims col .. col + 15, at 16-bit words raw_at .. raw_at + 7 of
-    the shared ``raw``; dequantizes them as every kernel does (``_core.antiquant`` with the
+    the shared ``raw``; dequantizes them as every kernel does (``numerics.core.antiquant`` with the
     channel plane's pairs and the row's token pair, :func:`row_tokens`), rounds them to
     ``kind`` (contract: the values may be rounded to the query's dtype before the products)
     and stores them as the two 8-value chunks at offsets at0 and at1 of ``tile`` (a swizzled

@@ -9,7 +9,7 @@ import numba
 import numpy as np
 from numba import cuda
 
-from .arrays import array_kind
+from ..interop.cuda_arrays import array_kind
 
 
 def compute_capability():

@@ -2,7 +2,7 @@
 ldmatrix address and register maps, and the XOR swizzle of the shared-memory tiles.
 
 Written once and used twice: inlined into the ``@cuda.jit`` tensor-core kernel (they are
-``@njit(inline='always')`` scalar functions over integers, like :mod:`pfa_numba._core`), and
+``@njit(inline='always')`` scalar functions over integers, like :mod:`pfa_numba.numerics.core`), and
 called from Python by the NumPy model of one warp, :mod:`.warp_model`, which CI checks against
 :mod:`pfa_numba.reference` (and by :mod:`.warp_sim`, which runs
 the kernel's warp instructions under the CUDA simulator). A lane is 0..31; in every map
@@ -16,7 +16,7 @@ Importing this module needs Numba only (no numba-cuda, no GPU).
 """
 import numpy as np
 
-from .._core import jit
+from ..numerics.core import jit
 
 #: lanes of a warp
 WARP = 32

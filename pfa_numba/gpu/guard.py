@@ -12,7 +12,7 @@ import numba
 import numpy as np
 from numba import cuda
 
-from .._dtypes import F16
+from ..numerics.dtypes import F16
 
 def dequantizes(p):
     """Whether planned problem ``p`` reads an int8 kv cache (the kernels' ``int8`` variants)."""

@@ -4,31 +4,32 @@ One thread block computes ``CUDA_Q_ROWS`` query rows of one (batch, head); each 
 row (its scaled query and its float32 accumulator live in local memory). The block walks the kv
 tiles of its band only (tiles outside the band or past kL are skipped), staging each K and V
 tile in shared memory with coalesced loads (consecutive threads read consecutive elements of a
-row) widened to float32 by ``_core.widen``; the float kernel's rows come through
+row) widened to float32 by ``numerics.core.widen``; the float kernel's rows come through
 fused_infer_attention_score's kv sequence (:func:`_kv_source`: a shared prefix, contiguous or
-paged rows, int8 ones dequantized by ``_core.antiquant``). Then each thread runs the three
+paged rows, int8 ones dequantized by ``numerics.core.antiquant``). Then each thread runs the three
 online-softmax steps of the CPU kernel on its row: scores (band, user mask, pse, fp16 mask),
 update m and l, rescale acc and add P V. The band predicate and the row rule of contract
-'Empty rows' (``_band``),
-the online update, exp, the int8 steps and every dtype conversion (``_core``) are the functions the
-CPU kernels use; the kernels read the arguments ``_kernel_args`` builds for both targets.
+'Empty rows' (``numerics.band``),
+the online update, exp, the int8 steps and every dtype conversion (``numerics.core``) are the functions the
+CPU kernels use; the kernels read the arguments ``numerics.kernel_args`` builds for both targets.
 """
 
 import numba
 from numba import cuda, float32, int64, njit, uint16
 
 from .. import config
-from .._band import ROW_MEAN, ROW_ZERO, block_kv_range, row_band, row_outcome
-from .._core import (CODE_BF16, CODE_F16, CODE_I8, F16_MASK_SCALE, F32_NAN, F32_NEG_INF, F32_ONE,
-                     F32_ZERO, MASK_ADD_F16, MASK_DISCARD, antiquant, f16_to_f32, f32_to_bf16,
-                     f32_to_f16, int8_out_f16, int8_score, int8_score_pse, int8_weight, lse_value,
-                     max_nan, online_update, quantize_output, running_sum, softmax_weight,
-                     times_pow2, widen)
-from .._kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE, F_SCALE16, F_SCALE2, L_KLEN, L_NEXT,
-                            L_PRE, L_QLEN, L_ROWS, P_BLOCK, P_CODE, P_D, P_DEQUANT, P_G, P_IP,
-                            P_KTOK, P_KVCODE, P_LSE, P_MASK, P_OCODE, P_PREFIX, P_PSE,
-                            P_SCALE_EXP, P_VTOK, S_BLOCK, S_ELEM, S_HEAD, S_ROW, T_K, T_KT, T_L,
-                            T_M, T_O, T_P, T_PK, T_PV, T_Q, T_V, T_VT, row_offset)
+from ..numerics.band import ROW_MEAN, ROW_ZERO, block_kv_range, row_band, row_outcome
+from ..numerics.core import (CODE_BF16, CODE_F16, CODE_I8, F16_MASK_SCALE, F32_NAN, F32_NEG_INF,
+                             F32_ONE, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, antiquant, f16_to_f32,
+                             f32_to_bf16, f32_to_f16, int8_out_f16, int8_score, int8_score_pse,
+                             int8_weight, lse_value, max_nan, online_update, quantize_output,
+                             running_sum, softmax_weight, times_pow2, widen)
+from ..numerics.kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE, F_SCALE16, F_SCALE2, L_KLEN,
+                                    L_NEXT, L_PRE, L_QLEN, L_ROWS, P_BLOCK, P_CODE, P_D, P_DEQUANT,
+                                    P_G, P_IP, P_KTOK, P_KVCODE, P_LSE, P_MASK, P_OCODE, P_PREFIX,
+                                    P_PSE, P_SCALE_EXP, P_VTOK, S_BLOCK, S_ELEM, S_HEAD, S_ROW, T_K,
+                                    T_KT, T_L, T_M, T_O, T_P, T_PK, T_PV, T_Q, T_V, T_VT,
+                                    row_offset)
 
 
 def _pad_dim(d):
@@ -124,7 +125,7 @@ def kv_block_of(P, block, j):
 def kv_place_in(P, block, table, b, j, n):
     """(block, index) of logical kv row j of batch b whose block-table column is ``n``
     (:func:`kv_block_of`): (IN_PREFIX, j) for a shared prefix's row, else the pool block and
-    its slot, or block 0 and the row itself for contiguous rows (``_kernel_args.row_offset``'s
+    its slot, or block 0 and the row itself for contiguous rows (``numerics.kernel_args.row_offset``'s
     walk)."""
     if n == IN_PREFIX:
         return IN_PREFIX, j
@@ -286,7 +287,7 @@ def kernel_source(dpad, bq, bkv):
 
     Arguments: q, k, v (flat storage), out, lse, mask8, mask16, pse, strides, boff, lens,
     params, qtiles, fparams, scale2, offset2, guard, guard_id, kp, vp, table, channel, kts,
-    kto, vts, vto (see _kernel_args.KernelArgs; scale2 and offset2 are read only when the
+    kto, vts, vto (see numerics.kernel_args.KernelArgs; scale2 and offset2 are read only when the
     output code is CODE_I8; a guard_id other than 0 runs the call only where guard[0] holds it:
     :func:`runs_here`).
     K/V rows come through the kv sequence (:func:`_kv_source`): a shared prefix, contiguous or
@@ -395,7 +396,7 @@ def kernel_source(dpad, bq, bkv):
                                               channel, 1, g * D + d, ts, to)
             for d in range(D):
                 x = acc[d] / denom if outcome != ROW_ZERO else F32_ZERO
-                # _core.store, spelled out: device arrays cannot enter an njit function
+                # numerics.core.store, spelled out: device arrays cannot enter an njit function
                 # under the CUDA simulator
                 if ocode == CODE_F16:
                     out[o_off + d * osd] = f32_to_f16(x)

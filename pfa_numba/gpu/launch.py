@@ -32,10 +32,10 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import config
-from .._kernel_args import L_ROWS, kernel_args
+from ..numerics.kernel_args import L_ROWS, kernel_args
 from . import device
 from . import guard as guard_kernels
-from .arrays import array_kind
+from ..interop.cuda_arrays import array_kind
 
 #: the kernel a call gets and why (INFO)
 log = logging.getLogger("pfa_numba.cuda")
@@ -388,13 +388,14 @@ def _empty_results(p, query):
     lse = np.full(p.lse_shape, -np.inf, np.float32) if p.want_lse else None
     if query is None:
         return out, lse
-    from .arrays import to_kind
+    from ..interop.cuda_arrays import to_kind
     return to_kind(out, query), (to_kind(lse, query) if lse is not None else None)
 
 
 def prepare(p, meta=None):
     """The :class:`Launch` of planned problem ``p`` over the CUDA arrays ``meta`` made
-    metadata of (:class:`.arrays.Meta`; None for NumPy inputs), its kernel choice logged."""
+    metadata of (:class:`..interop.cuda_arrays.Meta`; None for NumPy inputs), its kernel
+    choice logged."""
     on = config.CUDA_TENSOR_CORES and p.B
     cc = device.compute_capability() if on else None
     launch = Launch(p, meta, cc, device.multiprocessor_count() if on else None)
@@ -406,7 +407,8 @@ def prepare(p, meta=None):
 def run(p, meta=None, query=None):
     """Compute planned problem ``p`` on the GPU.
 
-    ``meta`` is None for NumPy inputs (copied in; NumPy results), or the :class:`.arrays.Meta`
+    ``meta`` is None for NumPy inputs (copied in; NumPy results), or the
+    :class:`..interop.cuda_arrays.Meta`
     the problem's arrays were made with (CUDA inputs read in place; results of ``query``'s kind,
     queued on the call's stream)."""
     return prepare(p, meta).run(query)

@@ -428,7 +428,7 @@ def fma_f32(typingctx, a, b, c):
 
 @intrinsic
 def max_nan_f32(typingctx, a, b):
-    """:func:`pfa_numba._core.max_nan` in one instruction: PTX ``max.NaN.f32`` (sm_80), the
+    """:func:`pfa_numba.numerics.core.max_nan` in one instruction: PTX ``max.NaN.f32`` (sm_80), the
     larger of two float32, NaN when either is NaN."""
     if not (isinstance(a, types.Float) and isinstance(b, types.Float)):
         return None
@@ -449,7 +449,7 @@ def max_nan_f32(typingctx, a, b):
 @intrinsic
 def cvt_f32_f16(typingctx, h):
     """IEEE half bits (the low 16 of an integer) -> float32 by ``cvt.f32.f16`` (exact: subnormals,
-    inf and NaN): one instruction where _core.f16_to_f32's bit steps, written out per
+    inf and NaN): one instruction where numerics.core.f16_to_f32's bit steps, written out per
     accumulator, cost registers and compile time."""
     if not isinstance(h, types.Integer):
         return None
@@ -468,11 +468,4 @@ shfl_xor_sync = getattr(cuda, "shfl_xor_sync", None)
 
 
 if numba.config.ENABLE_CUDASIM:     # the same names, rebound for the kernels that import them
-    from .warp_sim import (cp_async_16, cp_async_16_zfill, cp_async_commit,  # noqa: F401,F811
-                           copy_16_shared_to_global, cp_async_wait,  # noqa: F401,F811
-                           cvt_f32_f16, exp2_approx, exp2_approx_ftz,  # noqa: F401,F811
-                           fma_f32, load_u8_if, load_u16_if,  # noqa: F401,F811
-                           max_nan_f32, st_shared_u32, syncwarp,  # noqa: F401,F811
-                           ldmatrix_x4, ldmatrix_x4_trans,  # noqa: F401,F811
-                           mma_m16n8k16_bf16, mma_m16n8k16_f16,  # noqa: F401,F811
-                           pack_bf16x2, pack_f16x2, shfl_xor_sync)  # noqa: F401,F811
+    from .warp_sim import (cp_async_16, cp_async_16_zfill, cp_async_commit)  # noqa: F401,F811 copy_16_shared_to_global, cp_async_wait,  # noqa: F401,F811 cvt_f32_f16, exp2_approx, exp2_approx_ftz,  # noqa: F401,F811 fma_f32, load_u8_if, load_u16_if,  # noqa: F401,F811 max_nan_f32, st_shared_u32, syncwarp,  # noqa: F401,F811 ldmatrix_x4, ldmatrix_x4_trans,  # noqa: F401,F811 mma_m16n8k16_bf16, mma_m16n8k16_f16,  # noqa: F401,F811 pack_bf16x2, pack_f16x2, shfl_xor_sync)  # noqa: F401,F811

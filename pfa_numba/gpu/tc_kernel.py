@@ -3,7 +3,7 @@
 :func:`tc_kernel_source` returns the ``@cuda.jit`` source for a 16-bit type, a head dim D (64
 or 128) and whether a user mask or pse is read (``masked``), all compile-time; its arguments
 are the scalar kernels' common ones (``kernels.kernel_signature(..., kv_cache=False)``, built by
-``_kernel_args.kernel_args``), so every layout (padded or TND), GQA, the masks, pse, the
+``numerics.kernel_args.kernel_args``), so every layout (padded or TND), GQA, the masks, pse, the
 lengths and the band reach it through the same ``T_*`` offsets, ``L_*`` lengths and ``P_*`` /
 ``F_*`` slots. Its specification is the NumPy warp model :func:`.warp_model.fa2_block`: the
 masking and every lane map (:mod:`.fragments`) are the model's; the kernel visits the tiles in
@@ -13,7 +13,7 @@ One block: 4 warps x 16 query rows (64 rows) of one (batch, query head), 128 thr
 is (B x query-row blocks, N), each batch's blocks in reverse row order (a causal band's longest
 blocks first). The block's kv columns [jstart, jend) (``block_kv_range``: tiles outside the
 band are never visited) go in tiles of 64 keys, in two loops (FA2's unmasked and masked
-steps): first the run of whole tiles inside every row's band (``_band.interior_tiles``), with
+steps): first the run of whole tiles inside every row's band (``numerics.band.interior_tiles``), with
 no band test at all, then the tiles crossing it, tested per accumulator. The masked variant
 tests every tile per accumulator (band, pse, mask, one predicated load each) in one loop.
 Tiles are staged by ``cp.async`` (rows at or past jend zero-filled) into XOR-swizzled shared
@@ -28,7 +28,7 @@ scale negates Q instead, so the factor is >= 0 and the max of s gives the max); 
 ``shfl_xor`` for the row maxima; P packed from S (``p_from_s``) to the input type; O += P V (V
 by ``ldmatrix.trans``). A warp skips a tile none of its rows keeps a column of. At the end: the
 division, the rows of contract 'Empty rows' (``row_outcome``; ROW_MEAN rows average V from
-global memory), lse, and the output rounded by cvt.rn (as _core.f32_to_f16 / _bf16 round),
+global memory), lse, and the output rounded by cvt.rn (as numerics.core.f32_to_f16 / _bf16 round),
 staged through the K buffer and written in coalesced 16-byte stores.
 
 The instruction mix (``python -m pfa_numba cuda-ptx`` writes it; tests/ptx/test_tc_kernel.py
@@ -60,21 +60,21 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 from .. import config
-from .._band import (ROW_MEAN, ROW_SOFTMAX, block_kv_range, interior_tiles, row_band,
-                     row_outcome)
-from .._core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_ZERO,
-                     MASK_ADD_F16, MASK_DISCARD, MASK_NONE, bf16_to_f32, f16_to_f32, f32_to_bf16,
-                     f32_to_f16, lse_log2, online_update_log2)
-from .._dtypes import F16, is_bf16
-from .._kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_G, P_IP, P_LSE,
-                            P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_PK, T_PV, T_Q, T_V,
-                            scale_factors)
+from ..numerics.band import (ROW_MEAN, ROW_SOFTMAX, block_kv_range, interior_tiles, row_band,
+                             row_outcome)
+from ..numerics.core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_ZERO,
+                             MASK_ADD_F16, MASK_DISCARD, MASK_NONE, bf16_to_f32, f16_to_f32,
+                             f32_to_bf16, f32_to_f16, lse_log2, online_update_log2)
+from ..numerics.dtypes import F16, is_bf16
+from ..numerics.kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_G, P_IP,
+                                    P_LSE, P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_PK, T_PV, T_Q,
+                                    T_V, scale_factors)
 from . import fragments as F
 from . import ptx as X
 from .guard import antiquant_reason, dequantizes
 from .dequant import make_dequant, row_tokens
-from .kernels import (IN_PREFIX, PAST_END, array_function, device_function, kv_at,
-                      kv_block_of, kv_place_in, kv_places, kv_value)
+from .kernels import (IN_PREFIX, PAST_END, array_function, device_function, kv_at, kv_block_of,
+                      kv_place_in, kv_places, kv_value)
 
 #: query rows per warp / warps per block / rows per block / threads per block / keys per tile
 WARP_ROWS, WARPS = F.MMA_M, 4

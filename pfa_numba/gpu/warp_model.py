@@ -17,12 +17,12 @@ and each instruction is modelled from its documented semantics:
 
 :func:`fa2_block` runs one warp's block of 16 query rows of one head over its kv tiles:
 S = Q K^T (Q fragments loaded once, K by plain ldmatrix), the band predicate
-(``_band.row_band``) and a user discard mask per accumulator (row, column), the online softmax
+(``numerics.band.row_band``) and a user discard mask per accumulator (row, column), the online softmax
 in log2 units with the scale folded in (t = s * scale * log2 e, p = exp2(t - m); the step is
-``_core.online_update_log2`` and the lse ``_core.lse_log2``, as in the kernel), P re-packed
+``numerics.core.online_update_log2`` and the lse ``numerics.core.lse_log2``, as in the kernel), P re-packed
 from the S accumulators into A fragments (``p_from_s``: no shuffles) in the input's 16-bit
 type, O += P V (V by ldmatrix.trans), l kept per lane and reduced over the quad at the end,
-the division deferred to the end, and the rows of contract 'Empty rows' by ``_band.row_outcome``.
+the division deferred to the end, and the rows of contract 'Empty rows' by ``numerics.band.row_outcome``.
 :func:`attention` runs every block of one head. :func:`decode_group` models the split-kv
 decode kernel (:mod:`.decode_kernel`) the same way: a kv head's 16 query rows, each warp
 on its 16-key quarter of every tile (:func:`decode_warp`), the warps' and then the splits'
@@ -41,8 +41,8 @@ from typing import Callable, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from .._band import ROW_MEAN, ROW_SOFTMAX, band_edges, block_kv_range, row_band, row_outcome
-from .._core import antiquant, lse_log2, max_nan, online_update_log2
+from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, band_edges, block_kv_range, row_band, row_outcome
+from ..numerics.core import antiquant, lse_log2, max_nan, online_update_log2
 from . import fragments as F
 
 LOG2E = np.float32(1.4426950408889634)
@@ -204,7 +204,7 @@ def fa2_block(q, k, v, i0, ql, kl, pre_e, next_e, scale, discard=None, inner_pre
     """Query rows [i0, i0 + 16) of one head as the tensor-core kernel computes them.
 
     q (Sq, D), k and v (Skv, D): float16 or bfloat16, D a multiple of 64; (ql, kl) the actual
-    lengths, (pre_e, next_e) the band edges of ``_band.band_edges``; ``discard`` an (Sq, Skv)
+    lengths, (pre_e, next_e) the band edges of ``numerics.band.band_edges``; ``discard`` an (Sq, Skv)
     bool user mask (True drops) or None; ``bkv`` kv columns per tile (a multiple of 16).
     Returns (out (16, D) float32 before the final rounding, lse (16,) float32)."""
     dtype, d = q.dtype, q.shape[1]
@@ -261,7 +261,7 @@ def fa2_block(q, k, v, i0, ql, kl, pre_e, next_e, scale, discard=None, inner_pre
 
 def _softmax_step(tl, m, l, o):
     """One tile's online softmax in a warp, from its scores in log2 units ``tl`` ((32, 4) an
-    n-tile): the row maxima over the quad, the step of ``_core.online_update_log2``, the
+    n-tile): the row maxima over the quad, the step of ``numerics.core.online_update_log2``, the
     weights exp2(t - m) and the rescaled sums and accumulators. Returns (p, m, l, o)."""
     half = np.array([0, 0, 1, 1])                          # row half of accumulator i (c rows)
     tmax = np.full((F.WARP, 2), -np.inf, np.float32)
@@ -276,7 +276,7 @@ def _softmax_step(tl, m, l, o):
 
 
 def _online_update(m, tile_max):
-    """_core.online_update_log2, the kernel's online step, per lane and row half: (new max,
+    """numerics.core.online_update_log2, the kernel's online step, per lane and row half: (new max,
     rescale exponent, the value the weights subtract), each (32, 2)."""
     steps = [online_update_log2(a, b) for a, b in zip(m.ravel(), tile_max.ravel())]
     return tuple(np.array(x, np.float32).reshape(m.shape) for x in zip(*steps))
@@ -374,7 +374,7 @@ def _merge(ms, ls, accs):
 
 
 def dequantize(x, channel_scale, channel_offset, token_scale, token_offset, dtype):
-    """int8 kv rows x (L, D) as the kernels' int8 variants stage them: ``_core.antiquant``
+    """int8 kv rows x (L, D) as the kernels' int8 variants stage them: ``numerics.core.antiquant``
     in float32 with the channel pairs (D,) and the token pairs (L,), rounded to ``dtype``."""
     f32 = np.float32
     with np.errstate(over="ignore"):

@@ -18,7 +18,7 @@ import threading
 
 import numpy as np
 
-from .._core import max_nan
+from ..numerics.core import max_nan
 from . import fragments as F
 from . import warp_model as M
 
@@ -188,7 +188,7 @@ load_u8_if = load_u16_if
 
 
 def max_nan_f32(a, b):
-    """max.NaN.f32: _core.max_nan."""
+    """max.NaN.f32: numerics.core.max_nan."""
     return max_nan(a, b)
 
 

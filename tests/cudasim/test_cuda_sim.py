@@ -114,7 +114,7 @@ def test_device_arrays_in_device_arrays_out():
 def test_bf16_numba_device_arrays():
     """bf16 Numba device arrays are made from uint16 bits (numba-cuda cannot copy ml_dtypes'
     bfloat16 to a GPU directly); results come back as bf16 device arrays, on either device."""
-    from pfa_numba.gpu.arrays import numba_device_array
+    from pfa_numba.interop.cuda_arrays import numba_device_array
     rng = np.random.default_rng(9)
     bf16 = DTYPES["bf16"]
     q, k, v = qkv(rng, "BNSD", bf16, 1, 2, 1, 5, 6, 16)
@@ -187,7 +187,7 @@ INT8_CASES = {
 @pytest.mark.parametrize("out", ["fp16", "int8"])
 @pytest.mark.parametrize("case", list(INT8_CASES))
 def test_int8_pipeline_cpu_and_cuda_bit_identical(case, out):
-    """Both backends turn deq2 * (P8 . V) / l into float16 with _core.int8_out_f16, one exact
+    """Both backends turn deq2 * (P8 . V) / l into float16 with numerics.core.int8_out_f16, one exact
     rounding, so their float16 (and int8) outputs agree bit for bit, fully masked rows
     (contract 'Empty rows' means) and NaN rows included."""
     from pfa_numba import reference

@@ -12,8 +12,9 @@ import pytest
 
 cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is in the test extra")
 
-from pfa_numba import _plan, _validate as V  # noqa: E402
-from pfa_numba import _validate_fia as FV  # noqa: E402
+from pfa_numba.frontend import problem  # noqa: E402
+from pfa_numba.frontend import pfa as PV  # noqa: E402
+from pfa_numba.frontend import fia as FV  # noqa: E402
 from pfa_numba.fia import planned  # noqa: E402
 from pfa_numba.gpu import decode_kernel as DK  # noqa: E402
 from test_tensor_core_ptx import assemble  # noqa: E402
@@ -114,6 +115,6 @@ def test_decode_reason_refuses_what_the_kernel_does_not_run():
                                                  **kw))
     rows = np.zeros((1, 2, 100, 68), np.float16)[..., :64]   # 136-byte rows: not aligned
     assert "key rows" in DK.decode_reason(_fia(q, rows, cache, **kw))
-    p = _plan.plan(V.validate(V.Call(q, cache, cache, num_heads=8, num_key_value_heads=2,
+    p = problem.plan(PV.validate(PV.Call(q, cache, cache, num_heads=8, num_key_value_heads=2,
                                      input_layout="BNSD", scale_value=0.0)))
     assert "scale_value 0" in DK.decode_reason(p)

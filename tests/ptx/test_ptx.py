@@ -11,12 +11,12 @@ import pytest
 cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is in the test extra")
 from numba import types  # noqa: E402
 
-from pfa_numba import _band as Band  # noqa: E402
-from pfa_numba import _core as C  # noqa: E402
+from pfa_numba.numerics import band as Band  # noqa: E402
+from pfa_numba.numerics import core as C  # noqa: E402
 
 
 def _probe(out_f, out_u, inp_f, inp_u, code):
-    """Calls every helper of _core and _band once, so each is compiled into the kernel."""
+    """Calls every helper of numerics.core and numerics.band once, so each is compiled into the kernel."""
     i = cuda.grid(1)
     x = inp_f[i]
     h = inp_u[i]

@@ -18,7 +18,9 @@ import pytest
 
 cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is in the test extra")
 
-from pfa_numba import _plan, _validate as V, config  # noqa: E402
+from pfa_numba.frontend import problem  # noqa: E402
+from pfa_numba.frontend import pfa as PV  # noqa: E402
+from pfa_numba import config  # noqa: E402
 from pfa_numba.gpu import guard as G  # noqa: E402
 from pfa_numba.gpu import tc_kernel as T  # noqa: E402
 from test_tensor_core_ptx import assemble  # noqa: E402
@@ -40,7 +42,7 @@ def tc_ptx(*spec):
 
 
 def test_cuda_ptx_command_writes_one_file_a_specialisation(tmp_path):
-    from pfa_numba.__main__ import main
+    from pfa_numba.cli.main import main
     from pfa_numba.gpu import sass
     assert len(T.ptx_names()) == 48 and "tc_bf16_d128_masked_walk_sm90.ptx" in T.ptx_names()
     assert T.ptx_names()["tc_f16_d64_int8_sm80.ptx"] == ("f16", 64, (8, 0), False, True, True)
@@ -131,7 +133,7 @@ def _problem(dtype=np.float16, d=64, layout="BNSD", scale=0.125, **kw):
     rng = np.random.default_rng(0)
     shape = {"BNSD": (1, 2, 8, d), "BSH": (1, 8, 2 * d)}[layout]
     q = rng.standard_normal(shape).astype(np.float32).astype(dtype)
-    return _plan.plan(V.validate(V.Call(q, q, q, num_heads=2, input_layout=layout,
+    return problem.plan(PV.validate(PV.Call(q, q, q, num_heads=2, input_layout=layout,
                                         scale_value=scale, **kw)))
 
 
@@ -164,7 +166,7 @@ def test_paged_prefixed_and_int8_caches_are_taken_unless_dequantized_values_over
     an int8 cache whose channel planes may take its values beyond float16 is refused with
     the reason (the launch logs it and runs the portable kernel); token planes are left to
     the guard's scan, with limits that keep the values finite."""
-    from pfa_numba import _validate_fia as FV
+    from pfa_numba.frontend import fia as FV
     from pfa_numba.fia import planned
     q = np.zeros((1, 4, 1, 64), np.float16)
     pool = np.zeros((3, 2, 16, 64), np.float16)

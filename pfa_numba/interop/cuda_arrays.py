@@ -8,7 +8,7 @@ import functools
 
 import numpy as np
 
-from .._dtypes import is_bf16
+from ..numerics.dtypes import is_bf16
 
 
 def checked(name, fn, x):

@@ -1,5 +1,5 @@
 """Every user-facing error of fused_infer_attention_score (docs/fia.md, 'Errors'), on top of
-prompt_flash_attention's (:mod:`._validate`), which check everything the two share.
+prompt_flash_attention's (:mod:`frontend.pfa`), which check everything the two share.
 
 :func:`validate` takes a :class:`FiaCall` and returns a :class:`ValidFia`: the checked
 prompt_flash_attention call of the problem (its key and value stand-ins have the logical kv
@@ -14,11 +14,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _antiquant as AQ
-from . import _validate as V
-from ._band import TOKENS_INF
-from ._plan import _to_bnsd
-from ._dtypes import F16, F32, I8, dtype_name, is_bf16
+from . import antiquant as AQ
+from . import checks
+from . import pfa as PV
+from ..numerics.band import TOKENS_INF
+from .problem import to_bnsd
+from ..numerics.dtypes import F16, F32, I8, dtype_name, is_bf16
 
 #: the tensors, which live on one device and which the kernels read in place (the other
 #: array arguments are small: lengths, scales, the block table; read on the host)
@@ -35,7 +36,7 @@ MAX_KV_ELEMENTS = 1 << 62
 
 
 @dataclass(frozen=True)
-class FiaCall:
+class FiaCall(checks.Arguments):
     """One fused_infer_attention_score call: every argument by its name, as passed."""
     query: Any
     key: Any
@@ -76,14 +77,12 @@ class FiaCall:
     softmax_lse_flag: Any = False
     device: Any = None
 
+    TENSORS = TENSORS
+
     def tensors(self):
         """{name: array or None} of the tensors (key / value lists not among them)."""
         return {name: None if isinstance(x, (list, tuple)) else x
-                for name, x in ((n, getattr(self, n)) for n in TENSORS)}
-
-    def with_arrays(self, arrays):
-        """This call with some arguments replaced ({name: value})."""
-        return dataclasses.replace(self, **arrays)
+                for name, x in super().tensors().items()}
 
 
 @dataclass
@@ -93,7 +92,7 @@ class KvCache:
     ``block_table[b, t // block_size]`` of the pools; a prefix of P rows (batch 1) comes first."""
     key: np.ndarray                        # (B, Nkv, S, D) view, or the pool as (nb, Nkv, bs, D)
     value: np.ndarray
-    antiquant: Optional[tuple]             # (key, value) _antiquant.Planes of int8 key/value
+    antiquant: Optional[tuple]             # (key, value) frontend.antiquant.Planes of int8 key/value
     block_table: Optional[np.ndarray]      # int64 (B, max_blocks), or None
     block_size: int
     prefix_key: Optional[np.ndarray]       # (1, Nkv, P, D) views, or None
@@ -105,7 +104,7 @@ class KvCache:
 
 @dataclass
 class ValidFia:
-    pfa: V.ValidCall                       # the problem, with stand-in key / value
+    pfa: PV.ValidCall                       # the problem, with stand-in key / value
     kv: KvCache
     q_off: np.ndarray                      # int64[B]: first physical query row
     decode: bool
@@ -113,7 +112,7 @@ class ValidFia:
 
 
 def _real(name, x):
-    return None if x is None else V.check_array(name, V._plain(name, x))
+    return None if x is None else checks.check_array(name, checks.plain(name, x))
 
 
 def _one_int(name, x):
@@ -123,7 +122,7 @@ def _one_int(name, x):
         raise TypeError(f"{name} must hold an integer, got dtype {dtype_name(x.dtype)}")
     if x.size != 1 or x.ndim > 1:
         raise RuntimeError(f"{name} must hold one element (shape (1,) or ()), got shape "
-                           f"{V.shape_str(x.shape)}")
+                           f"{checks.shape_str(x.shape)}")
     return min(max(int(x.reshape(-1)[0]), 0), _PAD_BEYOND)
 
 
@@ -136,27 +135,27 @@ def _kv_arrays(name, x):
             if not isinstance(e, np.ndarray):
                 raise TypeError(f"{name}[{i}] must be an array, got {type(e).__name__}")
         if len(x) == 1:
-            return V.check_array(name, x[0]), None
-        return None, [V.check_array(f"{name}[{i}]", e) for i, e in enumerate(x)]
-    return V.check_array(name, x), None
+            return checks.check_array(name, x[0]), None
+        return None, [checks.check_array(f"{name}[{i}]", e) for i, e in enumerate(x)]
+    return checks.check_array(name, x), None
 
 
 def validate(call, device=None):
     """Check ``call`` (docs/fia.md, 'Errors') and return its :class:`ValidFia`; ``device``: the
     one it runs on, where the caller has placed it (else the call's own ``device``)."""
-    lse_flag = V.check_bool("softmax_lse_flag", call.softmax_lse_flag)
-    block_size = V.check_int("block_size", call.block_size)
+    lse_flag = checks.check_bool("softmax_lse_flag", call.softmax_lse_flag)
+    block_size = checks.check_int("block_size", call.block_size)
     for name in ("antiquant_mode", "key_antiquant_mode", "value_antiquant_mode"):
-        V.check_int(name, getattr(call, name))
-    V.check_scale_value(call.scale, name="scale")
-    layout = V.check_layout(call.input_layout)
-    query = V.check_array("query", V._plain("query", call.query))
+        checks.check_int(name, getattr(call, name))
+    checks.check_scale_value(call.scale, name="scale")
+    layout = checks.check_layout(call.input_layout)
+    query = checks.check_array("query", checks.plain("query", call.query))
     key, key_list = _kv_arrays("key", call.key)
     value, value_list = _kv_arrays("value", call.value)
-    V.check_rank("query", query, layout)
+    checks.check_rank("query", query, layout)
     kdtype = (key if key is not None else key_list[0]).dtype
     _check_dtypes(query, kdtype, (value if value is not None else value_list[0]).dtype)
-    decode = layout != "TND" and query.shape[V.SEQ_AXIS[layout]] == 1
+    decode = layout != "TND" and query.shape[checks.SEQ_AXIS[layout]] == 1
     mask = _plain_mask(call.atten_mask)
     table = _real("block_table", call.block_table)
     prefix_k = _real("key_shared_prefix", call.key_shared_prefix)
@@ -170,7 +169,7 @@ def validate(call, device=None):
     padded = bool(padding)
     # decode reads no band; left padding with sparse_mode 0 and a mask ignores it (docs/fia.md)
     band_ignored = decode or (padded and mask is not None
-                              and V.check_int("sparse_mode", call.sparse_mode) == 0)
+                              and checks.check_int("sparse_mode", call.sparse_mode) == 0)
     listed = key_list is not None or value_list is not None
     prefixed = prefix_k is not None or prefix_v is not None
     dequant = AQ.applies(call, query.dtype, kdtype)
@@ -179,8 +178,8 @@ def validate(call, device=None):
     if listed:
         key, value, list_lens = _gathered(key_list, value_list, layout, query.shape[0])
     if table is None:
-        V.check_rank("key", key, layout)
-        V.check_rank("value", value, layout)
+        checks.check_rank("key", key, layout)
+        checks.check_rank("value", value, layout)
     else:
         _check_pools(query, key, value, table, block_size, layout)
     P = 0
@@ -190,8 +189,8 @@ def validate(call, device=None):
         mask = _decode_mask(mask, query.shape[0], _kv_extent(key, layout, table, block_size, P))
     if band_ignored and not decode:         # ints, but not read (docs/fia.md, 'Left padding')
         for name in ("pre_tokens", "next_tokens"):
-            V.check_int(name, getattr(call, name))
-    pfa_call = V.Call(
+            checks.check_int(name, getattr(call, name))
+    pfa_call = PV.Call(
         query, key, value, mask,
         None if decode else call.actual_seq_lengths, call.actual_seq_lengths_kv, call.pse_shift,
         call.dequant_scale1, call.quant_scale1, call.dequant_scale2, call.quant_scale2,
@@ -219,13 +218,13 @@ def validate(call, device=None):
     if q_pad is not None and call.actual_seq_lengths is not None:
         q_off = valid.Sq - q_pad - valid.qlen
     valid = _empty_windows(valid, q_off, k_off)
-    k4, v4 = (_to_bnsd(x, layout, valid.Nkv) for x in (key, value))
+    k4, v4 = (to_bnsd(x, layout, valid.Nkv) for x in (key, value))
     pk = pv = None
     if P:                      # kL counts own rows only; the band sees the P + kL columns
-        own = key.shape[V.SEQ_AXIS[layout]]
-        klen = V.check_seq_lengths("actual_seq_lengths_kv", call.actual_seq_lengths_kv, B, own)
+        own = key.shape[checks.SEQ_AXIS[layout]]
+        klen = checks.check_seq_lengths("actual_seq_lengths_kv", call.actual_seq_lengths_kv, B, own)
         valid = dataclasses.replace(valid, klen=klen + P)
-        pk, pv = (_to_bnsd(x, layout, valid.Nkv)[:, :, :P] for x in (prefix_k, prefix_v))
+        pk, pv = (to_bnsd(x, layout, valid.Nkv)[:, :, :P] for x in (prefix_k, prefix_v))
     planes = AQ.plan(call, query.dtype, B, valid.Nkv, valid.D, k4.shape[2], False, 0, 0,
                      bool(P)) if dequant else None
     kv = KvCache(k4, v4, planes, None, 0, pk, pv, P, np.maximum(k_off, 0))
@@ -242,7 +241,7 @@ def _gathered(key_list, value_list, layout, batch):
     if len(key_list) != batch or len(value_list) != batch:
         raise RuntimeError(f"key and value lists need one tensor a batch (B = {batch}), got "
                            f"{len(key_list)} and {len(value_list)}")
-    axis = V.SEQ_AXIS[layout]
+    axis = checks.SEQ_AXIS[layout]
     first = key_list[0]
     for i, (k, v) in enumerate(zip(key_list, value_list)):
         for name, x in ((f"key[{i}]", k), (f"value[{i}]", v)):
@@ -266,7 +265,7 @@ def _list_lengths(call, lens):
     """kL of each list element: actual_seq_lengths_kv (at most the element's length) or it."""
     if call.actual_seq_lengths_kv is None:
         return lens
-    klen = V.check_seq_lengths("actual_seq_lengths_kv", call.actual_seq_lengths_kv, lens.size,
+    klen = checks.check_seq_lengths("actual_seq_lengths_kv", call.actual_seq_lengths_kv, lens.size,
                                int(lens.max()))
     if (klen > lens).any():
         b = int(np.argmax(klen > lens))
@@ -278,11 +277,11 @@ def _list_lengths(call, lens):
 def _plain_mask(mask):
     if mask is None:
         return None
-    mask = V._plain("atten_mask", mask)
-    if isinstance(mask, np.ndarray) and mask.dtype not in V.DISCARD_MASK_DTYPES:
+    mask = checks.plain("atten_mask", mask)
+    if isinstance(mask, np.ndarray) and mask.dtype not in checks.DISCARD_MASK_DTYPES:
         raise TypeError(f"atten_mask must be bool, int8 or uint8 (fused_infer_attention_score "
                         f"takes no additive float mask), got {dtype_name(mask.dtype)} of "
-                        f"shape {V.shape_str(mask.shape)}")
+                        f"shape {checks.shape_str(mask.shape)}")
     return mask
 
 
@@ -294,7 +293,7 @@ def _decode_mask(mask, batch, extent):
     ok = (mask.ndim in (2, 3, 4) and all(s == 1 for s in mask.shape[1:-1])
           and mask.shape[0] in (1, batch) and mask.shape[-1] >= extent)
     if not ok:
-        raise RuntimeError(f"atten_mask shape {V.shape_str(mask.shape)} is not accepted in "
+        raise RuntimeError(f"atten_mask shape {checks.shape_str(mask.shape)} is not accepted in "
                            f"decode (query length 1): expected (B, C), (B, 1, C) or "
                            f"(B, 1, 1, C) with batch B = {batch} or 1 and C >= {extent}, the "
                            f"kv length")
@@ -305,14 +304,14 @@ def _kv_extent(key, layout, table, block_size, P):
     """The kv columns of the logical sequence: the prefix's P and the kv S extent (Smax =
     max_blocks * block_size of a paged cache)."""
     if table is None:
-        return P + key.shape[V.SEQ_AXIS[layout]]
+        return P + key.shape[checks.SEQ_AXIS[layout]]
     return table.shape[1] * block_size
 
 
 def _pfa_checked(call):
     """prompt_flash_attention's checks of ``call``, its errors naming FIA's arguments."""
     try:
-        return V.validate(call)
+        return PV.validate(call)
     except (TypeError, ValueError, RuntimeError) as e:
         message = _PFA_NAME.sub(lambda m: PFA_NAMES[m.group(1)], str(e))
         if type(e) in (TypeError, ValueError, RuntimeError) and message != str(e):
@@ -356,7 +355,7 @@ def _exclusions(query, layout, table, padding, listed, prefixed, dequant):
         if named[feature] and query.dtype == I8:
             raise RuntimeError(f"{feature} does not take an int8 query (full quantization "
                                f"reads contiguous key/value), got query shape "
-                               f"{V.shape_str(query.shape)}")
+                               f"{checks.shape_str(query.shape)}")
 
 
 def _prefix(call, layout, key, prefix_k, prefix_v):
@@ -368,7 +367,7 @@ def _prefix(call, layout, key, prefix_k, prefix_v):
     for name, x in (("key_shared_prefix", prefix_k), ("value_shared_prefix", prefix_v)):
         _batch_one_like(name, x, "key", key, layout)
     _same_shapes("key_shared_prefix", prefix_k, "value_shared_prefix", prefix_v)
-    sp = prefix_k.shape[V.SEQ_AXIS[layout]]
+    sp = prefix_k.shape[checks.SEQ_AXIS[layout]]
     if call.actual_shared_prefix_len is None:
         return sp
     n = call.actual_shared_prefix_len
@@ -387,17 +386,17 @@ def _batch_one_like(name, x, ref_name, ref, layout):
     if x.dtype != ref.dtype:
         raise TypeError(f"{name} dtype must be {ref_name}'s ({dtype_name(ref.dtype)}), got "
                         f"{dtype_name(x.dtype)}")
-    V.check_rank(name, x, layout)
-    if x.shape[0] != 1 or not _same_heads(x, ref, V.SEQ_AXIS[layout]):
+    checks.check_rank(name, x, layout)
+    if x.shape[0] != 1 or not _same_heads(x, ref, checks.SEQ_AXIS[layout]):
         raise RuntimeError(f"{name} must be batch 1 with {ref_name}'s heads and head dim and "
-                           f"its own sequence length, got shape {V.shape_str(x.shape)} "
-                           f"({ref_name}: {V.shape_str(ref.shape)})")
+                           f"its own sequence length, got shape {checks.shape_str(x.shape)} "
+                           f"({ref_name}: {checks.shape_str(ref.shape)})")
 
 
 def _same_shapes(a_name, a, b_name, b):
     if a.shape != b.shape:
-        raise RuntimeError(f"{a_name} and {b_name} shapes differ: {V.shape_str(a.shape)} and "
-                           f"{V.shape_str(b.shape)}")
+        raise RuntimeError(f"{a_name} and {b_name} shapes differ: {checks.shape_str(a.shape)} and "
+                           f"{checks.shape_str(b.shape)}")
 
 
 def _same_heads(x, ref, seq_axis):
@@ -409,7 +408,7 @@ def _extended(x, layout, extra, dtype):
     """A zero-strided stand-in for ``x`` of ``dtype`` with ``extra`` more rows on the sequence
     axis (the logical kv extent a prefix adds), for the shape checks."""
     shape = list(x.shape)
-    shape[V.SEQ_AXIS[layout]] += extra
+    shape[checks.SEQ_AXIS[layout]] += extra
     return np.broadcast_to(np.zeros((), dtype), tuple(shape))
 
 
@@ -432,25 +431,25 @@ def _check_pools(query, key, value, table, block_size, layout):
     B = query.shape[0]
     if table.ndim != 2 or table.shape[0] != B:
         raise RuntimeError(f"block_table must be (B, max_blocks) with B = {B}, got shape "
-                           f"{V.shape_str(table.shape)}")
+                           f"{checks.shape_str(table.shape)}")
     if key.shape != value.shape:
         raise RuntimeError(f"key and value pools must have equal shapes, got "
-                           f"{V.shape_str(key.shape)} and {V.shape_str(value.shape)}")
+                           f"{checks.shape_str(key.shape)} and {checks.shape_str(value.shape)}")
     if key.ndim == 4 and layout not in ("BNSD", "BNSD_BSND"):
         raise RuntimeError(f"a 4-D block pool (num_blocks, Nkv, block_size, D) needs "
                            f"input_layout BNSD or BNSD_BSND, got {layout!r} with pool shape "
-                           f"{V.shape_str(key.shape)}")
+                           f"{checks.shape_str(key.shape)}")
     if key.ndim not in (3, 4):
         raise RuntimeError(f"paged key/value must be (num_blocks, block_size, Hkv) or "
                            f"(num_blocks, Nkv, block_size, D), got shape "
-                           f"{V.shape_str(key.shape)}")
+                           f"{checks.shape_str(key.shape)}")
     if key.ndim == 3 and layout != "BSH" and key.shape[2] % max(query.shape[-1], 1):
         raise RuntimeError(f"the pool's Hkv ({key.shape[2]}) must be Nkv * D with the query's "
-                           f"D = {query.shape[-1]}; pool shape {V.shape_str(key.shape)}")
+                           f"D = {query.shape[-1]}; pool shape {checks.shape_str(key.shape)}")
     bs_axis = 1 if key.ndim == 3 else 2
     if key.shape[bs_axis] != block_size:
         raise RuntimeError(f"the pool's block axis ({key.shape[bs_axis]}) must equal "
-                           f"block_size ({block_size}); pool shape {V.shape_str(key.shape)}")
+                           f"block_size ({block_size}); pool shape {checks.shape_str(key.shape)}")
     smax = table.shape[1] * block_size
     hkv = key.shape[2] if key.ndim == 3 else key.shape[1] * key.shape[3]
     if B * smax * hkv >= MAX_KV_ELEMENTS:

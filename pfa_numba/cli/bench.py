@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from . import prompt_flash_attention, reference
+from .. import prompt_flash_attention, reference
 
 INF = 2147483647
 #: Before each timed call: a pause, then one untimed call of the same implementation. BLAS and

@@ -1,11 +1,11 @@
 """The canonical problem: what every backend needs, as strided views, small int arrays and ints.
 
-``plan(valid)`` turns a :class:`~._validate.ValidCall` into a :class:`Problem`; it checks
-nothing (:func:`._validate.validate` has):
+``plan(valid)`` turns a :class:`frontend.pfa.ValidCall` into a :class:`Problem`; it checks
+nothing (:func:`frontend.pfa.validate` has):
 
 * query/key/value as strided views, never copies: ``(B, N, S, D)`` for the padded layouts, the
   packed ``(T, N, D)`` arrays plus per-sequence row starts for TND;
-* per batch: qL, kL and the band edges (preE, nextE) of :mod:`._band`, ``BAND_INF`` for +inf;
+* per batch: qL, kL and the band edges (preE, nextE) of :mod:`numerics.band`, ``BAND_INF`` for +inf;
 * the user mask as a ``(Bm, Sq, Skv)`` window (Bm = 1 or B) and its kind, pse as
   ``(Bp, N, Sq, Skv)``; sparse modes 2-4 keep no mask (their band comes from the table);
 * the output dtype and layout.
@@ -15,9 +15,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _validate as V
-from ._band import band_edges
-from ._kernel_args import storage_code
+from .quant import QuantParams
+from ..numerics.band import band_edges
+from ..numerics.kernel_args import storage_code
 
 @dataclass
 class Problem:
@@ -47,8 +47,8 @@ class Problem:
     scale: float
     inner_precise: int
     want_lse: bool
-    quant: Optional[V.QuantParams] = None
-    # fused_infer_attention_score's kv cache (a _validate_fia.KvCache: paged blocks, a shared
+    quant: Optional[QuantParams] = None
+    # fused_infer_attention_score's kv cache (a frontend.fia.KvCache: paged blocks, a shared
     # prefix, per-batch kv row offsets), with k / v then its arrays; q_off: first query rows
     cache: Optional[Any] = None
     q_off: Optional[np.ndarray] = None
@@ -98,7 +98,7 @@ class Problem:
         return lse[..., 0]
 
 
-def _to_bnsd(x, layout, heads):
+def to_bnsd(x, layout, heads):
     """A padded-layout tensor as a (B, heads, S, D) strided view (reshape copies only if the
     BSH hidden axis is itself not a uniform stride, which NumPy decides)."""
     if layout == "BSH":
@@ -111,16 +111,16 @@ def _to_bnsd(x, layout, heads):
 
 
 def plan(valid, cache=None, q_off=None):
-    """The :class:`Problem` of a :class:`~._validate.ValidCall`; with fused_infer_attention_score's
+    """The :class:`Problem` of a :class:`frontend.pfa.ValidCall`; with fused_infer_attention_score's
     kv ``cache`` (and its first query rows ``q_off``), the cache's key and value are the ones
     the kernels walk."""
     c = valid
     if c.layout == "TND":
         q4, k4, v4 = c.query, c.key, c.value
     else:
-        q4 = _to_bnsd(c.query, c.layout, c.N)
-        k4 = _to_bnsd(c.key, c.layout, c.Nkv)
-        v4 = _to_bnsd(c.value, c.layout, c.Nkv)
+        q4 = to_bnsd(c.query, c.layout, c.N)
+        k4 = to_bnsd(c.key, c.layout, c.Nkv)
+        v4 = to_bnsd(c.value, c.layout, c.Nkv)
     if cache is not None:
         k4, v4 = cache.key, cache.value
     pre_e, next_e = band_edges(c.sparse_mode, c.has_mask, c.pre_tokens, c.next_tokens, c.qlen,

@@ -16,8 +16,8 @@ from typing import Optional
 
 import numpy as np
 
-from . import _validate as V
-from ._dtypes import F32, I8, dtype_name
+from . import checks
+from ..numerics.dtypes import F32, I8, dtype_name
 
 #: kinds of the separate modes; the merged ones are 0 (tensor or channel) and 1 (token)
 SEPARATE = {0: None, 1: "token", 2: "head", 3: "token-head", 4: "paged-token",
@@ -93,11 +93,11 @@ def plan(call, qdtype, B, Nkv, D, extent, paged, pool_blocks, block_size, prefix
 
 
 def _array(name, x):
-    return None if x is None else V.check_array(name, V._plain(name, x))
+    return None if x is None else checks.check_array(name, checks.plain(name, x))
 
 
 def _merged(call, qdtype, shape):
-    mode = V.check_int("antiquant_mode", call.antiquant_mode)
+    mode = checks.check_int("antiquant_mode", call.antiquant_mode)
     if mode not in (0, 1):
         raise RuntimeError(f"antiquant_mode must be 0 or 1, got {mode}")
     s = _array("antiquant_scale", call.antiquant_scale)
@@ -110,7 +110,7 @@ def _merged(call, qdtype, shape):
         if s.ndim != 3 or s.shape[:2] != (2, shape["B"]) or s.shape[2] < shape["extent"]:
             raise RuntimeError(f"antiquant_scale for antiquant_mode 1 (per token) must be "
                                f"(2, B, S) with B = {shape['B']}, S >= {shape['extent']}, got "
-                               f"{V.shape_str(s.shape)}")
+                               f"{checks.shape_str(s.shape)}")
         return [("token", s[i], None if o is None else o[i]) for i in (0, 1)]
     _dtype("antiquant_scale", s, qdtype)
     hkv = shape["Nkv"] * shape["D"]
@@ -120,14 +120,14 @@ def _merged(call, qdtype, shape):
     if not ok:
         raise RuntimeError(f"antiquant_scale for antiquant_mode 0 must be (2,) or per channel "
                            f"(2, Nkv, 1, D), (2, Nkv, D), (2, Hkv) with Nkv = {shape['Nkv']}, "
-                           f"D = {shape['D']}, got {V.shape_str(s.shape)}")
+                           f"D = {shape['D']}, got {checks.shape_str(s.shape)}")
     return [("channel", s[i].reshape(-1), None if o is None else o[i].reshape(-1))
             for i in (0, 1)]
 
 
 def _separate(call, qdtype, shape):
-    kmode = V.check_int("key_antiquant_mode", call.key_antiquant_mode)
-    vmode = V.check_int("value_antiquant_mode", call.value_antiquant_mode)
+    kmode = checks.check_int("key_antiquant_mode", call.key_antiquant_mode)
+    vmode = checks.check_int("value_antiquant_mode", call.value_antiquant_mode)
     for name, mode in (("key_antiquant_mode", kmode), ("value_antiquant_mode", vmode)):
         if mode not in SEPARATE:
             raise RuntimeError(f"{name} must be in 0..5, got {mode}")
@@ -146,7 +146,7 @@ def _separate(call, qdtype, shape):
     _pair_rules("value_antiquant_scale", vs, "value_antiquant_offset", vo)
     if kmode == vmode and ks.shape != vs.shape:
         raise RuntimeError(f"key_antiquant_scale and value_antiquant_scale shapes differ: "
-                           f"{V.shape_str(ks.shape)} and {V.shape_str(vs.shape)}")
+                           f"{checks.shape_str(ks.shape)} and {checks.shape_str(vs.shape)}")
     return [_separate_one(name, mode, s, o, qdtype, shape)
             for name, mode, s, o in (("key", kmode, ks, ko), ("value", vmode, vs, vo))]
 
@@ -168,7 +168,7 @@ def _separate_one(name, mode, s, o, qdtype, shape):
     if not any(_fits(s.shape, w, shape["extent"]) for w in want):
         raise RuntimeError(f"{arg} for {name}_antiquant_mode {mode} ({kind}) must have a shape "
                            f"of {want} (None: S >= {shape['extent']}), got "
-                           f"{V.shape_str(s.shape)}")
+                           f"{checks.shape_str(s.shape)}")
     _dtype(arg, s, F32 if kind in TOKEN_KINDS else qdtype)
     if kind == "token" and s.ndim == 3:
         s, o = s[0], None if o is None else o[0]
@@ -187,7 +187,7 @@ def _pair_rules(sname, s, oname, o):
         return
     if s is None:
         raise RuntimeError(f"{oname} needs {sname}, got no scale")
-    V.check_offset_like(oname, o, sname, s)
+    checks.check_offset_like(oname, o, sname, s)
 
 
 def _dtype(name, x, want):

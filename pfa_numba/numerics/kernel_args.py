@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ._core import CODE_BF16, CODE_F16, CODE_F32, CODE_I8, jit
-from ._dtypes import F16, is_bf16
+from .core import CODE_BF16, CODE_F16, CODE_F32, CODE_I8, jit
+from .dtypes import F16, is_bf16
 
 # rows of the geometry arrays (strides: (13, 4) int64 in elements; boff: (13, B) int64): query,
 # key, value, output, lse, mask, pse, a shared prefix's key and value, and the token planes of
-# int8 key / value dequantization (_antiquant): the key's scales and offsets, the value's (a
+# int8 key / value dequantization (frontend.antiquant): the key's scales and offsets, the value's (a
 # token plane's offsets are the row after its scales)
 T_Q, T_K, T_V, T_O, T_L, T_M, T_P, T_PK, T_PV, T_KT, T_KTO, T_VT, T_VTO = range(13)
 # columns of strides: head, row, element, and the block of a paged pool
@@ -261,7 +261,7 @@ class KernelArgs:
     vp: np.ndarray
     table: np.ndarray        # int64 (B, max_blocks) block table of paged key/value, or a dummy
     channel: np.ndarray      # float32 (4, Nkv * D): key scale, key offset, value scale, offset
-    tokens: tuple            # flat float32 token planes (see _antiquant): key scales, key
+    tokens: tuple            # flat float32 token planes (see frontend.antiquant): key scales, key
                              # offsets, value scales, value offsets (a zero where not given)
     strides: np.ndarray
     boff: np.ndarray

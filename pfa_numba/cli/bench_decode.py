@@ -35,9 +35,9 @@ import ml_dtypes
 import numpy as np
 from numba import njit, prange
 
-from . import FiaPlan, config, fused_infer_attention_score
-from ._bench import environment
-from .cpu.driver import parallel_region
+from .. import FiaPlan, config, fused_infer_attention_score
+from .bench import environment
+from ..cpu.driver import parallel_region
 
 N, NKV, D, BLOCK = 32, 8, 128, 128
 #: the eviction buffer's size where the last-level cache's is unknown

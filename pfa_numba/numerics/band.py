@@ -31,7 +31,7 @@ problem. Kernel side (inlined into the CPU and CUDA kernels alike): :func:`row_b
 """
 import numpy as np
 
-from ._core import F32_NEG_INF, jit
+from .core import F32_NEG_INF, jit
 
 #: pre/next tokens >= this value mean "no limit".
 TOKENS_INF = 2147483647

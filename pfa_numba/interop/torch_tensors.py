@@ -8,7 +8,7 @@ while grad mode is on is refused (gradients are never dropped silently); under
 """
 import numpy as np
 
-from ._dtypes import is_bf16
+from ..numerics.dtypes import is_bf16
 
 
 def is_tensor(x):

@@ -25,7 +25,7 @@ Contents:
   :func:`int8_out_f16`, the output deq2 * A / l rounded once to float16 in exact integer
   arithmetic.
 
-The band and the rule of contract 'Empty rows' for rows that keep nothing are in :mod:`._band`.
+The band and the rule of contract 'Empty rows' for rows that keep nothing are in :mod:`numerics.band`.
 """
 import math
 

@@ -1,0 +1,1 @@
+"""The command line (``python -m pfa_numba``) and its benchmarks."""

@@ -1,0 +1,247 @@
+"""``python -m pfa_numba demo | bench | bench-decode | warmup | info | cuda-ptx``: the main job,
+the benchmarks, cache warm-up for deployment images, a look at this installation, and the
+tensor-core kernel's PTX."""
+import argparse
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+
+def _median_time(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def demo(args):
+    from pfa_numba import prompt_flash_attention, reference
+    from .bench import naive_attention
+
+    print("pfa_numba demo: Ascend prompt_flash_attention on the CPU\n")
+    print("1. The MindSpore call, unchanged, on NumPy arrays:")
+    q = k = v = np.ones((1, 16, 256, 16), dtype=np.float16)
+    t0 = time.perf_counter()
+    out = prompt_flash_attention(q, k, v, None, None, None, None, None, None, None, None, None,
+                                 16, input_layout='BNSD')
+    print(f"   out.shape = {out.shape}, dtype {out.dtype}, all ones: {bool(np.all(out == 1))} "
+          f"(first call {time.perf_counter() - t0:.2f} s, JIT or cache load included)\n")
+
+    b, n, nkv, s, d = 1, 16, 4, args.seq, 128
+    print(f"2. A prefill: B={b}, N={n} query heads over Nkv={nkv} kv heads (GQA), Sq=Skv={s}, "
+          f"D={d}, float16, causal (sparse_mode 3), scale 1/sqrt(D), layout BSH")
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((b, s, n * d)).astype(np.float16)
+    k = rng.standard_normal((b, s, nkv * d)).astype(np.float16)
+    v = rng.standard_normal((b, s, nkv * d)).astype(np.float16)
+    mask = np.triu(np.ones((2048, 2048), dtype=bool), 1)
+    kw = dict(num_heads=n, num_key_value_heads=nkv, scale_value=1 / np.sqrt(d),
+              input_layout="BSH", sparse_mode=3)
+    out = prompt_flash_attention(q, k, v, mask, **kw)
+    ref = reference.prompt_flash_attention(q, k, v, mask, **kw)
+    err = float(np.abs(out.astype(np.float64) - ref).max())
+    low = reference.prompt_flash_attention(q, k, v, mask, **kw, compute_dtype=np.float16)
+    err_low = float(np.abs(low - ref).max())
+    ok = err <= 2 * err_low + 1e-3
+    print(f"   max |pfa_numba - reference (float64)| = {err:.2e}  (the reference itself run in "
+          f"float16: {err_low:.2e})  -> {'OK' if ok else 'MISMATCH'}")
+
+    flops = 4 * b * n * s * s * d / 2  # causal: half of the dense work
+    t_pfa = _median_time(lambda: prompt_flash_attention(q, k, v, mask, **kw), args.repeats)
+    q4 = q.reshape(b, s, n, d).transpose(0, 2, 1, 3)
+    k4 = k.reshape(b, s, nkv, d).transpose(0, 2, 1, 3)
+    v4 = v.reshape(b, s, nkv, d).transpose(0, 2, 1, 3)
+    keep = np.tril(np.ones((s, s), dtype=bool))
+    t_np = _median_time(lambda: naive_attention(q4, k4, v4, 1 / np.sqrt(d), keep), args.repeats)
+    rows = [("pfa_numba (CPU)", t_pfa), ("NumPy naive (float32)", t_np)]
+    try:
+        import torch
+        import torch.nn.functional as F
+        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x)) for x in (q4, k4, v4))
+        sdpa = lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True,  # noqa: E731
+                                                      scale=1 / np.sqrt(d), enable_gqa=True)
+        sdpa()
+        rows.append((f"torch {torch.__version__} SDPA (float16)",
+                     _median_time(sdpa, args.repeats)))
+    except ImportError:
+        pass
+    print(f"\n   {'implementation':34s} {'median time':>12s} {'TFLOP/s':>8s} {'vs pfa_numba':>13s}")
+    for name, t in rows:
+        print(f"   {name:34s} {t * 1e3:9.1f} ms {flops / t / 1e12:8.3f} {t / t_pfa:12.2f}x")
+    import numba
+    print(f"\n   ({numba.get_num_threads()} threads, median of {args.repeats}; "
+          f"'vs pfa_numba' > 1 means pfa_numba is faster)")
+    return 0 if ok else 1
+
+
+def warmup(args):
+    """Compile every CPU kernel specialisation into Numba's on-disk cache (a deployment image
+    runs this once at build time; later processes load the kernels in well under a second)."""
+    import numba
+
+    from pfa_numba import prompt_flash_attention
+    q16 = np.ones((1, 1, 4, 16), np.float16)
+    q32 = np.ones((1, 1, 4, 16), np.float32)
+    q8 = np.ones((1, 1, 4, 32), np.int8)
+    scales = dict(deq_scale1=np.ones(1, np.float32), quant_scale1=np.ones(1, np.float32),
+                  deq_scale2=np.ones(1, np.float32))
+    from pfa_numba import config
+    from pfa_numba.cpu import _amx
+
+    def float32_tiles():          # float16 / bfloat16 where AMX is off or not offered
+        amx = config.CPU_AMX
+        config.CPU_AMX = False
+        try:
+            prompt_flash_attention(q16, q16, q16, num_heads=1, input_layout="BNSD")
+        finally:
+            config.CPU_AMX = amx
+
+    def split_kv():               # decode with fewer work items than threads
+        items = config.CPU_SPLIT_KV_ITEMS
+        config.CPU_SPLIT_KV_ITEMS = 2
+        try:
+            kv_len = 2 * config.CPU_SPLIT_KV_MIN_COLS
+            for dt in (np.float32, np.float16):
+                kv = np.ones((1, 1, kv_len, 16), dt)
+                prompt_flash_attention(kv[:, :, :1], kv, kv, num_heads=1, input_layout="BNSD")
+        finally:
+            config.CPU_SPLIT_KV_ITEMS = items
+
+    def int8_kv_cache():          # fused_infer_attention_score's int8 key/value, whole and split
+        from pfa_numba import fused_infer_attention_score
+        items = config.CPU_SPLIT_KV_ITEMS
+        kv = np.ones((1, 1, 2 * config.CPU_SPLIT_KV_MIN_COLS, 16), np.int8)
+        try:
+            for split in (0, 2):
+                config.CPU_SPLIT_KV_ITEMS = split
+                for dt in (np.float32, np.float16):
+                    fused_infer_attention_score(np.ones((1, 1, 1, 16), dt), kv, kv,
+                                                antiquant_scale=np.ones(2, dt),
+                                                input_layout="BNSD")
+        finally:
+            config.CPU_SPLIT_KV_ITEMS = items
+
+    jobs = [("uint16 storage (float16, bfloat16)", float32_tiles),
+            ("float32 storage", lambda: prompt_flash_attention(
+                q32, q32, q32, num_heads=1, input_layout="BNSD")),
+            ("int8 pipeline", lambda: prompt_flash_attention(
+                q8, q8, q8, num_heads=1, input_layout="BNSD", **scales)),
+            ("int8 output quantization", lambda: [prompt_flash_attention(
+                x, x, x, num_heads=1, input_layout="BNSD", quant_scale2=scales["deq_scale1"])
+                for x in (q16, q32)]),
+            ("split-kv merge (decode)", split_kv),
+            ("int8 kv caches (FIA)", int8_kv_cache)]
+    if _amx.available():
+        jobs.append(("float16 and bfloat16 on AMX", lambda: prompt_flash_attention(
+            q16, q16, q16, num_heads=1, input_layout="BNSD")))
+    cache = numba.config.CACHE_DIR or "next to the package's modules (__pycache__)"
+    print(f"compiling the CPU kernels into Numba's cache ({cache}):")
+    for name, job in jobs:
+        t0 = time.perf_counter()
+        job()
+        print(f"  {name:36s} {time.perf_counter() - t0:6.1f} s")
+    print("CUDA kernels are compiled by numba-cuda at their first launch in each process.")
+    return 0
+
+
+def info(args):
+    import numba
+
+    import pfa_numba
+    from pfa_numba import dispatch
+    print(f"pfa_numba {pfa_numba.__version__} on Python {platform.python_version()} "
+          f"({platform.machine()})")
+    for mod in ("numpy", "numba", "llvmlite", "scipy", "ml_dtypes", "threadpoolctl"):
+        try:
+            m = __import__(mod)
+            print(f"  {mod:14s} {getattr(m, '__version__', '?')}")
+        except ImportError:
+            print(f"  {mod:14s} not installed")
+    print(f"  threads        {numba.get_num_threads()} (NUMBA_NUM_THREADS), threading layer "
+          f"{numba.config.THREADING_LAYER}")
+    print(f"  cache          {numba.config.CACHE_DIR or os.path.dirname(pfa_numba.__file__)}")
+    from pfa_numba.cpu import _amx, _gemm
+    products = ("AVX-512 register blocks" if _gemm.available() else "BLAS sgemm (no AVX-512)")
+    print(f"  float32 tiles  {products}")
+    print("  AMX            " + ("used for bfloat16 and float16 tile products"
+                                  if _amx.available() else
+                                  "not available: bfloat16 and float16 run on the float32 tiles"))
+    for backend in dispatch.BACKENDS:
+        device = backend.devices[0]
+        why = backend.not_supported_reasons(None, device)
+        print(f"  backend {backend.name:6s} " + ("available" if not why else
+                                               "unavailable: " + "; ".join(why)))
+    try:                       # which CUDA kernel float16 / bfloat16 problems get, and why
+        from pfa_numba.gpu import tc_kernel
+        print("  CUDA fp16/bf16 " + tc_kernel.selection_note())
+    except Exception as exc:   # numba-cuda missing or unusable here
+        print(f"  CUDA fp16/bf16 scalar kernel (tensor-core kernel not importable: {exc})")
+    return 0
+
+
+def cuda_ptx(args):
+    """Write the tensor-core kernels' PTX files (tc_<dtype>_d<D>_sm<arch>.ptx, decode_...) and
+    their SASS summaries (.sass.txt: registers, spills, the kv loops' instruction mix, store
+    widths)."""
+    from pfa_numba.gpu import sass
+    missing = sass.missing_tools()
+    if missing:
+        print(f"no SASS summaries: the wheels of {', '.join(missing)} are not installed (the "
+              "test extra has them)", file=sys.stderr)
+    for path in sass.write_ptx(args.out, args.filter):
+        print(path)
+        if path.endswith(".sass.txt"):
+            with open(path) as f:
+                print(f.read(), end="")
+    return 0
+
+
+def _bench(args):
+    from .bench import main as bench_main
+    return bench_main(args)
+
+
+def _bench_decode_module():
+    from . import bench_decode
+    return bench_decode
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m pfa_numba", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("demo", help="the seed example and a realistic prefill, checked and timed")
+    p.add_argument("--seq", type=int, default=1024, help="sequence length of the prefill")
+    p.add_argument("--repeats", type=int, default=5)
+    p.set_defaults(fn=demo)
+    p = sub.add_parser("bench", help="side-by-side CPU benchmark vs torch SDPA and NumPy")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="one shape only")
+    p.add_argument("--filter", default="", help="only cases whose name contains this")
+    p.add_argument("--out", default="benchmarks/results")
+    p.set_defaults(fn=_bench)
+    p = sub.add_parser("bench-decode", help="decode with fused_infer_attention_score vs torch "
+                                            "SDPA and the memory-streaming floor")
+    _bench_decode_module().add_arguments(p)
+    p.set_defaults(fn=lambda a: _bench_decode_module().main(a))
+    p = sub.add_parser("warmup", help="compile every CPU kernel into Numba's cache")
+    p.set_defaults(fn=warmup)
+    p = sub.add_parser("info", help="versions, backends, threads, cache location")
+    p.set_defaults(fn=info)
+    p = sub.add_parser("cuda-ptx", help="write the tensor-core kernels' PTX and SASS summaries, "
+                                        "one pair a specialisation (needs numba-cuda, not a GPU)")
+    p.add_argument("--out", required=True, help="folder for the .ptx and .sass.txt files")
+    p.add_argument("--filter", default="", help="only files whose name contains this")
+    p.set_defaults(fn=cuda_ptx)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except BrokenPipeError:
+        # the reader went away (``info | head``): stop quietly, and keep Python's exit-time
+        # flush of stdout from failing again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
