@@ -468,4 +468,11 @@ shfl_xor_sync = getattr(cuda, "shfl_xor_sync", None)
 
 
 if numba.config.ENABLE_CUDASIM:     # the same names, rebound for the kernels that import them
-    from .warp_sim import (cp_async_16, cp_async_16_zfill, cp_async_commit)  # noqa: F401,F811 copy_16_shared_to_global, cp_async_wait,  # noqa: F401,F811 cvt_f32_f16, exp2_approx, exp2_approx_ftz,  # noqa: F401,F811 fma_f32, load_u8_if, load_u16_if,  # noqa: F401,F811 max_nan_f32, st_shared_u32, syncwarp,  # noqa: F401,F811 ldmatrix_x4, ldmatrix_x4_trans,  # noqa: F401,F811 mma_m16n8k16_bf16, mma_m16n8k16_f16,  # noqa: F401,F811 pack_bf16x2, pack_f16x2, shfl_xor_sync)  # noqa: F401,F811
+    from .warp_sim import (cp_async_16, cp_async_16_zfill, cp_async_commit,  # noqa: F401,F811
+                           copy_16_shared_to_global, cp_async_wait,  # noqa: F401,F811
+                           cvt_f32_f16, exp2_approx, exp2_approx_ftz,  # noqa: F401,F811
+                           fma_f32, load_u8_if, load_u16_if,  # noqa: F401,F811
+                           max_nan_f32, st_shared_u32, syncwarp,  # noqa: F401,F811
+                           ldmatrix_x4, ldmatrix_x4_trans,  # noqa: F401,F811
+                           mma_m16n8k16_bf16, mma_m16n8k16_f16,  # noqa: F401,F811
+                           pack_bf16x2, pack_f16x2, shfl_xor_sync)  # noqa: F401,F811
