@@ -147,7 +147,8 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
                               sparse_mode, inner_precise, device, return_softmax_lse),
                        stage=_stage)
     problem = plan(valid)
-    out, lse = dispatch.choose(problem, valid.device).run(problem, valid.staged)
+    out, lse = dispatch.choose(problem, valid.device, valid.staged).run(problem,
+                                                                       valid.staged)
     if valid.staged is not None:
         out, lse = valid.staged.results(out, lse)
     return (out, lse) if problem.want_lse else out
@@ -180,7 +181,8 @@ class PfaPlan(Plan):
     """
     operator = staticmethod(prompt_flash_attention)
 
-    def _checked(self, arguments):
+    @classmethod
+    def _checked(cls, arguments):
         valid = PV.validate(PV.Call(**arguments), stage=_stage)
         return plan(valid), valid.staged, valid.want_lse, valid.device
 
@@ -207,3 +209,16 @@ def trans_quant_param(scale):
     """
     bits = np.asarray(scale, dtype=np.float32).view(np.uint32).astype(np.uint64)
     return (bits & np.uint64(0xFFFFE000)) | np.uint64(1 << 46)
+
+
+def explain(query, key, value, *args, **kwargs):
+    """Which kernel ``prompt_flash_attention(query, key, value, *args, **kwargs)`` gets and why
+    every other kernel of its device was not taken, as text; the call is checked (raising its
+    errors) and planned, not run::
+
+        >>> print(explain(q, k, v, num_heads=8, input_layout="BNSD"))   # doctest: +SKIP
+        the cpu float32-tiles kernel runs this call: tiles of query rows x kv columns ...
+          not int8: float16 inputs (it takes int8)
+          ...
+    """
+    return PfaPlan.explain(query, key, value, *args, **kwargs)

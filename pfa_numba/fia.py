@@ -78,7 +78,7 @@ def fused_infer_attention_score(
     staged = Staged(call, device) if checks.is_cuda_array(query) else None
     valid = FV.validate(staged.call if staged else call, device)
     problem = planned(valid)
-    out, lse = dispatch.choose(problem, device).run(problem, staged)
+    out, lse = dispatch.choose(problem, device, staged).run(problem, staged)
     return _results(query, out, lse, valid.lse_flag, staged)
 
 
@@ -157,7 +157,8 @@ class FiaPlan(Plan):
     """
     operator = staticmethod(fused_infer_attention_score)
 
-    def _checked(self, arguments):
+    @classmethod
+    def _checked(cls, arguments):
         call = FV.FiaCall(**arguments)
         device = checks.check_placement(call)
         # checked before anything is copied; a CPU launch holds its own copies of the
@@ -175,3 +176,9 @@ class FiaPlan(Plan):
             from .gpu.launch import placeholder_lse
             return out, (lse if self._lse_flag else placeholder_lse(query))
         return _results(query, out, lse, self._lse_flag)
+
+
+def explain_fia(query, key, value, **kwargs):
+    """:func:`pfa_numba.explain` for ``fused_infer_attention_score(query, key, value,
+    **kwargs)``: its kernel and why each other one was not taken, as text."""
+    return FiaPlan.explain(query, key, value, **kwargs)

@@ -31,22 +31,37 @@ class Plan:
     operator = None
 
     def __init__(self, query, key, value, *args, **kwargs):
-        try:
-            bound = inspect.signature(self.operator).bind(query, key, value, *args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"{type(self).__name__} takes {self.operator.__name__}'s arguments: "
-                            f"{e}") from None
-        problem, staged, self._lse_flag, device = self._checked(
-            {**_defaults(self.operator), **bound.arguments})
-        backend = dispatch.choose(problem, device)
-        self._launch = self._prepare(backend, problem, staged, (query, key, value))
-        given = {name: x for name, x in bound.arguments.items() if name not in _QKV}
+        arguments = self._bound(query, key, value, *args, **kwargs)
+        problem, staged, self._lse_flag, device = self._checked(arguments)
+        choice = dispatch.choose(problem, device, staged)
+        self._launch = self._prepare(choice, problem, staged, (query, key, value))
+        given = {name: x for name, x in arguments.items() if name not in _QKV}
         read_in_place = self._read_at_each_call(given)
         self._kwargs = {name: x if name in read_in_place else _snapshot(x)
                         for name, x in given.items()}
         self._like = tuple(_like(x) for x in (query, key, value))
 
-    def _checked(self, arguments):
+    @classmethod
+    def explain(cls, query, key, value, *args, **kwargs):
+        """Which kernel ``operator(query, key, value, *args, **kwargs)`` gets and why every
+        other kernel of its device was not taken, as text (the call is checked and planned,
+        raising the operator's errors, and not run)."""
+        problem, staged, _, device = cls._checked(
+            cls._bound(query, key, value, *args, **kwargs))
+        return str(dispatch.choose(problem, device, staged))
+
+    @classmethod
+    def _bound(cls, *args, **kwargs):
+        """{name: value} of every argument of an operator call with these arguments."""
+        try:
+            bound = inspect.signature(cls.operator).bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{cls.__name__} takes {cls.operator.__name__}'s arguments: "
+                            f"{e}") from None
+        return {**_defaults(cls.operator), **bound.arguments}
+
+    @classmethod
+    def _checked(cls, arguments):
         """(planned problem, staged arrays or None, the lse flag, device) of a call with these
         bound arguments, raising the operator's errors."""
         raise NotImplementedError
@@ -61,15 +76,15 @@ class Plan:
         the CUDA query's kind already; else NumPy arrays)."""
         raise NotImplementedError
 
-    def _prepare(self, backend, problem, staged, arrays):
+    def _prepare(self, choice, problem, staged, arrays):
         """The planned launch its calls run, or None (whole calls)."""
         if any(isinstance(x, (list, tuple)) for x in arrays):
             return None
-        if backend.name == "cpu" and (staged is None or staged.meta is None) and \
+        if choice.target.name == "cpu" and (staged is None or staged.meta is None) and \
                 not checks.is_cuda_array(arrays[0]):
-            return _CpuLaunch.of(backend.prepare(problem), arrays)
-        if backend.name == "cuda" and staged is not None and staged.meta is not None:
-            return _CudaLaunch(problem, staged.meta)
+            return _CpuLaunch.of(choice.prepare(problem), arrays)
+        if choice.target.name == "cuda" and staged is not None and staged.meta is not None:
+            return _CudaLaunch(problem, staged.meta, choice)
         return None
 
     def __call__(self, query, key, value):
@@ -116,9 +131,9 @@ class _CudaLaunch:
     """A planned CUDA launch with its small arguments on the device, and the CUDA array
     argument names its query, key and value pointers replace."""
 
-    def __init__(self, problem, meta):
+    def __init__(self, problem, meta, choice):
         from .gpu import device, launch
-        self.launch = launch.prepare(problem, meta)
+        self.launch = launch.prepare(problem, meta, choice)
         if not self.launch.empty:
             self.launch.keep_arguments(device.caller_stream(None))
 

@@ -10,11 +10,23 @@ def _run(*args):
     return res.stdout
 
 
-def test_info_lists_backends_threads_and_cache():
+def test_info_lists_kernels_threads_and_cache():
+    from pfa_numba import dispatch
     out = _run("info")
-    for word in ("numba", "backend cpu", "backend cuda", "threads", "cache", "AMX",
-                 "float32 tiles"):
+    for word in ("numba", "threads", "cache", "float32 tiles"):
         assert word in out
+    for kernel in dispatch.KERNELS:
+        assert f"{kernel.device} {kernel.name} " in out and kernel.does in out
+
+
+def test_info_explains_a_call():
+    """info --call: the kernel a decode step gets, and a line for every other CPU kernel."""
+    from pfa_numba import dispatch
+    out = _run("info", "--call", "1,8,2,1,512,64", "--dtype", "float32")
+    explanation = out[out.index("the cpu "):].splitlines()
+    assert explanation[0].startswith("the cpu streaming kernel runs this call")
+    assert sorted(line.split(":")[0].strip() for line in explanation[1:]) == sorted(
+        f"not {k.name}" for k in dispatch.TARGETS["cpu"].kernels() if k.name != "streaming")
 
 
 def test_a_closed_pipe_ends_the_output_quietly():

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("numba.cuda", reason="numba-cuda comes with the test extra")
 
-from pfa_numba import (FiaPlan, PfaPlan, config, dispatch,  # noqa: E402
+from pfa_numba import (FiaPlan, PfaPlan, config, dispatch, explain,  # noqa: E402
                        fused_infer_attention_score as fia, prompt_flash_attention as pfa)
 from pfa_numba.gpu import device, launch as L, tc_kernel as T  # noqa: E402
 
@@ -58,7 +58,7 @@ class Shim:
                      "caller_stream", "span", "as_device", "empty", "upload", "copy_in", "download", "synchronize",
                      "launch", "mark", "done"):
             monkeypatch.setattr(device, name, getattr(self, name))
-        monkeypatch.setattr(dispatch.CudaBackend, "environment_problems", lambda self: [])
+        monkeypatch.setattr(dispatch.CudaTarget, "environment_problems", lambda self: [])
         monkeypatch.setattr(L, "_STREAMS", type(L._STREAMS)())
 
     def reset(self):
@@ -271,11 +271,19 @@ def test_the_log_says_which_kernel_and_why(shim, caplog):
         pfa(*_qkv(np.float16, d=96), **KW)
         odd = FakeCuda(q.shape, np.float16, offset=8)
         pfa(odd, k, v, **KW)
-    lines = [r.getMessage() for r in caplog.records]
-    assert lines[0].startswith("the tensor-core kernel runs this call")
-    assert lines[1].startswith("the portable kernel runs this call: head dim 96")
-    assert lines[2] == ("the portable kernel runs this call: a query, key or value device "
-                        "pointer is not 16-byte aligned")
+    lines = [r.getMessage().splitlines() for r in caplog.records]
+    assert lines[0][0].startswith("the cuda tensor-core kernel runs this call: mma.sync")
+    assert lines[0][1].startswith("  not decode: 4 query heads a kv head x 256 query rows > 16")
+    assert lines[0][2] == "  not portable: it could; tensor-core comes first"
+    assert lines[1][0].startswith("the cuda portable kernel runs this call")
+    assert lines[1][1:3] == ["  not decode: head dim 96 (it takes 64, 128)",
+                             "  not tensor-core: head dim 96 (it takes 64, 128)"]
+    assert lines[2][1:3] == ["  not decode: 4 query heads a kv head x 256 query rows > 16: the "
+                             "decode kernel holds one kv head's rows in one mma tile; a query, "
+                             "key or value device pointer is not 16-byte aligned",
+                             "  not tensor-core: a query, key or value device pointer is not "
+                             "16-byte aligned"]
+    assert lines[0] == explain(q, k, v, **KW).splitlines()        # the log line is the text
 
 
 def test_a_plan_given_misaligned_arrays_runs_whole_calls(shim):

@@ -165,23 +165,53 @@ def info(args):
     print(f"  threads        {numba.get_num_threads()} (NUMBA_NUM_THREADS), threading layer "
           f"{numba.config.THREADING_LAYER}")
     print(f"  cache          {numba.config.CACHE_DIR or os.path.dirname(pfa_numba.__file__)}")
-    from pfa_numba.cpu import _amx, _gemm
+    from pfa_numba.cpu import _gemm
     products = ("AVX-512 register blocks" if _gemm.available() else "BLAS sgemm (no AVX-512)")
     print(f"  float32 tiles  {products}")
-    print("  AMX            " + ("used for bfloat16 and float16 tile products"
-                                  if _amx.available() else
-                                  "not available: bfloat16 and float16 run on the float32 tiles"))
-    for backend in dispatch.BACKENDS:
-        device = backend.devices[0]
-        why = backend.not_supported_reasons(None, device)
-        print(f"  backend {backend.name:6s} " + ("available" if not why else
-                                               "unavailable: " + "; ".join(why)))
-    try:                       # which CUDA kernel float16 / bfloat16 problems get, and why
-        from pfa_numba.gpu import tc_kernel
-        print("  CUDA fp16/bf16 " + tc_kernel.selection_note())
-    except Exception as exc:   # numba-cuda missing or unusable here
-        print(f"  CUDA fp16/bf16 scalar kernel (tensor-core kernel not importable: {exc})")
+    print("kernels (each device's in order of preference; a call gets the first that takes it):")
+    for target in dispatch.TARGETS.values():
+        broken = target.environment_problems()
+        features = set() if broken else target.features()
+        for kernel in target.kernels():
+            why = broken or kernel.not_supported_reasons(None, None, features)
+            print(f"  {target.name} {kernel.name:14s} " + ("available" if not why else
+                                                        "unavailable: " + "; ".join(why)))
+            print(f"      {kernel.does}")
+            print(f"      takes {_takes(kernel)}")
+    if args.call:
+        print("\n" + _explain_call(args))
+    else:
+        print("\n(pfa_numba.explain(...) says which a call gets and why; here: info --call "
+              "B,N,Nkv,Sq,Skv,D)")
     return 0
+
+
+def _takes(kernel):
+    """What ``kernel`` takes, in words."""
+    parts = ["/".join(kernel.dtypes),
+             "D in " + ", ".join(map(str, kernel.head_dims)) if kernel.head_dims else "any D",
+             "layouts " + ", ".join(kernel.layouts),
+             "caches: contiguous" + "".join(f", {c}" for c in kernel.caches)]
+    if kernel.features:
+        parts.append("needs " + ", ".join(kernel.features))
+    return "; ".join(parts)
+
+
+def _explain_call(args):
+    """pfa_numba.explain of a call of shape ``args.call`` (B,N,Nkv,Sq,Skv,D) on random data."""
+    import ml_dtypes
+
+    from pfa_numba import explain
+    b, n, nkv, sq, skv, d = (int(x) for x in args.call.split(","))
+    dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else np.dtype(args.dtype)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((b, n, sq, d)).astype(dtype)
+    k, v = (rng.standard_normal((b, nkv, skv, d)).astype(dtype) for _ in range(2))
+    return (f"prompt_flash_attention of {args.dtype} B={b} N={n} Nkv={nkv} Sq={sq} Skv={skv} "
+            f"D={d} (BNSD, causal) on {args.device}:\n" +
+            explain(q, k, v, np.triu(np.ones((2048, 2048), bool), 1), num_heads=n,
+                    num_key_value_heads=nkv, scale_value=d ** -0.5, input_layout="BNSD",
+                    sparse_mode=3, device=args.device))
 
 
 def cuda_ptx(args):
@@ -230,7 +260,11 @@ def main(argv=None):
     p.set_defaults(fn=lambda a: _bench_decode_module().main(a))
     p = sub.add_parser("warmup", help="compile every CPU kernel into Numba's cache")
     p.set_defaults(fn=warmup)
-    p = sub.add_parser("info", help="versions, backends, threads, cache location")
+    p = sub.add_parser("info", help="versions, kernels, threads, cache location; with --call, "
+                                    "the kernel a call gets and why")
+    p.add_argument("--call", default="", help="B,N,Nkv,Sq,Skv,D of a call to explain")
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.set_defaults(fn=info)
     p = sub.add_parser("cuda-ptx", help="write the tensor-core kernels' PTX and SASS summaries, "
                                         "one pair a specialisation (needs numba-cuda, not a GPU)")

@@ -21,12 +21,10 @@ no Sq x Skv matrix exists. Threads take work items as they free up; each item is
 one thread, the same way whichever thread takes it, so results do not depend on the thread
 count or on which thread takes which item.
 
-Modules: ``driver`` (run a planned problem: buffers, tile sizes, kernel choice), ``items`` (work
+Modules: ``driver`` (a planned problem's division of work, which ``dispatch`` chooses a kernel
+by, and its launch: buffers, tile sizes), ``items`` (work
 items and row segments), ``rows`` (per-row steps), ``block_f32``, ``block_amx`` with
 ``amx_pack``, ``block_int8`` (one work item each), and the tile products ``_gemm`` (AVX-512
 register blocks), ``_blas`` (SciPy's sgemm), ``_amx`` (AMX tiles) over ``_vector`` (CPU
 intrinsics).
 """
-from .driver import run
-
-__all__ = ["run"]

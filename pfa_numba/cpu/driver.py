@@ -1,5 +1,5 @@
-"""Running a planned problem on the CPU: buffers, tile sizes, kernel choice, one parallel region
-at a time."""
+"""Running a planned problem on the CPU: how its work divides (and so which of the kernels
+``dispatch`` declares can take it), buffers, tile sizes, one parallel region at a time."""
 import contextlib
 import dataclasses
 import math
@@ -10,9 +10,9 @@ import numpy as np
 import threading
 from numba import njit, prange
 from .. import config
-from ..numerics.core import CODE_BF16, CODE_F16, CODE_F32, quantize_output, widen
+from ..numerics.core import CODE_F16, CODE_F32, quantize_output, widen
 from ..numerics.kernel_args import kernel_args, output_scales, scale_factors
-from . import _amx, _gemm
+from . import _gemm
 from ._blas import sgemm_address
 from .amx_pack import AMX_MAX_SCALE
 from .block_amx import _attention_amx
@@ -81,59 +81,97 @@ def use_register_blocks():
     return bool(config.CPU_AVX512_GEMM) and _gemm.available()
 
 
-def use_amx(p):
-    """bf16 and float16 problems run their tile products on AMX where this process can
-    (config.CPU_AMX)."""
-    _, scale2, post_e = scale_factors(p.scale)     # the AMX softmax takes a single factor
-    return (p.code in (CODE_BF16, CODE_F16) and bool(config.CPU_AMX) and scale2 == 1
-            and post_e == 0 and abs(p.scale) <= AMX_MAX_SCALE and _amx.available())
+def amx_reasons(p, work):
+    """Why the AMX kernel cannot take planned problem ``p`` beyond what dispatch declares of it
+    (its dtypes, caches, machine feature and switch): its softmax takes a single scale factor."""
+    _, scale2, post_e = scale_factors(p.scale)
+    if scale2 != 1 or post_e != 0 or abs(p.scale) > AMX_MAX_SCALE:
+        return [f"scale_value {p.scale!r}: the AMX softmax folds the scale into one float32 "
+                "factor of at most 2^64"]
+    return []
 
 
-def run(p):
-    """Compute a planned problem on the CPU; returns (out, lse or None) as NumPy arrays."""
-    return prepare(p).run()
+def split_kv_reasons(p, work):
+    """Why planned problem ``p``'s kv ranges are not split (:func:`.split_kv.split_work`)."""
+    if work.groups.shape[0]:
+        return []
+    threads, want = work_threads(), runs_wanted(work_threads())
+    if not want:
+        return ["config.CPU_SPLIT_KV_ITEMS is 0"]
+    if work.unsplit_runs >= want:
+        return [f"{work.unsplit_runs} runs of work keep {threads} threads busy "
+                f"(config.CPU_SPLIT_KV_ITEMS = {config.CPU_SPLIT_KV_ITEMS} a thread)"]
+    return ["kv ranges too short to split (pieces of at least config.CPU_SPLIT_KV_MIN_COLS = "
+            f"{config.CPU_SPLIT_KV_MIN_COLS} columns)"]
 
 
-def prepare(p):
-    """The :class:`Launch` of planned problem ``p``: its work items, kernel and arguments."""
-    quant = p.quant
-    int8_out = quant is not None and quant.out_dtype == np.int8
-    # int8 output is quantized from the float16 (or float32) result in a second pass
-    direct_dtype = np.float16 if (p.dtype == np.int8 or (int8_out and p.dtype != np.float32)) \
-        else p.dtype
+def streaming_reasons(p, work):
+    """Why planned problem ``p``'s work items do not stream their K / V rows."""
+    if work.streams:
+        return []
+    rows = p.G * min(work.rows_per_head, int(p.qlen.max(initial=0)))
+    return [f"{rows} query rows a kv head (its G heads' rows) > config.CPU_STREAM_ROWS = "
+            f"{stream_rows()}: tiles of rows share each K / V tile"]
+
+
+@dataclasses.dataclass
+class Work:
+    """How a planned problem's work divides on the CPU: what the kernels' conditions read and
+    the launch runs."""
+    rows_per_head: int               # query positions of a work item
+    kv_cols: int                     # kv columns of a tile
+    items: Any                       # the work items (split-kv's pieces where it splits)
+    groups: Any                      # split-kv's groups of pieces to merge (none: no split)
+    runs: Any                        # starts of the runs of items taken together, and the end
+    unsplit_runs: int                # runs before split-kv cut them
+    streams: bool                    # items of few rows stream their K / V rows
+
+
+def divide(p):
+    """The :class:`Work` of planned problem ``p``."""
     q_rows, kv_cols = tile_shape(p)
     if p.dtype == np.int8:
         kv_cols = min(kv_cols, INT8_MAX_KV_COLS)
     rows_per_head = max(1, q_rows // p.G)
     empty = not (p.B and math.prod(p.out_shape))
-    work = np.zeros((0, 6), np.int64) if empty else _work_items(p, rows_per_head)
-    if not work.shape[0]:
-        return Launch(p, direct_dtype, int8_out)
-    nthreads = max(1, int(config.CPU_THREADS or numba.get_num_threads()))
+    items = np.zeros((0, 6), np.int64) if empty else _work_items(p, rows_per_head)
     groups = np.zeros((0, 5), np.int64)
     # pieces and runs of several items are the float32 kernel's; runs of kv heads come
     # first (as many as split-kv wants), pieces of kv columns only where they are too few
     f32 = p.dtype != np.int8
-    runs = kv_head_runs(work, p.qlen, p.G, rows_per_head, stream_rows() if f32 else 0,
-                        work.shape[0] // max(1, runs_wanted(work_threads())))
+    runs = kv_head_runs(items, p.qlen, p.G, rows_per_head, stream_rows() if f32 else 0,
+                        items.shape[0] // max(1, runs_wanted(work_threads())))
+    unsplit = runs.shape[0] - 1
     if f32:
-        work, groups, runs = split_work(p, work, runs, rows_per_head, work_threads())
-    # AMX dequantizes no int8 key / value; items of few rows stream
-    float_kv = p.cache is None or p.cache.antiquant is None
-    amx = (p.dtype != np.int8 and not groups.shape[0] and float_kv
-           and not streams(p, rows_per_head) and use_amx(p))
-    nthreads = min(nthreads, work.shape[0] if amx else runs.shape[0] - 1)
+        items, groups, runs = split_work(p, items, runs, rows_per_head, work_threads())
+    return Work(rows_per_head, kv_cols, items, groups, runs, unsplit,
+                f32 and streams(p, rows_per_head))
+
+
+def prepare(p, kernel, work):
+    """The :class:`Launch` of planned problem ``p`` on the declared CPU kernel named
+    ``kernel`` (``dispatch.KERNELS``) over its :class:`Work`."""
+    quant = p.quant
+    int8_out = quant is not None and quant.out_dtype == np.int8
+    # int8 output is quantized from the float16 (or float32) result in a second pass
+    direct_dtype = np.float16 if (p.dtype == np.int8 or (int8_out and p.dtype != np.float32)) \
+        else p.dtype
+    if not work.items.shape[0]:
+        return Launch(p, direct_dtype, int8_out)
+    amx = kernel == "amx"
+    nthreads = max(1, int(config.CPU_THREADS or numba.get_num_threads()))
+    nthreads = min(nthreads, work.items.shape[0] if amx else work.runs.shape[0] - 1)
     own = use_register_blocks()
-    blas = p.dtype == np.int8 or not own          # the int8 kernel's products are BLAS
+    blas = kernel == "int8" or not own          # the int8 kernel's products are BLAS
     # the output arrays' shapes and strides are all the arguments take of them
     a = kernel_args(p, np.empty(p.out_shape, direct_dtype), np.empty(p.lse_shape, np.float32),
-                    flags=int8_out, rows=rows_per_head, cols=kv_cols, threads=nthreads,
-                    sub=sub_rows(), seg=seg_rows(amx), gemm=own,
+                    flags=int8_out, rows=work.rows_per_head, cols=work.kv_cols,
+                    threads=nthreads, sub=sub_rows(), seg=seg_rows(amx), gemm=own,
                     blas=sgemm_address() if blas else 0, stream=stream_rows(),
                     next_keys=prefetch_next_keys())
-    kernel = "int8" if p.dtype == np.int8 else "amx" if amx else "f32"
-    parts = partial_buffers(groups, p.G * rows_per_head, f32_widths(a.params)[0])
-    return Launch(p, direct_dtype, int8_out, kernel, a, work, groups, runs, parts, blas)
+    parts = partial_buffers(work.groups, p.G * work.rows_per_head, f32_widths(a.params)[0])
+    return Launch(p, direct_dtype, int8_out, kernel, a, work.items, work.groups, work.runs,
+                  parts, blas)
 
 
 @dataclasses.dataclass
@@ -144,7 +182,7 @@ class Launch:
     p: Any
     direct_dtype: Any                # the dtype the kernel writes (float16 before int8 output)
     int8_out: bool
-    kernel: Optional[str] = None     # "f32", "amx" or "int8"; None: no work item (all zeros)
+    kernel: Optional[str] = None     # the declared kernel's name; None: no work item (zeros)
     args: Any = None                 # the KernelArgs
     work: Any = None
     groups: Any = None

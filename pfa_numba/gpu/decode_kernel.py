@@ -55,7 +55,7 @@ from . import fragments as F
 from . import ptx as X
 from .kernels import array_function, kv_places, kv_value
 from .tc_kernel import (FULL, HEAD_DIMS, KV_SOURCES, LOG2E, SIGNS, SIMULATOR, _band32, _banded,
-                        _device, _stage_walked, kind_of, make_row_masks, reads_mask_or_pse,
+                        _device, _stage_walked, make_row_masks, reads_mask_or_pse,
                         rows_reason, scale_reason)
 from .dequant import make_dequant, row_tokens
 from .guard import antiquant_reason
@@ -77,27 +77,16 @@ def ring_buffers(d, int8=False):
     return RING_BYTES // (BKV * d * 2)
 
 
-def decode_reason(p, cc=None):
-    """None when the decode kernel can run planned problem ``p`` (on a device of compute
-    capability ``cc``, when given), else why not."""
-    kind = kind_of(p.dtype)
-    if kind is None:
-        return f"{np.dtype(p.dtype).name} inputs: the decode kernel takes float16 and bfloat16"
+def decode_reason(p):
+    """None when the decode kernel can run planned problem ``p`` as far as the problem goes
+    beyond what ``dispatch`` declares of the kernel (dtypes, head dims, layouts, compute
+    capability), else why not."""
     if p.G * p.Sq > ROWS:
         return (f"{p.G} query heads a kv head x {p.Sq} query rows > {ROWS}: the decode kernel "
                 "holds one kv head's rows in one mma tile")
-    if p.packed:
-        return "TND layout: the decode kernel reads padded batches"
     if np.dtype(p.out_dtype) != np.dtype(p.dtype):
         return f"a {np.dtype(p.out_dtype).name} output (quantized): the scalar kernel writes it"
-    if p.D not in HEAD_DIMS:
-        return f"head dim {p.D}: the decode kernel has D in {HEAD_DIMS}"
-    if cc is not None and tuple(cc) < (8, 0):
-        return f"compute capability {cc[0]}.{cc[1]}: mma.bf16 / cp.async need 8.0 or newer"
-    why = scale_reason(p.scale) or antiquant_reason(p)
-    if why is not None:
-        return why
-    return rows_reason(p)
+    return scale_reason(p.scale) or antiquant_reason(p) or rows_reason(p)
 
 
 def split_plan(p, lens, sms):

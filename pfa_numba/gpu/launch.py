@@ -24,14 +24,15 @@ one, the tensor-core kernel then returns at once and the portable kernel launche
 computes the call (which otherwise returns at once). No host read decides. The decode kernel
 takes the guard where its rows may drop different columns of a tile, or for such token planes.
 """
+import dataclasses
 import logging
 import math
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
-from .. import config
 from ..numerics.kernel_args import L_ROWS, kernel_args
 from . import device
 from . import guard as guard_kernels
@@ -143,22 +144,58 @@ def _stream_state(stream):
 # which kernel
 # ---------------------------------------------------------------------------------------------
 
-def kernel_choice(p, cc=None):
-    """(DECODE, TENSOR_CORE or PORTABLE, why) for planned problem ``p`` on a device of compute
-    capability ``cc`` (device pointers' alignment aside: :meth:`Launch.aligned`)."""
-    if not config.CUDA_TENSOR_CORES:
-        return PORTABLE, "config.CUDA_TENSOR_CORES is False"
-    from . import decode_kernel as dk
-    from . import tc_kernel as tc
-    not_decode = dk.decode_reason(p, cc)
-    if not_decode is None:
-        return DECODE, (f"{p.G} query heads x {p.Sq} query rows a kv head: the split-kv "
-                        "decode kernel reads each K/V row once for them all")
-    why = tc.tensor_core_reason(p, cc)
-    if why is not None:
-        return PORTABLE, f"{why} (and not the decode kernel: {not_decode})"
-    return TENSOR_CORE, "float16 / bfloat16 the tensor-core kernel takes (a V holding inf or " \
-                        "NaN goes to the portable kernel on the device)"
+@dataclasses.dataclass
+class Situation:
+    """What the CUDA kernels' conditions read of a planned problem beyond the problem: its
+    kernel arguments, the device's compute capability and multiprocessors, and whether the
+    device pointers the tensor-core and decode kernels read in 16-byte rows are aligned."""
+    args: Any                        # KernelArgs over metadata outputs; None: nothing to compute
+    cc: tuple
+    sms: int
+    located: tuple                   # ((argument name, byte offset)) of those rows' CUDA arrays
+    aligned: bool
+
+    @classmethod
+    def of(cls, p, meta=None, cc=None, sms=None):
+        """The situation of planned problem ``p`` over the CUDA arrays ``meta`` made metadata
+        of (None: NumPy inputs) on the current device (or one of compute capability ``cc``
+        with ``sms`` multiprocessors)."""
+        cc = tuple(cc or device.compute_capability())
+        sms = sms or device.multiprocessor_count()
+        if p.B == 0 or math.prod(p.out_shape) == 0:
+            return cls(None, cc, sms or DEFAULT_SMS, (), True)
+        a = kernel_args(p, _metadata_array(p.out_shape, p.out_dtype),
+                        _metadata_array(p.lse_shape, np.float32))
+        located = tuple(meta.locate(x) for x in (a.q, a.k, a.v, a.kp, a.vp)
+                        if meta is not None and meta.holds(x))
+        return cls(a, cc, sms or DEFAULT_SMS, located,
+                   aligned(located, meta.pointers if meta is not None else {}))
+
+
+def aligned(located, pointers):
+    """Whether the arrays at ``located`` ((argument name, byte offset)) start 16-byte aligned
+    given the arguments' device ``pointers``."""
+    return all(pointers[name] + offset & 15 == 0 for name, offset in located)
+
+
+def decode_reasons(p, situation):
+    """Why the decode kernel cannot take planned problem ``p`` beyond what dispatch declares."""
+    from .decode_kernel import decode_reason
+    return _with_alignment(decode_reason(p), situation)
+
+
+def tensor_core_reasons(p, situation):
+    """Why the tensor-core kernel cannot take planned problem ``p`` beyond what dispatch
+    declares."""
+    from .tc_kernel import tensor_core_reason
+    return _with_alignment(tensor_core_reason(p), situation)
+
+
+def _with_alignment(why, situation):
+    reasons = [why] if why else []
+    if not situation.aligned:
+        reasons.append("a query, key or value device pointer is not 16-byte aligned")
+    return reasons
 
 
 def _metadata_array(shape, dtype):
@@ -191,17 +228,18 @@ class Launch:
     or a host array (packed when small, copied in by each call otherwise). Made per call, or
     once by a plan; :meth:`run` computes it."""
 
-    def __init__(self, p, meta=None, cc=None, sms=None):
+    def __init__(self, p, meta, choice):
         self.p, self.on_device = p, meta is not None
-        self.empty = p.B == 0 or math.prod(p.out_shape) == 0
+        self.kernel, self.choice = choice.kernel.name, choice
+        situation = choice.situation
+        self.empty = situation.args is None
         if self.empty:
             return
-        a = kernel_args(p, _metadata_array(p.out_shape, p.out_dtype),
-                        _metadata_array(p.lse_shape, np.float32))
+        a = situation.args
         self.out_storage = a.out.dtype
         self.left_padded = p.q_off is not None and bool(p.q_off.any())
-        self.kernel, self.reason = kernel_choice(p, cc)
         self.pointers = meta.pointers if meta is not None else {}
+        self.located = situation.located
         host = dict(zip(_SMALL, (a.strides, a.boff, a.lens, a.params)))
         host.update(fparams=a.fparams, scale2=a.scale2, offset2=a.offset2,
                     no_lse=np.zeros(1, np.float32), table=a.table, channel=a.channel)
@@ -219,13 +257,10 @@ class Launch:
                 self.sources[field] = ("host", x)
         self.packed = Packed(host)
         self.rows = int(a.lens[L_ROWS].max())
-        from .decode_kernel import split_plan
         if self.kernel == DECODE:
-            self.splits, self.per_split = split_plan(p, a.lens, sms or DEFAULT_SMS)
+            from .decode_kernel import split_plan
+            self.splits, self.per_split = split_plan(p, a.lens, situation.sms)
         self.own_views = None
-        if not self.aligned(self.pointers):
-            self.kernel, self.reason = PORTABLE, "a query, key or value device pointer is " \
-                                                 "not 16-byte aligned"
         self.scans = guard_scans(p, self.kernel)
 
     def keep_arguments(self, stream):
@@ -236,14 +271,10 @@ class Launch:
         self.own_buffer, self.own_views = buffer, self.packed.views(buffer)
 
     def aligned(self, pointers):
-        """Whether the tensor-core kernel may read q, k and v at these argument pointers
-        ({argument name: device pointer}): 16-byte-aligned rows (true of any other kernel);
-        the decode kernel's key and value (and a shared prefix's) alike."""
-        if self.kernel == PORTABLE:
-            return True
-        return all(pointers[src[1]] + src[2] & 15 == 0 for src in
-                   (self.sources.get(field) for field in _COMMON_TENSORS + ("kp", "vp"))
-                   if src is not None and src[0] == "device")
+        """Whether this launch's kernel may read its query, key and value (and a shared
+        prefix's) at these argument pointers ({argument name: device pointer}): 16-byte-aligned
+        rows for the tensor-core and decode kernels, any for the portable kernel."""
+        return self.kernel == PORTABLE or aligned(self.located, pointers)
 
     def run(self, query=None, pointers=None):
         """(out, lse or None): NumPy arrays for NumPy inputs; for CUDA inputs arrays of
@@ -392,26 +423,15 @@ def _empty_results(p, query):
     return to_kind(out, query), (to_kind(lse, query) if lse is not None else None)
 
 
-def prepare(p, meta=None):
-    """The :class:`Launch` of planned problem ``p`` over the CUDA arrays ``meta`` made
-    metadata of (:class:`..interop.cuda_arrays.Meta`; None for NumPy inputs), its kernel
-    choice logged."""
-    on = config.CUDA_TENSOR_CORES and p.B
-    cc = device.compute_capability() if on else None
-    launch = Launch(p, meta, cc, device.multiprocessor_count() if on else None)
+def prepare(p, meta, choice):
+    """The :class:`Launch` of planned problem ``p`` on the kernel of ``choice`` (a
+    ``dispatch.Choice``), over the CUDA arrays ``meta`` made metadata of
+    (:class:`..interop.cuda_arrays.Meta`; None for NumPy inputs); the choice, with why each
+    other kernel was not taken, is logged."""
+    launch = Launch(p, meta, choice)
     if not launch.empty:
-        log.info("the %s kernel runs this call: %s", launch.kernel, launch.reason)
+        log.info("%s", choice)
     return launch
-
-
-def run(p, meta=None, query=None):
-    """Compute planned problem ``p`` on the GPU.
-
-    ``meta`` is None for NumPy inputs (copied in; NumPy results), or the
-    :class:`..interop.cuda_arrays.Meta`
-    the problem's arrays were made with (CUDA inputs read in place; results of ``query``'s kind,
-    queued on the call's stream)."""
-    return prepare(p, meta).run(query)
 
 
 # ---------------------------------------------------------------------------------------------

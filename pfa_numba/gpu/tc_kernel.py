@@ -69,6 +69,7 @@ from ..numerics.dtypes import F16, is_bf16
 from ..numerics.kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_G, P_IP,
                                     P_LSE, P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_PK, T_PV, T_Q,
                                     T_V, scale_factors)
+from . import HEAD_DIMS
 from . import fragments as F
 from . import ptx as X
 from .guard import antiquant_reason, dequantizes
@@ -80,7 +81,6 @@ from .kernels import (IN_PREFIX, PAST_END, array_function, device_function, kv_a
 WARP_ROWS, WARPS = F.MMA_M, 4
 ROWS, THREADS, BKV = WARP_ROWS * WARPS, F.WARP * WARPS, 64
 #: head dims with a specialisation
-HEAD_DIMS = (64, 128)
 FULL = 0xFFFFFFFF
 SIGNS = np.uint32(0x80008000)      # the sign bits of two packed float16 / bfloat16 values
 #: under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the kernel runs as Python, its warp-level
@@ -651,24 +651,14 @@ def rows_reason(p):
     return None
 
 
-def tensor_core_reason(p, cc=None):
-    """None when the tensor-core kernel can run planned problem ``p`` (on a device of compute
-    capability ``cc``, when given), else why not. (Device pointers' alignment is checked by
-    the launch, ``launch.Launch.aligned``; V's finiteness on the device,
-    ``guard.nonfinite_scan``.)"""
-    kind = kind_of(p.dtype)
-    if kind is None:
-        return f"{np.dtype(p.dtype).name} inputs: the tensor-core kernel takes float16 and bfloat16"
+def tensor_core_reason(p):
+    """None when the tensor-core kernel can run planned problem ``p`` as far as the problem
+    goes beyond what ``dispatch`` declares of the kernel (dtypes, head dims, compute
+    capability), else why not. (Device pointers' alignment is the launch's situation,
+    ``launch.Situation``; V's finiteness is decided on the device, ``guard.nonfinite_scan``.)"""
     if np.dtype(p.out_dtype) != np.dtype(p.dtype):
         return f"a {np.dtype(p.out_dtype).name} output (quantized): the scalar kernel writes it"
-    if p.D not in HEAD_DIMS:
-        return f"head dim {p.D}: the tensor-core kernel has D in {HEAD_DIMS}"
-    if cc is not None and tuple(cc) < (8, 0):
-        return f"compute capability {cc[0]}.{cc[1]}: mma.bf16 / cp.async need 8.0 or newer"
-    why = scale_reason(p.scale) or antiquant_reason(p)
-    if why is not None:
-        return why
-    why = rows_reason(p)
+    why = scale_reason(p.scale) or antiquant_reason(p) or rows_reason(p)
     if why is not None:
         return why
     axis = 0 if p.packed else 2                 # the row axis of the planned views
@@ -681,17 +671,3 @@ def tensor_core_reason(p, cc=None):
                     "offsets are 32-bit (a block's 64 query rows, one head's key and value "
                     "rows and a tile past them)")
     return None
-
-
-def selection_note(cc=None):
-    """What CUDA kernel float16 / bfloat16 problems get, and why (for ``info``)."""
-    if not config.CUDA_TENSOR_CORES:
-        return "portable kernel: config.CUDA_TENSOR_CORES is False"
-    if cc is not None and tuple(cc) < (8, 0):
-        return f"portable kernel: compute capability {cc[0]}.{cc[1]} < 8.0"
-    return (f"split-kv decode kernel for at most 16 query rows a kv head (D in {HEAD_DIMS}, "
-            "contiguous, paged, prefixed or int8 caches); tensor-core kernel (mma.sync "
-            f"m16n8k16) for D in {HEAD_DIMS}, contiguous 16-byte-aligned rows, plain scale, "
-            "finite V and int8 values finite in the query's type (decided on the device); the "
-            "portable kernel otherwise "
-            "(the pfa_numba.cuda log says which a call gets and why)")

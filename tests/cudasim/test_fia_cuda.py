@@ -37,8 +37,8 @@ def cuda_calls(monkeypatch):
     is shown to reach the CUDA launch."""
     from pfa_numba.gpu import launch
     launches = []
-    real = launch.run
-    monkeypatch.setattr(launch, "run", lambda *a: launches.append(a) or real(*a))
+    real = launch.prepare
+    monkeypatch.setattr(launch, "prepare", lambda *a: launches.append(a) or real(*a))
     monkeypatch.setattr(test_fia, "fia", on_cuda)
     monkeypatch.setattr(config, "CUDA_Q_ROWS", 4)
     monkeypatch.setattr(config, "CUDA_KV_COLS", 3)

@@ -43,7 +43,6 @@ def tensor_core_route(monkeypatch):
     NaN bits, so that a portable kernel that returned at once shows."""
     monkeypatch.setattr(config, "CUDA_Q_ROWS", 4)
     monkeypatch.setattr(config, "CUDA_KV_COLS", 3)
-    monkeypatch.setattr(L, "kernel_choice", lambda p, cc=None: (L.TENSOR_CORE, "forced"))
     monkeypatch.setattr(device, "compute_capability", lambda: (9, 0))
     launch, empty = device.launch, device.empty
 

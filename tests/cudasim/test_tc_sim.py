@@ -47,7 +47,7 @@ def tensor_core_device(monkeypatch, caplog):
 def _run(args, kw, dtype, log, lse=True):
     out = prompt_flash_attention(*args, **kw, device="cuda", return_softmax_lse=lse)
     out, got_lse = out if lse else (out, None)
-    assert "the tensor-core kernel runs this call" in log.text, log.text
+    assert "the cuda tensor-core kernel runs this call" in log.text, log.text
     assert isinstance(out, np.ndarray) and out.dtype == dtype
     assert_matches_reference(out, args, kw, dtype, lse=got_lse)
     return out
@@ -131,7 +131,7 @@ def test_fia_prefill_on_a_contiguous_cache(tensor_core_device):
     kw = dict(num_heads=2, num_key_value_heads=1, input_layout="BNSD", sparse_mode=3)
     out, lse = fused_infer_attention_score(q, k, v, atten_mask=CAUSAL, **kw,
                                            softmax_lse_flag=True, device="cuda")
-    assert "the tensor-core kernel runs this call" in tensor_core_device.text
+    assert "the cuda tensor-core kernel runs this call" in tensor_core_device.text
     assert_matches_reference(out, (q, k, v, CAUSAL), kw, np.float16, lse=lse)
 
 
@@ -140,7 +140,7 @@ def _fia_check(args, kw, dtype, log):
     from pfa_numba import reference
     from test_fia import _check
     import test_fia
-    assert "the tensor-core kernel runs this call" in log.text, log.text
+    assert "the cuda tensor-core kernel runs this call" in log.text, log.text
     real = test_fia.fia
     test_fia.fia = lambda *a, **k: fused_infer_attention_score(*a, **k, device="cuda")
     try:

@@ -16,7 +16,9 @@ from pfa_numba.frontend import problem  # noqa: E402
 from pfa_numba.frontend import pfa as PV  # noqa: E402
 from pfa_numba.frontend import fia as FV  # noqa: E402
 from pfa_numba.fia import planned  # noqa: E402
+from pfa_numba import dispatch  # noqa: E402
 from pfa_numba.gpu import decode_kernel as DK  # noqa: E402
+from pfa_numba.gpu import launch as L  # noqa: E402
 from test_tensor_core_ptx import assemble  # noqa: E402
 
 F64 = re.compile(r"\.f64\b")
@@ -74,47 +76,53 @@ def test_decode_kernel_compiles_lean(kind, d, cc, walk, masked, int8, tmp_path):
     assert s["loops"][1]["instructions"] <= ceiling, s
 
 
+def _why(p, cc=(9, 0)):
+    """Why the decode kernel cannot run planned problem ``p`` on a device of capability cc."""
+    return "; ".join(dispatch.reasons_against(dispatch.kernel("cuda", "decode"), p,
+                                              L.Situation.of(p, cc=cc, sms=132)))
+
+
 def _fia(q, k, v, **kw):
     return planned(FV.validate(FV.FiaCall(q, k, v, **kw)))
 
 
-def test_decode_reason_takes_decode_steps_and_few_query_rows():
+def test_the_decode_kernel_takes_decode_steps_and_few_query_rows():
     import ml_dtypes
     q = np.zeros((2, 8, 1, 128), np.float16)
     cache = np.zeros((2, 2, 300, 128), np.float16)
     kw = dict(num_heads=8, num_key_value_heads=2, input_layout="BNSD")
-    assert DK.decode_reason(_fia(q, cache, cache, **kw), (9, 0)) is None
+    assert _why(_fia(q, cache, cache, **kw), (9, 0)) == ""
     bf = ml_dtypes.bfloat16
-    assert DK.decode_reason(_fia(q.astype(bf), cache.astype(bf), cache.astype(bf), **kw)) is None
+    assert _why(_fia(q.astype(bf), cache.astype(bf), cache.astype(bf), **kw)) == ""
     pool = np.zeros((6, 2, 16, 128), np.float16)
     table = np.array([[5, 0, 3], [1, 2, 4]], np.int32)
-    assert DK.decode_reason(_fia(q, pool, pool, block_table=table, block_size=16,
-                                 actual_seq_lengths_kv=[40, 33], **kw)) is None
+    assert _why(_fia(q, pool, pool, block_table=table, block_size=16,
+                     actual_seq_lengths_kv=[40, 33], **kw)) == ""
     q4 = np.zeros((2, 8, 4, 128), np.float16)                 # 4 heads a group x 4 rows = 16
-    assert DK.decode_reason(_fia(q4, cache, cache, **kw)) is None
+    assert _why(_fia(q4, cache, cache, **kw)) == ""
 
 
-def test_decode_reason_refuses_what_the_kernel_does_not_run():
+def test_the_decode_kernel_refuses_what_the_kernel_does_not_run():
     q = np.zeros((1, 8, 1, 64), np.float16)
     cache = np.zeros((1, 2, 100, 64), np.float16)
     kw = dict(num_heads=8, num_key_value_heads=2, input_layout="BNSD")
-    assert "> 16" in DK.decode_reason(_fia(np.zeros((1, 8, 5, 64), np.float16), cache, cache,
-                                           **kw))
-    assert "float32" in DK.decode_reason(_fia(q.astype(np.float32), cache.astype(np.float32),
-                                              cache.astype(np.float32), **kw))
-    assert "head dim 96" in DK.decode_reason(_fia(np.zeros((1, 8, 1, 96), np.float16),
-                                                  *[np.zeros((1, 2, 100, 96), np.float16)] * 2,
-                                                  **kw))
-    assert "7.5" in DK.decode_reason(_fia(q, cache, cache, **kw), (7, 5))
-    assert DK.decode_reason(_fia(q, cache, cache, atten_mask=np.zeros((1, 100), bool),
-                                 **kw)) is None
-    assert DK.decode_reason(_fia(q, cache.astype(np.int8), cache.astype(np.int8),
-                                 antiquant_scale=np.ones(2, np.float16), **kw)) is None
-    assert "int8 cache" in DK.decode_reason(_fia(q, cache.astype(np.int8), cache.astype(np.int8),
-                                                 antiquant_scale=np.array([1e3, 1], np.float16),
-                                                 **kw))
+    assert "> 16" in _why(_fia(np.zeros((1, 8, 5, 64), np.float16), cache, cache,
+                               **kw))
+    assert "float32" in _why(_fia(q.astype(np.float32), cache.astype(np.float32),
+                                  cache.astype(np.float32), **kw))
+    assert "head dim 96" in _why(_fia(np.zeros((1, 8, 1, 96), np.float16),
+                                      *[np.zeros((1, 2, 100, 96), np.float16)] * 2,
+                                      **kw))
+    assert "compute capability 8.0" in _why(_fia(q, cache, cache, **kw), (7, 5))
+    assert _why(_fia(q, cache, cache, atten_mask=np.zeros((1, 100), bool),
+                     **kw)) == ""
+    assert _why(_fia(q, cache.astype(np.int8), cache.astype(np.int8),
+                     antiquant_scale=np.ones(2, np.float16), **kw)) == ""
+    assert "int8 cache" in _why(_fia(q, cache.astype(np.int8), cache.astype(np.int8),
+                                     antiquant_scale=np.array([1e3, 1], np.float16),
+                                     **kw))
     rows = np.zeros((1, 2, 100, 68), np.float16)[..., :64]   # 136-byte rows: not aligned
-    assert "key rows" in DK.decode_reason(_fia(q, rows, cache, **kw))
+    assert "key rows" in _why(_fia(q, rows, cache, **kw))
     p = problem.plan(PV.validate(PV.Call(q, cache, cache, num_heads=8, num_key_value_heads=2,
                                      input_layout="BNSD", scale_value=0.0)))
-    assert "scale_value 0" in DK.decode_reason(p)
+    assert "scale_value 0" in _why(p)

@@ -23,6 +23,8 @@ from pfa_numba.frontend import pfa as PV  # noqa: E402
 from pfa_numba import config  # noqa: E402
 from pfa_numba.gpu import guard as G  # noqa: E402
 from pfa_numba.gpu import tc_kernel as T  # noqa: E402
+from pfa_numba import dispatch  # noqa: E402
+from pfa_numba.gpu import launch as L  # noqa: E402
 from test_tensor_core_ptx import assemble  # noqa: E402
 
 F64 = re.compile(r"\.f64\b")
@@ -137,28 +139,35 @@ def _problem(dtype=np.float16, d=64, layout="BNSD", scale=0.125, **kw):
                                         scale_value=scale, **kw)))
 
 
-def test_tensor_core_reason_accepts_plain_fp16_and_bf16_problems():
+def _why(p, cc=(9, 0)):
+    """Why the tensor-core kernel cannot run planned problem ``p`` on a device of capability
+    cc."""
+    return "; ".join(dispatch.reasons_against(dispatch.kernel("cuda", "tensor-core"), p,
+                                              L.Situation.of(p, cc=cc, sms=132)))
+
+
+def test_the_tensor_core_kernel_takes_plain_fp16_and_bf16_problems():
     import ml_dtypes
-    assert T.tensor_core_reason(_problem()) is None
-    assert T.tensor_core_reason(_problem(ml_dtypes.bfloat16, 128, "BSH")) is None
-    assert T.tensor_core_reason(_problem(), cc=(9, 0)) is None
+    assert _why(_problem()) == ""
+    assert _why(_problem(ml_dtypes.bfloat16, 128, "BSH")) == ""
+    assert _why(_problem(), (9, 0)) == ""
     causal = np.triu(np.ones((2048, 2048), bool), 1)
-    assert T.tensor_core_reason(_problem(sparse_mode=2, attn_mask=causal), cc=(8, 0)) is None
+    assert _why(_problem(sparse_mode=2, attn_mask=causal), (8, 0)) == ""
 
 
-def test_tensor_core_reason_refuses_what_the_kernel_does_not_run():
-    assert "float32" in T.tensor_core_reason(_problem(np.float32))
-    assert "head dim 32" in T.tensor_core_reason(_problem(d=32))
-    assert "7.5" in T.tensor_core_reason(_problem(), cc=(7, 5))
-    assert "scale_value" in T.tensor_core_reason(_problem(scale=2.0 ** -120))
-    assert "scale_value" in T.tensor_core_reason(_problem(scale=2.0 ** 120))
+def test_the_tensor_core_kernel_refuses_what_the_kernel_does_not_run():
+    assert "float32" in _why(_problem(np.float32))
+    assert "head dim 32" in _why(_problem(d=32))
+    assert "compute capability 8.0" in _why(_problem(), (7, 5))
+    assert "scale_value" in _why(_problem(scale=2.0 ** -120))
+    assert "scale_value" in _why(_problem(scale=2.0 ** 120))
     p = _problem()
     p.k = p.k[..., ::2, :]                       # a row stride of 2 x 128 bytes: still aligned
-    assert T.tensor_core_reason(p) is None
+    assert _why(p) == ""
     p = _problem()
     base = np.zeros(2 * 8 * 64 + 4, np.float16)[4:].reshape(1, 2, 8, 64)   # rows 8-byte aligned
     p.v = np.lib.stride_tricks.as_strided(base, base.shape, (0, 8 * 66 * 2, 66 * 2, 2))
-    assert "value rows" in T.tensor_core_reason(p)
+    assert "value rows" in _why(p)
 
 
 def test_paged_prefixed_and_int8_caches_are_taken_unless_dequantized_values_overflow():
@@ -179,11 +188,11 @@ def test_paged_prefixed_and_int8_caches_are_taken_unless_dequantized_values_over
              "int8": FV.FiaCall(q, i8, i8, antiquant_scale=np.ones(2, np.float16), **kw),
              "contiguous": FV.FiaCall(q, pool[:1], pool[:1], **kw)}
     for name, call in calls.items():
-        assert T.tensor_core_reason(planned(FV.validate(call)), (9, 0)) is None, name
+        assert _why(planned(FV.validate(call)), (9, 0)) == "", name
     big = planned(FV.validate(FV.FiaCall(q, i8, i8, antiquant_scale=np.array([1, 600],
                                                                               np.float16),
                                          **kw)))
-    assert "int8 cache" in T.tensor_core_reason(big) and G.antiquant_limits(big) is None
+    assert "int8 cache" in _why(big) and G.antiquant_limits(big) is None
     tokens = planned(FV.validate(FV.FiaCall(
         q, i8, i8, key_antiquant_scale=np.ones((1, 16), np.float32),
         value_antiquant_scale=np.ones((1, 16), np.float32),
@@ -195,16 +204,14 @@ def test_paged_prefixed_and_int8_caches_are_taken_unless_dequantized_values_over
     assert 3 * 128 * limits["kts"] < 65504 < 3 * 128 * limits["kts"] * 1.01
 
 
-def test_the_tensor_core_kernel_is_on_by_default_and_info_says_so(monkeypatch):
+def test_the_tensor_core_kernels_are_on_by_default_and_their_switch_turns_them_off(monkeypatch):
     assert config.CUDA_TENSOR_CORES is True
-    assert T.selection_note((9, 0)).startswith("split-kv decode kernel")
-    assert "tensor-core kernel (mma.sync" in T.selection_note((9, 0))
-    assert "compute capability 7.5" in T.selection_note((7, 5))
+    p = _problem()
+    assert _why(p) == "" and "compute capability 8.0" in _why(p, (7, 5))
     monkeypatch.setattr(config, "CUDA_TENSOR_CORES", False)
-    assert "CUDA_TENSOR_CORES is False" in T.selection_note()
+    assert "config.CUDA_TENSOR_CORES is False" in _why(p)
 
 
-# ---------------------------------------------------------------------------------------------
 # on a GPU only: the kernel against the reference (CUDA_TENSOR_CORES switched on for the test)
 # ---------------------------------------------------------------------------------------------
 

@@ -1,0 +1,131 @@
+"""Kernel choice: every kernel is declared once, one rule takes the first a call's device allows,
+``explain`` says which and why not each other, and the CPU runs the kernel it names."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pfa_numba import config, dispatch, explain, explain_fia, prompt_flash_attention
+from pfa_numba.cpu import driver
+
+DEQ = dict(deq_scale1=np.ones(1, np.float32), quant_scale1=np.ones(1, np.float32),
+           deq_scale2=np.ones(1, np.float32))
+
+
+def _arrays(dtype, b, n, nkv, sq, skv, d, seed=0):
+    rng = np.random.default_rng(seed)
+    if dtype == np.int8:
+        make = lambda shape: rng.integers(-8, 8, shape).astype(np.int8)  # noqa: E731
+    else:
+        make = lambda shape: rng.standard_normal(shape).astype(dtype)    # noqa: E731
+    return make((b, n, sq, d)), make((b, nkv, skv, d)), make((b, nkv, skv, d))
+
+
+def _call(kernel):
+    """(arguments, keywords) of a call that the CPU kernel ``kernel`` takes on this host."""
+    bnsd = dict(input_layout="BNSD")
+    if kernel == "int8":
+        return _arrays(np.int8, 1, 2, 2, 40, 40, 32), dict(num_heads=2, **bnsd, **DEQ)
+    if kernel == "split-kv":             # one decode row, a long kv range, few runs a thread
+        skv = 4 * config.CPU_SPLIT_KV_MIN_COLS
+        return _arrays(np.float32, 1, 1, 1, 1, skv, 16), dict(num_heads=1, **bnsd)
+    if kernel == "streaming":
+        return _arrays(np.float32, 2, 8, 2, 1, 300, 64), dict(num_heads=8,
+                                                               num_key_value_heads=2, **bnsd)
+    dtype = ml_dtypes.bfloat16 if kernel == "amx" else np.float32
+    return _arrays(dtype, 1, 4, 2, 96, 80, 64), dict(num_heads=4, num_key_value_heads=2,
+                                                     **bnsd)
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The kernel names driver.prepare is given and the kernel functions it runs."""
+    log = {"prepared": [], "functions": []}
+    prepare = driver.prepare
+    monkeypatch.setattr(driver, "prepare", lambda p, kernel, work: log["prepared"].append(
+        kernel) or prepare(p, kernel, work))
+    for name in ("_attention", "_attention_amx", "_attention_int8", "_merge_split"):
+        function = getattr(driver, name)
+        monkeypatch.setattr(driver, name, lambda *a, _f=function, _n=name: (
+            log["functions"].append(_n), _f(*a))[1])
+    return log
+
+
+KERNEL_FUNCTIONS = {"int8": ["_attention_int8"], "split-kv": ["_attention", "_merge_split"],
+                    "streaming": ["_attention"], "amx": ["_attention_amx"],
+                    "float32-tiles": ["_attention"]}
+
+
+@pytest.mark.parametrize("kernel", list(KERNEL_FUNCTIONS))
+def test_the_cpu_runs_the_kernel_explain_names(monkeypatch, ran, kernel):
+    """Each CPU kernel, on a call it takes: explain names it first, the kernels before it
+    with their reasons and those after it as able but later; the call runs its functions."""
+    monkeypatch.setattr(config, "CPU_SPLIT_KV_ITEMS", 4 if kernel == "split-kv" else 1)
+    args, kw = _call(kernel)
+    names = [k.name for k in dispatch.TARGETS["cpu"].kernels()]
+    if kernel == "amx" and "AMX" not in dispatch.TARGETS["cpu"].features():
+        assert "not amx: needs AMX, which this machine lacks" in explain(*args, **kw)
+        return
+    text = explain(*args, **kw).splitlines()
+    assert text[0].startswith(f"the cpu {kernel} kernel runs this call: ")
+    others = [n for n in names if n != kernel]
+    assert [line.split(":")[0] for line in text[1:]] == [f"  not {n}" for n in others]
+    for n, line in zip(others, text[1:]):
+        after = names.index(n) > names.index(kernel)
+        able = line.endswith(f"it could; {kernel} comes first")
+        assert after or not able, line          # every kernel before it has reasons
+    prompt_flash_attention(*args, **kw)
+    assert ran["prepared"] == [kernel] and ran["functions"] == KERNEL_FUNCTIONS[kernel]
+
+
+def test_switches_and_features_rule_kernels_out(monkeypatch):
+    args, kw = _call("amx")
+    monkeypatch.setattr(config, "CPU_AMX", False)
+    text = explain(*args, **kw)
+    assert text.startswith("the cpu float32-tiles kernel") and "config.CPU_AMX is False" in text
+    monkeypatch.setattr(config, "CPU_AMX", True)
+    monkeypatch.setattr(dispatch.CpuTarget, "features", lambda self, situation=None: set())
+    assert "not amx: needs AMX, which this machine lacks" in explain(*args, **kw)
+
+
+def test_a_declaration_rules_out_what_it_does_not_take():
+    kernel = dispatch.Kernel("narrow", "cpu", "a test kernel", dtypes=("float16",),
+                             head_dims=(64,), layouts=("BNSD",), caches=("paged",),
+                             features=("AMX",), switch="CPU_AMX")
+
+    class P:                       # what a declaration reads of a planned problem
+        dtype, D, layout = np.dtype(np.float32), 96, "TND"
+        cache = type("C", (), dict(block_table=None, P=3, antiquant=(1, 1)))()
+    reasons = kernel.not_supported_reasons(P, None, features=set())
+    assert reasons == ["needs AMX, which this machine lacks", "float32 inputs (it takes float16)",
+                       "head dim 96 (it takes 64)", "layout TND (it takes BNSD)",
+                       "a shared prefix (it reads contiguous key / value)",
+                       "an int8 kv cache (it reads contiguous key / value)"]
+
+
+def test_no_kernel_raises_every_reason(monkeypatch):
+    monkeypatch.setattr(dispatch, "KERNELS", tuple(k for k in dispatch.KERNELS
+                                                   if k.name != "float32-tiles"))
+    monkeypatch.setattr(config, "CPU_AMX", False)
+    args, kw = _call("float32-tiles")
+    with pytest.raises(RuntimeError) as err:
+        prompt_flash_attention(*args, **kw)
+    for line in ("int8: float32 inputs (it takes int8)", "amx: config.CPU_AMX is False; float32"):
+        assert line in str(err.value)
+
+
+def test_explain_raises_the_calls_errors():
+    args, kw = _call("float32-tiles")
+    with pytest.raises(RuntimeError, match="num_heads"):
+        explain(*args, **{**kw, "num_heads": 3})
+    with pytest.raises(TypeError, match="prompt_flash_attention"):
+        explain(*args, bogus=1)
+
+
+def test_explain_fia_over_an_int8_cache():
+    """An int8 cache: AMX (which dequantizes nothing) is ruled out by its declaration."""
+    q, k, v = _arrays(np.float16, 1, 4, 2, 40, 64, 64)
+    i8 = k.astype(np.int8)
+    text = explain_fia(q, i8, i8, antiquant_scale=np.ones(2, np.float16), num_heads=4,
+                       num_key_value_heads=2, input_layout="BNSD")
+    assert text.startswith("the cpu float32-tiles kernel")
+    assert "not amx: an int8 kv cache (it reads contiguous key / value)" in text
