@@ -310,8 +310,8 @@ def test_paged_and_prefixed_prefill_run_on_amx(monkeypatch, dtype, kind, tiles):
         args = (q, kp, vp)
         kw.update(input_layout=layout, block_table=table, block_size=bs)
     runs = []
-    amx_kernel = driver._attention_amx
-    monkeypatch.setattr(driver, "_attention_amx", lambda *a: runs.append(1) or amx_kernel(*a))
+    amx_kernel = driver.attention_amx
+    monkeypatch.setattr(driver, "attention_amx", lambda *a: runs.append(1) or amx_kernel(*a))
     out, lse = fia(*args, **kw)
     assert runs, "the AMX kernel did not run"
     ref, ref_lse = reference.fused_infer_attention_score(*args, **kw)

@@ -13,19 +13,17 @@ pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
 
 COMPILE = """
 import numba, numpy as np, ml_dtypes
+from pfa_numba.cpu import driver
+from pfa_numba.cpu.block_amx import attention_amx
 from pfa_numba.frontend import pfa as PV
 from pfa_numba.frontend.problem import plan
-from pfa_numba.numerics.kernel_args import kernel_args
-from pfa_numba.cpu.block_amx import _attention_amx
 for dt in (np.float16, ml_dtypes.bfloat16):
     q = np.zeros((1, 2, 8, 32), dt)
     p = plan(PV.validate(PV.Call(q, q, q, num_heads=2, input_layout='BNSD')))
-    a = kernel_args(p, np.zeros(p.out_shape, dt), np.zeros(p.lse_shape, np.float32), rows=8,
-                    cols=8, threads=1, sub=32, seg=64, gemm=1)
-    args = (a.q, a.k, a.v, a.out, a.lse, np.zeros(1, np.uint8), a.mask8, a.mask16, a.pse,
-            a.strides, a.boff, a.lens, np.zeros((1, 6), np.int64), a.params, a.fparams,
-            (a.kp, a.vp, a.table, a.channel) + a.tokens)
-    _attention_amx.compile(tuple(numba.typeof(x) for x in args))
+    launch = driver.prepare(p, "amx", driver.divide(p))
+    out, lse, flags = np.zeros(p.out_shape, dt), np.zeros(p.lse_shape, np.float32), np.zeros(1, np.uint8)
+    args = launch.records(out, lse, flags) + (launch.tuning, launch.work, launch.args.fparams)
+    attention_amx.compile(tuple(numba.typeof(x) for x in args))
     print('compiled', np.dtype(dt).name)
 """
 

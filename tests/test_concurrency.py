@@ -130,7 +130,7 @@ def test_every_parallel_kernel_runs_inside_the_parallel_region(monkeypatch):
     for module in ("pfa_numba.cli.bench_decode",):
         importlib.import_module(module)
     kernels = _parallel_kernels()
-    assert {attr for _, attr in kernels} >= {"_attention", "_attention_int8", "_merge_split",
+    assert {attr for _, attr in kernels} >= {"attention", "attention_int8", "merge_split",
                                              "_quantize_rows", "_read_once"}
     calls = []
 
@@ -158,6 +158,6 @@ def test_every_parallel_kernel_runs_inside_the_parallel_region(monkeypatch):
                                      input_layout="BNSD")
     from pfa_numba.cli import bench_decode as _bench_decode
     _bench_decode._read_each([np.ones(64, np.uint64)])
-    assert {"_attention", "_merge_split", "_quantize_rows", "_attention_int8",
+    assert {"attention", "merge_split", "_quantize_rows", "attention_int8",
             "_read_once"} <= set(calls)
     assert numba.get_num_threads() >= 1

@@ -43,16 +43,16 @@ def ran(monkeypatch):
     prepare = driver.prepare
     monkeypatch.setattr(driver, "prepare", lambda p, kernel, work: log["prepared"].append(
         kernel) or prepare(p, kernel, work))
-    for name in ("_attention", "_attention_amx", "_attention_int8", "_merge_split"):
+    for name in ("attention", "attention_amx", "attention_int8", "merge_split"):
         function = getattr(driver, name)
         monkeypatch.setattr(driver, name, lambda *a, _f=function, _n=name: (
             log["functions"].append(_n), _f(*a))[1])
     return log
 
 
-KERNEL_FUNCTIONS = {"int8": ["_attention_int8"], "split-kv": ["_attention", "_merge_split"],
-                    "streaming": ["_attention"], "amx": ["_attention_amx"],
-                    "float32-tiles": ["_attention"]}
+KERNEL_FUNCTIONS = {"int8": ["attention_int8"], "split-kv": ["attention", "merge_split"],
+                    "streaming": ["attention"], "amx": ["attention_amx"],
+                    "float32-tiles": ["attention"]}
 
 
 @pytest.mark.parametrize("kernel", list(KERNEL_FUNCTIONS))

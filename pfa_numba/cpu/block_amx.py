@@ -3,30 +3,32 @@
 import numpy as np
 from numba import njit, prange
 from ..numerics.core import CODE_F16, F32_NEG_INF, F32_ZERO
-from ..numerics.kernel_args import F_SCALE, P_BLAS, P_CODE, P_COLS, P_D, P_G, T_Q
+from ..numerics.kernel_args import F_SCALE, P_CODE, P_COLS, P_D, P_G, T_Q
 from ._amx import BLOCK, gemm_bf16, padded, tile_config
 from ._blas import scratch
 from ._jit import FASTMATH
 from ._vector import aligned_empty, take_next
 from .amx_pack import (_F16_EXP, _SUBNORMAL_LIMIT, _TINY_V_LIMIT, _amx_pack_k, _amx_pack_rows,
                        _amx_pack_v, _bf16_scan)
-from .block_f32 import _add_pv_exact, _block, _f32_buffers, _finish, f32_widths
-from .items import W_B, W_G, W_I0, W_JHI, W_JLO, _item, _segment, _sizes
+from .block_f32 import (add_pv_exact, block, f32_buffers, f32_widths, finish, no_f32_buffers,
+                        row_state)
+from .items import W_B, W_G, W_I0, W_JHI, W_JLO, item_rows, segment, sizes
 from .kv import kv_tile_end, kv_tile_rows
+from .records import AmxBuffers
 from .rows import _LAZY_V_LIMIT, _rescale_rows, _softmax_rows
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _block_amx(ins, outs, extras, geo, scales, item, bufs, tb, state):
+def _block_amx(ins, outs, extras, geo, tuning, scales, item, bufs, tb, state):
     """One work item of a bf16 or float16 problem on AMX (the records as in
-    :func:`~.block_f32._block`; bufs = (cfg, qh, kt, vv, tmp, sb, pp, acc, ro, rs)). Float16
+    :func:`~.block_f32.block`; bufs: :class:`.records.AmxBuffers`). Float16
     values enter as bf16 hi + lo parts (exact), kept in the second halves of qh, kt and vv, and
     each product sums three bf16 products (all but lo . lo). Returns False, having written nothing,
     when an input of the item could be flushed by AMX (see _SUBNORMAL_LIMIT) or, for float16,
     is not finite. It walks the kv sequence of :mod:`.kv` (a shared prefix, own rows,
-    paged blocks) but dequantizes nothing (the driver sends int8 key / value to the float32
-    kernel); ins as :func:`~.block_f32._block`'s, (ro, rs) as its kv_tile_rows buffers."""
-    q, k, v, kp, vp = ins[0], ins[1], ins[2], ins[3], ins[4]
+    paged blocks) but dequantizes nothing (dispatch sends int8 key / value to the float32
+    kernel); (ro, rs) are its kv_tile_rows buffers."""
+    q, k, v, kp, vp = ins.q, ins.k, ins.v, ins.kp, ins.vp
     strides, boff, lens, params = geo
     b, g, i0 = item
     cfg, qh, kt, vv, tmp, sb, pp, acc, ro, rs = bufs
@@ -41,7 +43,7 @@ def _block_amx(ins, outs, extras, geo, scales, item, bufs, tb, state):
     q_lo = qh.size // 2 if f16 else -1
     k_lo = kt.size // 2 if f16 else -1
     v_lo = vv.size // 2 if f16 else -1
-    i1, R, jstart, jend = _item(params, lens, b, i0)
+    i1, R, jstart, jend = item_rows(params, lens, b, i0)
     no_keys = np.empty(0, np.int32)            # the row maxima are taken in the softmax pass
     if jstart < jend:
         for h in range(G):       # head h: rows h, h + G, ... (position-major)
@@ -60,7 +62,7 @@ def _block_amx(ins, outs, extras, geo, scales, item, bufs, tb, state):
             j1 = kv_tile_end(params, j0, tk, jend)
             nc = j1 - j0
             ncp = padded(nc)
-            prefix, sdk, sdv = kv_tile_rows(ins[3:], geo, b, g, j0, nc, ro, rs)
+            prefix, sdk, sdv = kv_tile_rows(ins, geo, b, g, j0, nc, ro, rs)
             ex = max(_amx_pack_k(kt, k_lo, kp if prefix else k, ro[0], sdk, nc, ncp, D, Dp,
                                  tmp, code),
                      _amx_pack_v(vv, v_lo, vp if prefix else v, ro[1], sdv, nc, ncp, D, Dp,
@@ -78,7 +80,8 @@ def _block_amx(ins, outs, extras, geo, scales, item, bufs, tb, state):
                 lazy = ex < _LAZY_V_LIMIT
             r0 = 0
             while r0 < R:
-                r1, cl, ch, inside = _segment(params, lens, b, i0, i1, j0, j1, r0, R, BLOCK)
+                r1, cl, ch, inside = segment(params, tuning, lens, b, i0, i1, j0, j1, r0, R,
+                                             BLOCK)
                 ns = ch - cl
                 if ns > 0:
                     nrow = r1 - r0
@@ -98,57 +101,46 @@ def _block_amx(ins, outs, extras, geo, scales, item, bufs, tb, state):
                         gemm_bf16(cfg, pp, nsp, 2 * nsp, vv[c0 * Dp:], v_lo, 2 * Dp,
                                   acc[r0 * Dp:], Dp, nrp, Dp, nsp, True)
                     else:
-                        _add_pv_exact(acc[r0 * Dp:], Dp, nrow, D, sb, nsp, ns, vv[c0 * Dp:],
-                                      2 * Dp, 2)
+                        add_pv_exact(acc[r0 * Dp:], Dp, nrow, D, sb, nsp, ns, vv[c0 * Dp:],
+                                     2 * Dp, 2)
                 r0 = r1
-    _finish(outs, ins, geo, item, i1, acc, Dp, state, tb, jstart < jend)
+    finish(outs, ins, geo, item, i1, acc, Dp, state, tb, jstart < jend)
     return True
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def _attention_amx(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work,
-                   params, scales, cache):
-    """:func:`~.block_f32._attention` for bf16 and float16 storage on AMX; a work item AMX
-    could get wrong (see :func:`_block_amx`) is computed by :func:`~.block_f32._block`
+def attention_amx(ins, outs, extras, geo, tuning, work, scales):
+    """:func:`~.block_f32.attention` for bf16 and float16 storage on AMX; a work item AMX
+    could get wrong (see :func:`_block_amx`) is computed by :func:`~.block_f32.block`
     instead."""
-    D, rows, tk, nthr, n_items = _sizes(params, work)
+    params = geo.params
+    D, rows, tk, nthr, n_items = sizes(params, tuning, work)
     Rp = padded(rows)
     Cp = padded(tk)
     Dp = padded(D)
     parts = 2 if params[P_CODE] == CODE_F16 else 1      # float16: bf16 hi and lo parts
     taken = np.zeros(1, np.int64)
     for t in prange(nthr):
-        cfg = tile_config()
-        qh = aligned_empty(parts * Rp * Dp, np.uint16)
-        kt = aligned_empty(parts * Cp * Dp, np.uint16)
-        vv = aligned_empty(parts * Cp * Dp, np.uint16)
-        tmp = aligned_empty(16 * Dp, np.uint32)
-        pp = aligned_empty(2 * Rp * Cp, np.uint16)
-        sb = aligned_empty(Rp * Cp, np.float32)
-        acc = aligned_empty(Rp * Dp, np.float32)
-        ro_t = aligned_empty(3 * tk, np.int64).reshape(3, tk)    # kv_tile_rows' buffers
-        rs_t = aligned_empty(4 * tk, np.float32).reshape(4, tk)
         tb = aligned_empty(16 * D, np.float32)   # also _pack_kt's 16 rows (fallback)
-        m = np.empty(rows, np.float32)
-        l = np.empty(rows, np.float32)
-        alpha = np.empty(rows, np.float32)
-        qb = sb2 = acc2 = kb = vb = np.empty(0, np.float32)
-        kx = np.empty(0, np.int32)
-        ro = np.empty((3, 0), np.int64)
-        rs = np.empty((4, 0), np.float32)
-        blas = scratch(params[P_BLAS])
+        bufs = AmxBuffers(tile_config(), aligned_empty(parts * Rp * Dp, np.uint16),
+                          aligned_empty(parts * Cp * Dp, np.uint16),
+                          aligned_empty(parts * Cp * Dp, np.uint16),
+                          aligned_empty(16 * Dp, np.uint32), aligned_empty(Rp * Cp, np.float32),
+                          aligned_empty(2 * Rp * Cp, np.uint16),
+                          aligned_empty(Rp * Dp, np.float32),
+                          aligned_empty(3 * tk, np.int64).reshape(3, tk),
+                          aligned_empty(4 * tk, np.float32).reshape(4, tk))
+        state = row_state(rows)
+        fallback = no_f32_buffers(tb)
+        blas = scratch(tuning.blas)
         w = take_next(taken)
-        ins, outs, extras = (q, k, v) + cache, (out, lse, flags), (mask8, mask16, pse)
-        geo, state = (strides, boff, lens, params), (m, l, alpha)
         while w < n_items:
             item = (work[w, W_B], work[w, W_G], work[w, W_I0])
-            if not _block_amx(ins, outs, extras, geo, scales, item,
-                              (cfg, qh, kt, vv, tmp, sb, pp, acc, ro_t, rs_t), tb, state):
-                if qb.size == 0:
-                    qb, sb2, acc2, kb, vb, kx, ro, rs = _f32_buffers(params)
-                i1, computed = _block(ins, extras, geo, scales, item,
-                                      (work[w, W_JLO], work[w, W_JHI]),
-                                      (qb, sb2, tb, acc2, kb, vb, kx, ro, rs), state, blas)
-                _finish(outs, ins, geo, item, i1, acc2, f32_widths(params)[0], state, tb,
-                        computed)
+            if not _block_amx(ins, outs, extras, geo, tuning, scales, item, bufs, tb, state):
+                if fallback.qb.size == 0:
+                    fallback = f32_buffers(params, tuning.gemm, tb)
+                i1, computed = block(ins, extras, geo, tuning, scales, item,
+                                     (work[w, W_JLO], work[w, W_JHI]), fallback, state, blas)
+                finish(outs, ins, geo, item, i1, fallback.acc,
+                       f32_widths(params, tuning.gemm)[0], state, tb, computed)
             w = take_next(taken)

@@ -5,64 +5,62 @@ from numba import njit, prange
 from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, row_outcome
 from ..numerics.core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, antiquant,
                              lse_value, order_key, store, widen)
-from ..numerics.kernel_args import (F_SCALE, F_SCALE2, P_BLAS, P_CODE, P_COLS, P_D, P_FLAGS, P_G,
-                                    P_GEMM, P_IP, P_KVCODE, P_DEQUANT, P_LSE, P_MASK, P_OCODE,
-                                    P_PSE, P_ROWS, P_NEXT_K, P_SCALE_EXP, P_STREAM, T_Q)
+from ..numerics.kernel_args import (F_SCALE, F_SCALE2, P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_IP,
+                                    P_KVCODE, P_DEQUANT, P_LSE, P_MASK, P_OCODE, P_PSE, P_ROWS,
+                                    P_SCALE_EXP, T_Q)
 from ._blas import gemm_rm, scratch
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
 from ._jit import FASTMATH, LEAF, LEAF_INLINE
 from ._vector import aligned_empty, take_next, wide_vectors
-from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, _item, _segment, _sizes
+from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, item_rows, segment, sizes
 from .kv import KEY, VALUE, kv_key_rows, kv_tile_end, kv_tile_rows, kv_value_row, load_dequant_row
 from .rows import (_PF_ROWS, _all_finite, _load_row, _pack_kt, _prefetch_row, _rescale_rows,
                    _scale_row, _softmax_rows, _store_row, band_of, row_place)
+from .records import F32Buffers, RowState, RunBuffers
 from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
 from .stream import fold_query, fold_weights, stream_pv, stream_scores, unfold_scores, unfold_values
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def f32_widths(params):
+def f32_widths(params, gemm):
     """(acc / V row length, rows to allocate per item, columns per kv tile to allocate) of the
-    float32 kernel for ``params``: the register-blocked products (P_GEMM) read and write up to
-    MR - 1 rows past a segment's last, 16-lane acc / V rows and whole K^T panels; BLAS touches
-    exactly the data."""
+    float32 kernel for ``params``: the register-blocked products (``gemm`` nonzero) read and
+    write up to MR - 1 rows past a segment's last, 16-lane acc / V rows and whole K^T panels;
+    BLAS touches exactly the data."""
     D = params[P_D]
     rows = params[P_G] * params[P_ROWS]
     tk = params[P_COLS]
-    if params[P_GEMM] != 0:
+    if gemm != 0:
         return vector_width(D), rows + MR, panels(tk) * PANEL
     return D, rows, tk
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
+def block(ins, extras, geo, tuning, scales, item, span, bufs, state, blas):
     """One work item in float32: rows of positions [i0, i1) of the G query heads of kv head g
-    in batch b (item = (b, g, i0), see :func:`_item`), over the kv columns of its band inside
-    span = [lo, hi) (a piece of a split item; (0, BAND_INF): all). The tile products run on the
-    register-blocked kernels of _gemm (params[P_GEMM]) or on BLAS. Leaves the rows'
-    unnormalised sums in acc and their (m, l) in state for :func:`_finish` or
+    in batch b (item = (b, g, i0), see :func:`.items.item_rows`), over the kv columns of its
+    band inside span = [lo, hi) (a piece of a split item; (0, BAND_INF): all). The tile
+    products run on the register-blocked kernels of _gemm (tuning.gemm) or on BLAS. Leaves the
+    rows' unnormalised sums in acc and their (m, l) in state for :func:`finish` or
     split_kv.keep_piece; returns (i1, whether any kv column was visited).
 
-    ins = (q, k, v) + cache (a shared prefix, the block table of paged key / value, the planes
-    that dequantize int8 key / value: see :mod:`.kv`), extras = (mask8, mask16, pse), geo =
-    (strides, boff, lens, params): the kernel arguments; bufs = (qb, sb, tb, acc, kb, vb, kx,
-    ro, rs) and state = (m, l, alpha): the thread's buffers (see :func:`_f32_buffers`)."""
-    q, k, v = ins[0], ins[1], ins[2]
-    kp, vp, channel = ins[3], ins[4], ins[6]
-    cache = ins[3:]
+    ins (:class:`.records.Inputs`, the kv cache's arrays as :mod:`.kv` walks them), extras,
+    geo and tuning: the kernel arguments; bufs (:class:`.records.F32Buffers`, see
+    :func:`f32_buffers`) and state (:class:`.records.RowState`): the thread's buffers."""
+    q, k, v, kp, vp, channel = ins.q, ins.k, ins.v, ins.kp, ins.vp, ins.channel
     ks_ch, ko_ch, vs_ch, vo_ch = channel[KEY], channel[KEY + 1], channel[VALUE], channel[VALUE + 1]
     strides, boff, lens, params = geo
     b, g, i0 = item
     qb, sb, tb, acc, kb, vb, kx, ro, rs = bufs
-    alpha = state[2]
+    alpha = state.alpha
     D = params[P_D]
     kvcode = params[P_KVCODE]
     dequant = params[P_DEQUANT] != 0
     tk = params[P_COLS]
-    own = params[P_GEMM] != 0
+    own = tuning.gemm != 0
     any_user = params[P_MASK] != 0 or params[P_PSE] != 0
-    ldv = f32_widths(params)[0]          # row length of acc and of the V tile
-    i1, R, jstart, jend = _item(params, lens, b, i0)
+    ldv = f32_widths(params, tuning.gemm)[0]          # row length of acc and of the V tile
+    i1, R, jstart, jend = item_rows(params, lens, b, i0)
     jstart, jend = max(jstart, span[0]), min(jend, span[1])
     no_p3 = np.empty((1, 2, 1), np.uint16)        # the in-place softmax writes no bf16 parts
     if jstart < jend:
@@ -72,7 +70,7 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
             j0 = j1
             j1 = kv_tile_end(params, j0, tk, jend)
             nc = j1 - j0
-            prefix, sdk, sdv = kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs)
+            prefix, sdk, sdv = kv_tile_rows(ins, geo, b, g, j0, nc, ro, rs)
             ks = kp if prefix else k
             vs = vp if prefix else v
             v2 = vb[:nc * ldv].reshape(nc, ldv)
@@ -97,8 +95,8 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
             v_finite = _all_finite(vb, nc * ldv)
             r0 = 0
             while r0 < R:
-                r1, cl, ch, inside = _segment(params, lens, b, i0, i1, j0, j1, r0, R,
-                                              PANEL if own else 1)
+                r1, cl, ch, inside = segment(params, tuning, lens, b, i0, i1, j0, j1, r0, R,
+                                             PANEL if own else 1)
                 ns = ch - cl
                 if ns > 0:
                     nrow = r1 - r0
@@ -125,7 +123,7 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
                     _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, alpha[r0:])
                     vo = (cl - j0) * ldv
                     if not v_finite:
-                        _add_pv_exact(acc[r0 * ldv:], ldv, nrow, D, sb, lds, ns, vb[vo:], ldv, 1)
+                        add_pv_exact(acc[r0 * ldv:], ldv, nrow, D, sb, lds, ns, vb[vo:], ldv, 1)
                     elif own:
                         # the register blocks also add the padding rows' P (zero) to the rows
                         # below the segment: + 0 changes nothing
@@ -139,27 +137,27 @@ def _block(ins, extras, geo, scales, item, span, bufs, state, blas):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _block_stream(ins, extras, geo, scales, run, span, heads, bufs):
-    """:func:`_block` for the items of a run (run = (b, g0, i0, nh): kv heads g0 .. g0 + nh - 1
-    of one block, see items.kv_head_runs) of at most params[P_STREAM] rows each (decode): each
+def block_stream(ins, extras, geo, tuning, scales, run, span, heads, bufs):
+    """:func:`block` for the items of a run (run = (b, g0, i0, nh): kv heads g0 .. g0 + nh - 1
+    of one block, see items.kv_head_runs) of at most tuning.stream rows each (decode): each
     kv tile is taken for every head in turn, its products reading each K and V row once,
     straight from the cache (see :mod:`.stream`), instead of packing tiles that few rows would
     then read. int8 rows are read as integers, their dequantization folded into the query
     rows, the scores, the weights and the final sums (see :func:`.stream.fold_query`). Each
     head's rows, sums and state are its part of ``heads`` (:func:`_head`); returns (i1,
     whether any kv column was visited)."""
-    q, channel = ins[0], ins[6]
-    lens, params = geo[2], geo[3]
+    q, channel = ins.q, ins.channel
+    lens, params = geo.lens, geo.params
     b, g0, i0, nh = run
     D = params[P_D]
-    ldv = f32_widths(params)[0]
+    ldv = f32_widths(params, tuning.gemm)[0]
     dequant = params[P_DEQUANT] != 0
-    i1, R, jstart, jend = _item(params, lens, b, i0)
+    i1, R, jstart, jend = item_rows(params, lens, b, i0)
     jstart, jend = max(jstart, span[0]), min(jend, span[1])
     if jstart >= jend:
         return i1, False
     for hh in range(nh):
-        q2, acc, state, fold = _head(heads, hh, R, D, ldv)
+        q2, acc, state, fold = head(heads, hh, R, D, ldv)
         start_rows(q, geo, scales, (b, g0 + hh, i0), R, q2.reshape(-1), acc, state)
         if dequant:
             fold_query(q2, R, channel[KEY], channel[KEY + 1], (g0 + hh) * D, fold)
@@ -172,59 +170,59 @@ def _block_stream(ins, extras, geo, scales, run, span, heads, bufs):
         for hh in range(nh):
             # the tile read next: the next head's of this kv span, or the first head's next
             then = (g0 + hh + 1, j0, j1) if hh + 1 < nh else (g0, j1, j2)
-            _stream_tile(ins, extras, geo, (b, g0 + hh, i0), (i1, R, j0, j1), heads, hh, bufs,
-                         no_p3, then)
+            _stream_tile(ins, extras, geo, tuning, (b, g0 + hh, i0), (i1, R, j0, j1), heads, hh,
+                         bufs, no_p3, then)
     if dequant:
         for hh in range(nh):
-            _, acc, _, fold = _head(heads, hh, R, D, ldv)
+            _, acc, _, fold = head(heads, hh, R, D, ldv)
             unfold_values(acc, ldv, R, D, channel[VALUE], channel[VALUE + 1], (g0 + hh) * D,
                           fold)
     return i1, True
 
 
 @njit(**LEAF_INLINE)
-def _head(heads, hh, R, D, ldv):
-    """Head hh's part of a run's buffers heads = (q, acc, m, l, alpha, fold) for items of R
-    rows: (query rows (R, D), sums (R rows of ldv), state (m, l, alpha), int8 sums (4, R))."""
+def head(heads, hh, R, D, ldv):
+    """Head hh's part of a run's buffers (:class:`.records.RunBuffers`) for items of R rows:
+    (query rows (R, D), sums (R rows of ldv), its RowState, int8 sums (4, R))."""
     q, acc, m, l, alpha, fold = heads
     r = hh * R
     return (q[r * D:(r + R) * D].reshape(R, D), acc[r * ldv:(r + R) * ldv],
-            (m[r:r + R], l[r:r + R], alpha[r:r + R]), fold[:, r:r + R])
+            RowState(m[r:r + R], l[r:r + R], alpha[r:r + R]), fold[:, r:r + R])
 
 
 @njit(**LEAF)
-def _stream_tile(ins, extras, geo, item, tile, heads, hh, bufs, no_p3, then):
+def _stream_tile(ins, extras, geo, tuning, item, tile, heads, hh, bufs, no_p3, then):
     """Kv tile tile = (i1, R, j0, j1) of streaming item ``item`` (b, g, i0), head hh of the
     run's buffers: scores, softmax, P V (no_p3: the bf16 parts the in-place softmax does not
     write). Rows whose elements are not contiguous are widened to float32 rows first (in the
     K and V tile buffers), so that the products take every cache through the same vector code,
     in the same order of operations: a strided view gives the bits of its contiguous copy. The
     K rows of the tile read next, then = (kv head, j0, j1), are prefetched during P V where
-    params[P_NEXT_K] asks, unless they are one run of rows (which the hardware prefetcher
+    tuning.next_keys asks, unless they are one run of rows (which the hardware prefetcher
     follows by itself).
     Without reference counting: it runs once a tile and head."""
-    k, v, kp, vp = ins[1], ins[2], ins[3], ins[4]
-    params = geo[3]
+    k, v, kp, vp = ins.k, ins.v, ins.kp, ins.vp
+    params = geo.params
     b, g, i0 = item
-    j0, j1 = tile[2], tile[3]
-    kb, vb, ro = bufs[4], bufs[5], bufs[7]
+    _, _, j0, j1 = tile
+    kb, vb, ro = bufs.kb, bufs.vb, bufs.ro
     D, kvcode = params[P_D], params[P_KVCODE]
-    prefix, sdk, sdv = kv_tile_rows(ins[3:], geo, b, g, j0, j1 - j0, ro, bufs[8])
-    n_next = then[2] - then[1] if sdk == 1 and params[P_NEXT_K] != 0 else 0
-    next_prefix = kv_key_rows(ins[3:], geo, b, then[0], then[1], n_next, ro[3])
+    prefix, sdk, sdv = kv_tile_rows(ins, geo, b, g, j0, j1 - j0, ro, bufs.rs)
+    n_next = then[2] - then[1] if sdk == 1 and tuning.next_keys != 0 else 0
+    next_prefix = kv_key_rows(ins, geo, b, then[0], then[1], n_next, ro[3])
     if n_next and ro[3, n_next - 1] - ro[3, 0] == (n_next - 1) * D:
         n_next = 0              # one run of rows: the hardware prefetcher follows it
     next_keys = (kp if next_prefix else k, ro[3], n_next)
     if sdk == 1 and sdv == 1:
-        _stream_segments(extras, geo, item, tile, heads, hh, bufs, no_p3,
+        _stream_segments(extras, geo, tuning, item, tile, heads, hh, bufs, no_p3,
                          (kp if prefix else k, ro[0], kvcode),
                          (vp if prefix else v, ro[1], kvcode), next_keys)
         return
     nc = j1 - j0
     _widen_rows(kb, kp if prefix else k, ro[0], nc, sdk, D, kvcode)
     _widen_rows(vb, vp if prefix else v, ro[1], nc, sdv, D, kvcode)
-    _stream_segments(extras, geo, item, tile, heads, hh, bufs, no_p3, (kb, ro[0], CODE_F32),
-                     (vb, ro[1], CODE_F32), next_keys)
+    _stream_segments(extras, geo, tuning, item, tile, heads, hh, bufs, no_p3,
+                     (kb, ro[0], CODE_F32), (vb, ro[1], CODE_F32), next_keys)
 
 
 @njit(**LEAF)
@@ -238,21 +236,22 @@ def _widen_rows(dst, src, offs, nc, sd, D, code):
 
 
 @njit(**LEAF)
-def _stream_segments(extras, geo, item, tile, heads, hh, bufs, no_p3, keys, values, next_keys):
+def _stream_segments(extras, geo, tuning, item, tile, heads, hh, bufs, no_p3, keys, values,
+                     next_keys):
     """The row segments of :func:`_stream_tile`'s tile: keys, values = (rows' array, element
     offsets, storage code) of contiguous rows."""
-    params = geo[3]
+    params = geo.params
     b, g, i0 = item
     i1, R, j0, j1 = tile
-    sb, tb, kx, rs = bufs[1], bufs[2], bufs[6], bufs[8]
+    sb, tb, kx, rs = bufs.sb, bufs.tb, bufs.kx, bufs.rs
     D = params[P_D]
     dequant = params[P_DEQUANT] != 0
-    ldv = f32_widths(params)[0]
-    q2, acc, state, fold = _head(heads, hh, R, D, ldv)
+    ldv = f32_widths(params, tuning.gemm)[0]
+    q2, acc, state, fold = head(heads, hh, R, D, ldv)
     buf = tb[:D].reshape(1, D)                    # a V row the weighted sum takes on its own
     r0 = 0
     while r0 < R:
-        r1, cl, ch, inside = _segment(params, geo[2], b, i0, i1, j0, j1, r0, R, 1)
+        r1, cl, ch, inside = segment(params, tuning, geo.lens, b, i0, i1, j0, j1, r0, R, 1)
         ns, nrow = ch - cl, r1 - r0
         if ns > 0:
             stream_scores(sb, ns, q2, r0, nrow, keys, cl - j0, ns, values)
@@ -261,9 +260,9 @@ def _stream_segments(extras, geo, item, tile, heads, hh, bufs, no_p3, keys, valu
             _softmax_rows(sb[:nrow * ns].reshape(nrow, ns), no_p3, kx[:0],
                           (r0, r1, ns, cl, inside, False, False), item, extras, geo, state,
                           F32_ONE)
-            _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, state[2][r0:])
+            _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, state.alpha[r0:])
             if dequant:
-                fold_weights(sb, ns, nrow, r0, rs, cl - j0, ns, state[2], fold)
+                fold_weights(sb, ns, nrow, r0, rs, cl - j0, ns, state.alpha, fold)
             stream_pv(acc[r0 * ldv:], ldv, nrow, sb, ns, values, cl - j0, ns, buf,
                       next_keys if r0 == 0 else (next_keys[0], next_keys[1], 0))
         r0 = r1
@@ -289,7 +288,7 @@ def start_rows(q, geo, scales, item, R, qb, acc, state):
 
 
 @njit(**LEAF)
-def _add_pv_exact(acc, ld, R, D, p, ldp, nc, vb, ldv, pair):
+def add_pv_exact(acc, ld, R, D, p, ldp, nc, vb, ldv, pair):
     """acc[rr] += sum over the columns c with p[rr, c] != 0 of p[rr, c] * V[c] (V holding inf
     or NaN: BLAS would turn 0 * inf into NaN for rows that do not read that column).
     V[c, d] is vb[(c // pair) * ldv + d * pair + c % pair] (pair 1: row-major; 2: VNNI bf16)."""
@@ -305,11 +304,11 @@ def _add_pv_exact(acc, ld, R, D, p, ldp, nc, vb, ldv, pair):
 
 
 @njit(**LEAF)
-def _finish(outs, ins, geo, item, i1, acc, ld, state, tb, computed):
+def finish(outs, ins, geo, item, i1, acc, ld, state, tb, computed):
     """Deferred division, rounding to the output storage and softmax_lse of one work item
     (acc row rr at acc[rr * ld:]); rows with nothing kept follow contract 'Empty rows'."""
     out, lse, flags = outs
-    v, vp, channel = ins[2], ins[4], ins[6]
+    v, vp, channel = ins.v, ins.vp, ins.channel
     strides, boff, lens, params = geo
     b, g, i0 = item
     m, l, _ = state
@@ -330,7 +329,7 @@ def _finish(outs, ins, geo, item, i1, acc, ld, state, tb, computed):
             trow = tb[:D]
             trow[:] = F32_ZERO
             for j in range(lo, hi + 1):
-                prefix, off, sd, scale, offset = kv_value_row(ins[3:], geo, b, g, j)
+                prefix, off, sd, scale, offset = kv_value_row(ins, geo, b, g, j)
                 vs = vp if prefix else v
                 for d in range(D):
                     x = widen(vs[off + d * sd], code)
@@ -345,60 +344,73 @@ def _finish(outs, ins, geo, item, i1, acc, ld, state, tb, computed):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _f32_buffers(params):
-    """Per-thread buffers of :func:`_block`: (qb, sb, acc, kb, vb, kx, ro, rs)."""
+def f32_buffers(params, gemm, tb):
+    """A thread's :class:`.records.F32Buffers` for :func:`block`, around its scratch rows
+    ``tb``."""
     D = params[P_D]
-    ldv, rows, tkp = f32_widths(params)
+    ldv, rows, tkp = f32_widths(params, gemm)
     qb = aligned_empty(rows * D, np.float32)
     qb[:] = F32_ZERO                         # rows past a work item's stay finite
-    return (qb, aligned_empty(rows * tkp, np.float32), aligned_empty(rows * ldv, np.float32),
-            aligned_empty(tkp * D, np.float32), aligned_empty(tkp * ldv, np.float32),
-            aligned_empty(rows, np.int32), aligned_empty(4 * tkp, np.int64).reshape(4, tkp),
-            aligned_empty(4 * tkp, np.float32).reshape(4, tkp))
+    return F32Buffers(qb, aligned_empty(rows * tkp, np.float32), tb,
+                      aligned_empty(rows * ldv, np.float32), aligned_empty(tkp * D, np.float32),
+                      aligned_empty(tkp * ldv, np.float32), aligned_empty(rows, np.int32),
+                      aligned_empty(4 * tkp, np.int64).reshape(4, tkp),
+                      aligned_empty(4 * tkp, np.float32).reshape(4, tkp))
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def no_f32_buffers(tb):
+    """F32Buffers of no size (of f32_buffers' types): the AMX kernel's until a work item
+    falls back to :func:`block`."""
+    none = np.empty(0, np.float32)
+    return F32Buffers(none, none, tb, none, none, none, np.empty(0, np.int32),
+                      np.empty((4, 0), np.int64), np.empty((4, 0), np.float32))
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def row_state(rows):
+    """A :class:`.records.RowState` of ``rows`` rows."""
+    return RowState(np.empty(rows, np.float32), np.empty(rows, np.float32),
+                    np.empty(rows, np.float32))
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def _attention(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work, params,
-               scales, parts, cache, runs):
-    """Run every work item. Each of the nthr threads takes the next run of items
+def attention(ins, outs, extras, geo, tuning, work, scales, parts, runs):
+    """Run every work item. Each of the threads takes the next run of items
     (items.kv_head_runs) not yet taken whenever it is free (runs are sorted by cost, most
     expensive first), so a thread that runs slower, on a core shared with other work, takes
     fewer runs instead of holding the call up. Pieces of split items (see split_kv) leave their
-    state in ``parts`` for :func:`_merge_split`; cache = (kp, vp, table, channel, ktok, vtok),
-    see :mod:`.kv`."""
-    D, rows, tk, nthr, _ = _sizes(params, work)
-    ldv = f32_widths(params)[0]
+    state in ``parts`` for :func:`merge_split`."""
+    params = geo.params
+    D, rows, tk, nthr, _ = sizes(params, tuning, work)
+    ldv = f32_widths(params, tuning.gemm)[0]
     n_runs = runs.shape[0] - 1
     taken = np.zeros(1, np.int64)
     for t in prange(nthr):
-        qb, sb, acc, kb, vb, kx, ro, rs = _f32_buffers(params)
-        heads = _run_buffers(params, runs)
-        tb = aligned_empty(16 * D, np.float32)   # _pack_kt's 16 rows, _finish's one
-        state = (np.empty(rows, np.float32), np.empty(rows, np.float32),
-                 np.empty(rows, np.float32))
-        blas = scratch(params[P_BLAS])
-        ins, outs, extras = (q, k, v) + cache, (out, lse, flags), (mask8, mask16, pse)
-        geo = (strides, boff, lens, params)
-        bufs = (qb, sb, tb, acc, kb, vb, kx, ro, rs)
+        tb = aligned_empty(16 * D, np.float32)   # _pack_kt's 16 rows, finish's one
+        bufs = f32_buffers(params, tuning.gemm, tb)
+        heads = _run_buffers(params, tuning, runs)
+        state = row_state(rows)
+        blas = scratch(tuning.blas)
         x = take_next(taken)
         while x < n_runs:
             w, nh = runs[x], runs[x + 1] - runs[x]
             b, g, i0 = work[w, W_B], work[w, W_G], work[w, W_I0]
             span = (work[w, W_JLO], work[w, W_JHI])
-            R = _item(params, lens, b, i0)[1]
-            if R <= params[P_STREAM]:
-                i1, computed = _block_stream(ins, extras, geo, scales, (b, g, i0, nh), span,
-                                             heads, bufs)
+            R = item_rows(params, geo.lens, b, i0)[1]
+            if R <= tuning.stream:
+                i1, computed = block_stream(ins, extras, geo, tuning, scales, (b, g, i0, nh),
+                                            span, heads, bufs)
                 for hh in range(nh):
-                    _, hacc, hstate, _ = _head(heads, hh, R, D, ldv)
+                    _, hacc, hstate, _ = head(heads, hh, R, D, ldv)
                     _done(outs, ins, geo, parts, work[w + hh], i1, hacc, ldv, hstate, tb,
                           computed)
             else:
                 for y in range(w, w + nh):        # items of many rows: one after another
                     row = work[y]
-                    i1, computed = _block(ins, extras, geo, scales, (b, row[W_G], i0),
-                                          (row[W_JLO], row[W_JHI]), bufs, state, blas)
-                    _done(outs, ins, geo, parts, row, i1, acc, ldv, state, tb, computed)
+                    i1, computed = block(ins, extras, geo, tuning, scales, (b, row[W_G], i0),
+                                         (row[W_JLO], row[W_JHI]), bufs, state, blas)
+                    _done(outs, ins, geo, parts, row, i1, bufs.acc, ldv, state, tb, computed)
             x = take_next(taken)
 
 
@@ -407,39 +419,39 @@ def _done(outs, ins, geo, parts, row, i1, acc, ldv, state, tb, computed):
     """A computed work item (``row`` of the work array): finished, or its piece kept."""
     item = (row[W_B], row[W_G], row[W_I0])
     if row[W_SLOT] < 0:
-        _finish(outs, ins, geo, item, i1, acc, ldv, state, tb, computed)
+        finish(outs, ins, geo, item, i1, acc, ldv, state, tb, computed)
     else:
-        keep_piece(parts, row[W_SLOT], acc, ldv, state, geo[3][P_G] * (i1 - item[2]), computed)
+        keep_piece(parts, row[W_SLOT], acc, ldv, state, geo.params[P_G] * (i1 - item[2]),
+                   computed)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _run_buffers(params, runs):
-    """Per-thread buffers of :func:`_block_stream` for the longest run: (query rows, sums, m,
-    l, alpha, int8 sums), each head's part of at most params[P_STREAM] rows."""
+def _run_buffers(params, tuning, runs):
+    """A thread's :class:`.records.RunBuffers` of :func:`block_stream` for the longest run,
+    each head's part of at most tuning.stream rows."""
     longest = 1
     for x in range(runs.shape[0] - 1):
         longest = max(longest, runs[x + 1] - runs[x])
-    rows = longest * max(1, min(params[P_STREAM], params[P_G] * params[P_ROWS]))
-    return (aligned_empty(rows * params[P_D], np.float32),
-            aligned_empty(rows * f32_widths(params)[0], np.float32),
-            np.empty(rows, np.float32), np.empty(rows, np.float32), np.empty(rows, np.float32),
-            np.empty((4, rows), np.float32))
+    rows = longest * max(1, min(tuning.stream, params[P_G] * params[P_ROWS]))
+    return RunBuffers(aligned_empty(rows * params[P_D], np.float32),
+                      aligned_empty(rows * f32_widths(params, tuning.gemm)[0], np.float32),
+                      np.empty(rows, np.float32), np.empty(rows, np.float32),
+                      np.empty(rows, np.float32), np.empty((4, rows), np.float32))
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def _merge_split(ins, out, lse, flags, strides, boff, lens, params, groups, parts):
+def merge_split(ins, outs, geo, tuning, groups, parts):
     """Merge the pieces of every split item (split_kv.merge_rows) and finish its rows as
-    :func:`_finish` finishes a whole item."""
+    :func:`finish` finishes a whole item."""
+    params, lens = geo.params, geo.lens
     D, rows = params[P_D], params[P_G] * params[P_ROWS]
-    ldv = f32_widths(params)[0]
-    geo, outs = (strides, boff, lens, params), (out, lse, flags)
+    ldv = f32_widths(params, tuning.gemm)[0]
     for w in prange(groups.shape[0]):
         b, g, i0 = groups[w, G_B], groups[w, G_G], groups[w, G_I0]
-        i1, R, _, _ = _item(params, lens, b, i0)
+        i1, R, _, _ = item_rows(params, lens, b, i0)
         acc = aligned_empty(rows * ldv, np.float32)
-        state = (np.empty(rows, np.float32), np.empty(rows, np.float32),
-                 np.empty(rows, np.float32))
+        state = row_state(rows)
         merge_rows(parts, groups[w, G_SLOT], groups[w, G_PIECES], R, D, ldv, acc, state,
                    params[P_SCALE_EXP])
-        _finish(outs, ins, geo, (b, g, i0), i1, acc, ldv, state, aligned_empty(D, np.float32),
-                True)
+        finish(outs, ins, geo, (b, g, i0), i1, acc, ldv, state, aligned_empty(D, np.float32),
+               True)

@@ -6,12 +6,12 @@ from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, row_outcome, tile_inside_band
 from ..numerics.core import (CODE_F16, CODE_F32, F32_NAN, F32_NEG_INF, F32_ONE, F32_ZERO,
                              int8_out_f16, int8_score, int8_score_pse, int8_weight, lse_value,
                              max_nan, softmax_weight)
-from ..numerics.kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE16, P_BLAS, P_COLS, P_D, P_FLAGS,
-                                    P_G, P_IP, P_LSE, P_MASK, P_PSE, T_K, T_Q, T_V)
+from ..numerics.kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE16, P_COLS, P_D, P_FLAGS, P_G,
+                                    P_IP, P_LSE, P_MASK, P_PSE, T_K, T_Q, T_V)
 from ._blas import gemm_rm, scratch
 from ._jit import FASTMATH, LEAF
 from ._vector import take_next
-from .items import W_B, W_G, W_I0, _item, _sizes
+from .items import W_B, W_G, W_I0, item_rows, sizes
 from .rows import _load_row, _mask_row, _row_max, band_of, element_offsets, row_place
 
 
@@ -53,10 +53,10 @@ def _int8_weights(s2, r, nc, m, qs1, l):
 
 @njit(fastmath=FASTMATH, cache=True)
 def _block_int8(ins, outs, extras, geo, fparams, item, bufs, state, blas):
-    """One work item of the int8 pipeline (the records as in :func:`~.block_f32._block`;
+    """One work item of the int8 pipeline (the records as in :func:`~.block_f32.block`;
     bufs = (qb, sb, tb, acc, kb, vb), state = (m, l)): pass 1 finds each row's max score,
     pass 2 quantizes E = exp(s - m) against it and accumulates P8 . V exactly."""
-    q, k, v = ins
+    q, k, v = ins.q, ins.k, ins.v
     strides, boff, lens, params = geo
     b, g, i0 = item
     qb, sb, tb, acc, kb, vb = bufs
@@ -68,7 +68,7 @@ def _block_int8(ins, outs, extras, geo, fparams, item, bufs, state, blas):
     tk = params[P_COLS]
     deq1, scale16, qs1 = fparams[F_DEQ1], fparams[F_SCALE16], fparams[F_QS1]
     band = band_of(lens, b)
-    i1, R, jstart, jend = _item(params, lens, b, i0)
+    i1, R, jstart, jend = item_rows(params, lens, b, i0)
     a2 = acc[:R * D].reshape(R, D)
     k_base = boff[T_K, b] + g * strides[T_K, 0]
     v_base = boff[T_V, b] + g * strides[T_V, 0]
@@ -175,20 +175,17 @@ def _finish_int8(outs, v, geo, fparams, item, i1, a2, state, computed):
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def _attention_int8(q, k, v, out, lse, flags, mask8, mask16, pse, strides, boff, lens, work,
-                    params, fparams):
-    """The int8 kernel: same arguments, work items and scheduling as
-    :func:`~.block_f32._attention`."""
-    D, rows, tk, nthr, n_items = _sizes(params, work)
+def attention_int8(ins, outs, extras, geo, tuning, work, fparams):
+    """The int8 kernel: the records, work items and scheduling of
+    :func:`~.block_f32.attention` (int8 query, key and value take no kv cache)."""
+    D, rows, tk, nthr, n_items = sizes(geo.params, tuning, work)
     taken = np.zeros(1, np.int64)
     for t in prange(nthr):
         bufs = (np.empty(rows * D, np.float32), np.empty(rows * tk, np.float32),
                 np.empty(max(rows, 1) * D, np.float32), np.empty(rows * D, np.float64),
                 np.empty(tk * D, np.float32), np.empty(tk * D, np.float32))
         state = (np.empty(rows, np.float32), np.empty(rows, np.float32))
-        blas = scratch(params[P_BLAS])
-        ins, outs, extras = (q, k, v), (out, lse, flags), (mask8, mask16, pse)
-        geo = (strides, boff, lens, params)
+        blas = scratch(tuning.blas)
         w = take_next(taken)
         while w < n_items:
             _block_int8(ins, outs, extras, geo, fparams, (work[w, W_B], work[w, W_G], work[w, W_I0]),

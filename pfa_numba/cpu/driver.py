@@ -15,11 +15,12 @@ from ..numerics.kernel_args import kernel_args, output_scales, scale_factors
 from . import _gemm
 from ._blas import sgemm_address
 from .amx_pack import AMX_MAX_SCALE
-from .block_amx import _attention_amx
-from .block_f32 import _attention, _merge_split, f32_widths
-from .block_int8 import INT8_MAX_KV_COLS, _attention_int8
+from .block_amx import attention_amx
+from .block_f32 import attention, f32_widths, merge_split
+from .block_int8 import INT8_MAX_KV_COLS, attention_int8
 from .items import (_work_items, kv_head_runs, prefetch_next_keys, seg_rows, stream_rows, streams,
                     sub_rows, tile_shape)
+from .records import Extras, Geometry, Inputs, Outputs, Tuning
 from .split_kv import partial_buffers, runs_wanted, split_work
 
 
@@ -158,20 +159,26 @@ def prepare(p, kernel, work):
         else p.dtype
     if not work.items.shape[0]:
         return Launch(p, direct_dtype, int8_out)
-    amx = kernel == "amx"
-    nthreads = max(1, int(config.CPU_THREADS or numba.get_num_threads()))
-    nthreads = min(nthreads, work.items.shape[0] if amx else work.runs.shape[0] - 1)
-    own = use_register_blocks()
-    blas = kernel == "int8" or not own          # the int8 kernel's products are BLAS
     # the output arrays' shapes and strides are all the arguments take of them
     a = kernel_args(p, np.empty(p.out_shape, direct_dtype), np.empty(p.lse_shape, np.float32),
-                    flags=int8_out, rows=work.rows_per_head, cols=work.kv_cols,
-                    threads=nthreads, sub=sub_rows(), seg=seg_rows(amx), gemm=own,
-                    blas=sgemm_address() if blas else 0, stream=stream_rows(),
-                    next_keys=prefetch_next_keys())
-    parts = partial_buffers(work.groups, p.G * work.rows_per_head, f32_widths(a.params)[0])
-    return Launch(p, direct_dtype, int8_out, kernel, a, work.items, work.groups, work.runs,
-                  parts, blas)
+                    flags=int8_out, rows=work.rows_per_head, cols=work.kv_cols)
+    tuning = _tuning(kernel, work)
+    parts = partial_buffers(work.groups, p.G * work.rows_per_head,
+                            f32_widths(a.params, tuning.gemm)[0])
+    return Launch(p, direct_dtype, int8_out, kernel, a, tuning, work.items, work.groups,
+                  work.runs, parts)
+
+
+def _tuning(kernel, work):
+    """The :class:`.records.Tuning` of the declared CPU kernel named ``kernel`` over ``work``."""
+    amx = kernel == "amx"
+    threads = max(1, int(config.CPU_THREADS or numba.get_num_threads()))
+    own = use_register_blocks()
+    blas = kernel == "int8" or not own          # the int8 kernel's products are BLAS
+    return Tuning(threads=min(threads, work.items.shape[0] if amx else work.runs.shape[0] - 1),
+                  sub=sub_rows(), seg=seg_rows(amx), gemm=int(own),
+                  blas=sgemm_address() if blas else 0, stream=stream_rows(),
+                  next_keys=int(prefetch_next_keys()))
 
 
 @dataclasses.dataclass
@@ -184,11 +191,16 @@ class Launch:
     int8_out: bool
     kernel: Optional[str] = None     # the declared kernel's name; None: no work item (zeros)
     args: Any = None                 # the KernelArgs
+    tuning: Any = None               # the records.Tuning
     work: Any = None
     groups: Any = None
     runs: Any = None
     parts: Any = None                # split-kv pieces' scratch, used inside the parallel region
-    blas: bool = False
+
+    @property
+    def blas(self):
+        """Whether the kernel's products call BLAS (held to one thread while it runs)."""
+        return self.tuning is not None and self.tuning.blas != 0
 
     def run(self, q=None, k=None, v=None):
         """(out, lse or None): the problem over flat query / key / value storage q, k, v (the
@@ -204,24 +216,28 @@ class Launch:
                 out = quantize_int8_output(p, out, flags)
         return out, (lse if p.want_lse else None)
 
+    def records(self, out, lse, flags, q=None, k=None, v=None):
+        """The kernels' (ins, outs, extras, geo) records over these results and flat query /
+        key / value storage (the planned problem's where None)."""
+        a = self.args
+        ins = Inputs(a.q if q is None else q, a.k if k is None else k, a.v if v is None else v,
+                     a.kp, a.vp, a.table, a.channel, *a.tokens)
+        outs = Outputs(out.reshape(-1).view(a.out.dtype), lse.reshape(-1), flags.reshape(-1))
+        return (ins, outs, Extras(a.mask8, a.mask16, a.pse),
+                Geometry(a.strides, a.boff, a.lens, a.params))
+
     def _call(self, out, lse, flags, q, k, v):
         """The kernels, inside the caller's parallel region."""
-        a, work, groups = self.args, self.work, self.groups
-        q, k, v = (a.q if q is None else q), (a.k if k is None else k), (a.v if v is None else v)
-        o_flat, l_flat, flat_flags = out.reshape(-1).view(a.out.dtype), lse.reshape(-1), \
-            flags.reshape(-1)
-        args = (q, k, v, o_flat, l_flat, flat_flags, a.mask8, a.mask16, a.pse,
-                a.strides, a.boff, a.lens, work, a.params, a.fparams)
-        cache = (a.kp, a.vp, a.table, a.channel) + a.tokens
+        ins, outs, extras, geo = self.records(out, lse, flags, q, k, v)
         if self.kernel == "int8":
-            _attention_int8(*args)
+            attention_int8(ins, outs, extras, geo, self.tuning, self.work, self.args.fparams)
         elif self.kernel == "amx":
-            _attention_amx(*args, cache)
+            attention_amx(ins, outs, extras, geo, self.tuning, self.work, self.args.fparams)
         else:
-            _attention(*args, self.parts, cache, self.runs)
-            if groups.shape[0]:
-                _merge_split((q, k, v) + cache, o_flat, l_flat, flat_flags, a.strides, a.boff,
-                             a.lens, a.params, groups, self.parts)
+            attention(ins, outs, extras, geo, self.tuning, self.work, self.args.fparams,
+                      self.parts, self.runs)
+            if self.groups.shape[0]:
+                merge_split(ins, outs, geo, self.tuning, self.groups, self.parts)
 
 
 @njit(parallel=True, cache=True)

@@ -4,8 +4,7 @@ import numpy as np
 from numba import njit
 from .. import config
 from ..numerics.band import BAND_INF, block_kv_range, tile_inside_band
-from ..numerics.kernel_args import (L_KLEN, L_NEXT, L_PRE, L_QLEN, P_COLS, P_D, P_G, P_ROWS, P_SEG,
-                                    P_SUB, P_THREADS)
+from ..numerics.kernel_args import L_KLEN, L_NEXT, L_PRE, L_QLEN, P_COLS, P_D, P_G, P_ROWS
 from ._amx import BLOCK
 from ._gemm import PANEL
 from ._jit import LEAF
@@ -18,14 +17,14 @@ W_B, W_G, W_I0, W_JLO, W_JHI, W_SLOT = range(6)
 
 
 @njit(cache=True)
-def _sizes(params, work):
+def sizes(params, tuning, work):
     """(D, rows per work item over the G heads, kv columns per tile, threads, work items)."""
-    return (params[P_D], params[P_G] * params[P_ROWS], params[P_COLS], params[P_THREADS],
+    return (params[P_D], params[P_G] * params[P_ROWS], params[P_COLS], tuning.threads,
             work.shape[0])
 
 
 @njit(**LEAF)
-def _item(params, lens, b, i0):
+def item_rows(params, lens, b, i0):
     """Geometry of work item (b, i0): (i1, R, jstart, jend). Its R = G * (i1 - i0) rows are
     stacked position-major: row rr is query position i0 + rr // G of query head g * G + rr % G;
     only kv columns [jstart, jend) can be kept by any of them."""
@@ -36,7 +35,7 @@ def _item(params, lens, b, i0):
 
 
 @njit(**LEAF)
-def _segment(params, lens, b, i0, i1, j0, j1, r0, R, align):
+def segment(params, tuning, lens, b, i0, i1, j0, j1, r0, R, align):
     """The next row segment [r0, r1) of a kv tile [j0, j1), and its columns [cl, ch).
 
     A tile wholly inside the band is one segment of all R rows. A tile the band cuts is taken
@@ -48,8 +47,8 @@ def _segment(params, lens, b, i0, i1, j0, j1, r0, R, align):
     pre_e = lens[L_PRE, b]
     next_e = lens[L_NEXT, b]
     if tile_inside_band(i0, i1, j0, j1, pre_e, next_e):
-        return min(R, r0 + params[P_SEG]), j0, j1, True
-    r1 = min(R, r0 + params[P_SUB])
+        return min(R, r0 + tuning.seg), j0, j1, True
+    r1 = min(R, r0 + tuning.sub)
     p0 = i0 + r0 // G
     p1 = i0 + (r1 - 1) // G + 1
     lo, hi = block_kv_range(p0, p1, pre_e, next_e, lens[L_KLEN, b])

@@ -5,9 +5,9 @@ ones dequantized as they load (:mod:`frontend.antiquant`; the AMX kernel takes n
 read K and V rows at the element offsets these functions give; a tile never straddles the
 prefix's end.
 
-cache = (kp, vp, table, channel, key scales, key offsets, value scales, value offsets): the
-prefix arrays, the block table, the channel planes and the token planes of the kernel
-arguments.
+ins: the :class:`.records.Inputs` of the kernel arguments (of which these read the prefix
+arrays, the block table, the channel planes and the token planes); geo: their
+:class:`.records.Geometry`.
 """
 import numpy as np
 from numba import njit
@@ -53,13 +53,13 @@ def _plane_block(params, mode):
 
 
 @njit(**LEAF)
-def kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs):
+def kv_tile_rows(ins, geo, b, g, j0, nc, ro, rs):
     """The element offsets of kv rows j0 .. j0 + nc of kv head g of batch b: ro[0, c] in the
     key's array, ro[1, c] in the value's; with dequantization, the rows' token scales and
     offsets in rs[KEY:KEY + 2, c] and rs[VALUE:VALUE + 2, c] (ro[2]: scratch). Returns
     (whether the rows are the prefix's, the key's and the value's element strides)."""
-    strides, params = geo[0], geo[3]
-    table = cache[2]
+    strides, params = geo.strides, geo.params
+    table = ins.table
     P = params[P_PREFIX]
     prefix = _kv_rows(geo, table, T_PK, T_K, b, g, j0, nc, ro[0])
     _kv_rows(geo, table, T_PV, T_V, b, g, j0, nc, ro[1])
@@ -69,20 +69,20 @@ def kv_tile_rows(cache, geo, b, g, j0, nc, ro, rs):
                 rs[KEY, c], rs[KEY + 1, c] = F32_ONE, F32_ZERO
                 rs[VALUE, c], rs[VALUE + 1, c] = F32_ONE, F32_ZERO
         else:
-            _token_rows(cache[4], cache[5], geo, table, T_KT, params[P_KTOK], b, g, j0 - P, nc,
-                        ro[2], rs, KEY)
-            _token_rows(cache[6], cache[7], geo, table, T_VT, params[P_VTOK], b, g, j0 - P, nc,
-                        ro[2], rs, VALUE)
+            _token_rows(ins.key_scales, ins.key_offsets, geo, table, T_KT, params[P_KTOK],
+                        b, g, j0 - P, nc, ro[2], rs, KEY)
+            _token_rows(ins.value_scales, ins.value_offsets, geo, table, T_VT,
+                        params[P_VTOK], b, g, j0 - P, nc, ro[2], rs, VALUE)
     if prefix:
         return True, strides[T_PK, S_ELEM], strides[T_PV, S_ELEM]
     return False, strides[T_K, S_ELEM], strides[T_V, S_ELEM]
 
 
 @njit(**LEAF)
-def kv_key_rows(cache, geo, b, g, j0, nc, out):
+def kv_key_rows(ins, geo, b, g, j0, nc, out):
     """out[c] = the element offset of K row j0 + c of kv head g of batch b, c < nc (a tile:
     all in the prefix or none); returns whether they are the prefix's rows."""
-    return _kv_rows(geo, cache[2], T_PK, T_K, b, g, j0, nc, out)
+    return _kv_rows(geo, ins.table, T_PK, T_K, b, g, j0, nc, out)
 
 
 @njit(**LEAF)
@@ -107,7 +107,7 @@ def _own_rows(out, geo, table, block, t, b, j0, nc, head):
     """out[c] = the element offset of own row j0 + c of batch b in tensor t, plus ``head``
     (kv_row's rows): one run of consecutive rows a paged block (all of them without paging),
     each run one vectorised loop."""
-    strides, boff = geo[0], geo[1]
+    strides, boff = geo.strides, geo.boff
     step = strides[t, S_ROW]
     c = 0
     while c < nc:
@@ -128,7 +128,7 @@ def _token_rows(scales, offsets, geo, table, t, mode, b, g, j0, nc, offs, rs, ro
         for c in range(nc):
             rs[row, c], rs[row + 1, c] = F32_ONE, F32_ZERO
         return
-    strides, params = geo[0], geo[3]
+    strides, params = geo.strides, geo.params
     block = _plane_block(params, mode)
     for i, plane in ((0, scales), (1, offsets)):
         _own_rows(offs, geo, table, block, t + i, b, j0, nc, g * strides[t + i, S_HEAD])
@@ -157,7 +157,7 @@ def load_dequant_row(dst, r, src, off, sd, D, cs, co, base, scale, offset):
 
 
 @njit(**LEAF)
-def kv_value_row(cache, geo, b, g, j):
+def kv_value_row(ins, geo, b, g, j):
     """(whether in the prefix, element offset, element stride, token scale, token offset) of V
     row j of kv head g."""
     strides, boff, _, params = geo
@@ -165,6 +165,7 @@ def kv_value_row(cache, geo, b, g, j):
     if j < P:
         return (True, boff[T_PV, b] + g * strides[T_PV, S_HEAD] + j * strides[T_PV, S_ROW],
                 strides[T_PV, S_ELEM], F32_ONE, F32_ZERO)
-    off = kv_row(strides, boff, cache[2], params[P_BLOCK], T_V, b, j - P)
-    scale, offset = _token(cache[6], cache[7], geo, cache[2], T_VT, params[P_VTOK], b, g, j - P)
+    off = kv_row(strides, boff, ins.table, params[P_BLOCK], T_V, b, j - P)
+    scale, offset = _token(ins.value_scales, ins.value_offsets, geo, ins.table, T_VT,
+                           params[P_VTOK], b, g, j - P)
     return False, off + g * strides[T_V, S_HEAD], strides[T_V, S_ELEM], scale, offset

@@ -169,8 +169,8 @@ def _mask_row(s2, r, nc, j0, i, band, inside, extras, where, kinds):
 @njit(**LEAF)
 def element_offsets(geo, b, n, i, j0):
     """(mask offset, mask column stride, pse offset, pse column stride) of query row i of head
-    n in batch b at kv column j0 (geo = (strides, boff, lens, params))."""
-    strides, boff = geo[0], geo[1]
+    n in batch b at kv column j0 (geo: the :class:`.records.Geometry`)."""
+    strides, boff = geo.strides, geo.boff
     return (boff[T_M, b] + i * strides[T_M, 1] + j0 * strides[T_M, 2], strides[T_M, 2],
             boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1] + j0 * strides[T_P, 2],
             strides[T_P, 2])
@@ -179,7 +179,7 @@ def element_offsets(geo, b, n, i, j0):
 @njit(**LEAF)
 def row_place(geo, item, rr):
     """Where row rr of work item (b, g, i0) goes (rows stacked position-major, see
-    items._item): (query position i, query head n, output offset, output element stride,
+    items.item_rows): (query position i, query head n, output offset, output element stride,
     softmax_lse offset)."""
     strides, boff, _, params = geo
     b, g, i0 = item
@@ -200,9 +200,9 @@ def band_of(lens, b):
 def _prepare_row(s2, r, nc, i, n, b, j0, inside, extras, geo):
     """Scores s2[r] of position i (query head n, batch b) of the tile from column j0, in
     place: pse and fp16 mask added, columns outside the band or masked set to -inf.
-    extras = (mask8, mask16, pse), geo = (strides, boff, lens, params)."""
-    params = geo[3]
-    _mask_row(s2, r, nc, j0, i, band_of(geo[2], b), inside, extras,
+    extras, geo: the :class:`.records.Extras` and Geometry."""
+    params = geo.params
+    _mask_row(s2, r, nc, j0, i, band_of(geo.lens, b), inside, extras,
               element_offsets(geo, b, n, i, j0),
               (params[P_MASK], params[P_PSE] != 0, params[P_CODE],
                times_pow2(F32_ONE, -params[P_SCALE_EXP])))
@@ -221,7 +221,7 @@ def _online_row(s2, r, nc, rr, state, p3, split, lazy, keys, f, post_e):
     by more than LAZY_MARGIN (p <= e^LAZY_MARGIN: m, acc and l stay as they are, softmax and
     lse unchanged); otherwise the max pass and a second exp pass run as usual. After a row's
     first tile its max seldom grows by that much, so most tiles take one pass instead of two.
-    Split rows are the AMX kernel's, which never has a post_e (driver.use_amx)."""
+    Split rows are the AMX kernel's, which never has a post_e (driver.amx_reasons)."""
     m, l, alpha = state
     m_old = m[rr]
     if lazy and keys.size == 0 and F32_NEG_INF < m_old < F32_POS_INF:
@@ -267,10 +267,10 @@ def _softmax_rows(s2, p3, keys, seg, item, extras, geo, state, scale):
     p3[rr - r0] as bf16 hi / lo parts. Rows that need no mask are scaled inside the max and exp
     passes; the others are scaled first. ``keys`` (empty: none): the order keys of the row
     maxima of unmasked scores (scale 1), from the product.
-    seg = (r0, r1, nc, cl, inside, split, lazy); item = (b, g, i0) (see items._item)."""
+    seg = (r0, r1, nc, cl, inside, split, lazy); item = (b, g, i0) (see items.item_rows)."""
     r0, r1, nc, cl, inside, split, lazy = seg
     b, g, i0 = item
-    params = geo[3]
+    params = geo.params
     G = params[P_G]
     any_user = params[P_MASK] != 0 or params[P_PSE] != 0
     post_e = params[P_SCALE_EXP]

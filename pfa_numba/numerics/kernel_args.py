@@ -26,15 +26,13 @@ S_HEAD, S_ROW, S_ELEM, S_BLOCK = range(4)
 # rows of lens ((5, B) int64): qL, kL, preE, nextE, output rows to write (Sq, or qL for TND)
 L_QLEN, L_KLEN, L_PRE, L_NEXT, L_ROWS = range(5)
 # the params vector (int64)
-# (P_BLOCK: the paged pool's block size, 0 for contiguous key/value; P_PREFIX: the shared
+# (P_ROWS / P_COLS: the CPU's query rows per work item and head and kv columns per tile;
+# P_BLOCK: the paged pool's block size, 0 for contiguous key/value; P_PREFIX: the shared
 # prefix's length P, whose rows come before every batch's own; P_KVCODE: the storage code of
 # key/value; P_DEQUANT: 1 when int8 key/value are dequantized as they load; P_KTOK / P_VTOK:
-# their token planes, 0 none, 1 by row, 2 by paged slot; P_STREAM: work items of at most this
-# many rows stream their K / V rows, the CPU's cpu.stream; P_NEXT_K: 1 when those items
-# prefetch the K rows they read next)
-(P_N, P_G, P_D, P_CODE, P_MASK, P_PSE, P_IP, P_LSE, P_ROWS, P_COLS, P_THREADS, P_OCODE,
- P_FLAGS, P_SUB, P_SEG, P_GEMM, P_BLAS, P_SCALE_EXP, P_BLOCK, P_PREFIX, P_KVCODE, P_DEQUANT,
- P_KTOK, P_VTOK, P_STREAM, P_NEXT_K) = range(26)
+# their token planes, 0 none, 1 by row, 2 by paged slot)
+(P_N, P_G, P_D, P_CODE, P_MASK, P_PSE, P_IP, P_LSE, P_ROWS, P_COLS, P_OCODE, P_FLAGS,
+ P_SCALE_EXP, P_BLOCK, P_PREFIX, P_KVCODE, P_DEQUANT, P_KTOK, P_VTOK) = range(19)
 # the fparams vector (float32): scale_value as factors (see scale_factors), the int8 scales
 F_SCALE, F_SCALE2, F_DEQ1, F_SCALE16, F_QS1, F_DEQ2 = range(6)
 
@@ -272,14 +270,11 @@ class KernelArgs:
     offset2: np.ndarray
 
 
-def kernel_args(p, out, lse, flags=False, rows=0, cols=0, threads=0, sub=0, seg=0, gemm=0,
-                blas=0, stream=0, next_keys=0):
+def kernel_args(p, out, lse, flags=False, rows=0, cols=0):
     """The :class:`KernelArgs` of planned problem ``p`` writing ``out`` (in the output layout;
     its dtype gives the output code) and ``lse``. ``flags`` (mark the rows computed, for a
-    second pass) is the backend's choice; the rest are the CPU's tiling: query
-    rows per work item and head, kv columns per tile, threads, rows per row segment of cut and
-    inside tiles, register-block products (1), the BLAS sgemm address, the most rows of an
-    item that streams its K / V rows and whether it prefetches the K rows it reads next (1)."""
+    second pass) is the backend's choice; ``rows`` and ``cols`` the CPU's tiles: query rows
+    per work item and head, kv columns per tile."""
     q, k, v, o_flat, mask8, mask16, pse, strides, boff, kp, vp, tokens = geometry(p, out, lse)
     cache = p.cache
     paged = cache is not None and cache.block_table is not None
@@ -295,11 +290,9 @@ def kernel_args(p, out, lse, flags=False, rows=0, cols=0, threads=0, sub=0, seg=
     lens = np.array([p.qlen, p.klen, p.pre_e, p.next_e, rows_b], np.int64)
     s1, s2, post = scale_factors(p.scale)
     params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None, p.inner_precise,
-                       p.want_lse, rows, cols, threads,
-                       output_code(out.dtype), flags, sub, seg, gemm, blas, post,
+                       p.want_lse, rows, cols, output_code(out.dtype), flags, post,
                        cache.block_size if paged else 0, cache.P if cache is not None else 0,
-                       storage_code(p.k.dtype), aq is not None, tok[0], tok[1], stream,
-                       next_keys],
+                       storage_code(p.k.dtype), aq is not None, tok[0], tok[1]],
                       np.int64)
     fparams = np.zeros(6, np.float32)
     fparams[F_SCALE], fparams[F_SCALE2] = s1, s2
