@@ -7,7 +7,7 @@ import pytest
 
 from pfa_numba import config
 from pfa_numba.numerics.band import BAND_INF
-from pfa_numba.cpu.items import (W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, _work_items, kv_head_runs,
+from pfa_numba.cpu.items import (W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, work_items, kv_head_runs,
                                  tile_shape)
 
 
@@ -36,7 +36,7 @@ def test_every_block_once_most_expensive_first(seed):
     rng = np.random.default_rng(seed)
     p = _problem(rng, int(rng.integers(0, 6)), Nkv=int(rng.integers(1, 4)))
     rows = int(rng.integers(1, 40))
-    work = _work_items(p, rows)
+    work = work_items(p, rows)
     blocks = _expected_blocks(p, rows)
     order = sorted(range(len(blocks)), key=lambda x: -blocks[x][0])    # stable: ties in order
     want = [(blocks[x][1], g, blocks[x][2]) for x in order for g in range(p.Nkv)]
@@ -91,7 +91,7 @@ def test_streaming_items_run_their_kv_heads_together(seed):
     p = _problem(rng, int(rng.integers(1, 6)), Nkv=int(rng.integers(1, 4)))
     rows, stream_rows = int(rng.integers(1, 12)), int(rng.integers(0, 20))
     most = int(rng.integers(1, 5))
-    work = _work_items(p, rows)
+    work = work_items(p, rows)
     runs = kv_head_runs(work, p.qlen, p.G, rows, stream_rows, most)
     want = [0]
     for x in range(0, work.shape[0], p.Nkv):

@@ -4,7 +4,7 @@ import numpy as np
 from numba import njit
 from ..numerics.core import CODE_F16, f32_as_u32, u32_as_f32
 from ._vector import wide_vectors
-from .rows import _f16_to_f32, _u32
+from .rows import widen_f16, as_u32
 from ._jit import LEAF
 
 
@@ -21,13 +21,13 @@ def _subnormal_key(u):
 @njit(**LEAF)
 def _pair(a, b):
     """Two 16-bit values as one uint32: a in the low half."""
-    return _u32(_u32(a) | _u32(_u32(b) << _u32(16)))
+    return as_u32(as_u32(a) | as_u32(as_u32(b) << as_u32(16)))
 
 
 @njit(**LEAF)
 def _f16_exp(u):
     """The exponent field of float16 bits u (all ones: inf or NaN)."""
-    return _u32(_u32(u) & _F16_EXP)
+    return as_u32(as_u32(u) & F16_EXP)
 
 
 @njit(**LEAF)
@@ -37,15 +37,15 @@ def _split_f16(u):
     f32_to_bf16's rounding without its NaN branch (the caller rejects non-finite values, whose
     lo would be NaN), in 32-bit integer steps: in a split loop, about 2x faster per value than
     calling f32_to_bf16 or VCVTNEPS2BF16 (whose loop does not fill 512-bit vectors)."""
-    x = _f16_to_f32(u)
+    x = widen_f16(u)
     b = f32_as_u32(x)
-    hi = _u32(_u32(_u32(b + _u32(0x7FFF)) + _u32(_u32(b >> _u32(16)) & _u32(1))) >> _u32(16))
-    lo = _u32(f32_as_u32(x - u32_as_f32(_u32(hi << _u32(16)))) >> _u32(16))
+    hi = as_u32(as_u32(as_u32(b + as_u32(0x7FFF)) + as_u32(as_u32(b >> as_u32(16)) & as_u32(1))) >> as_u32(16))
+    lo = as_u32(f32_as_u32(x - u32_as_f32(as_u32(hi << as_u32(16)))) >> as_u32(16))
     return np.uint16(hi), np.uint16(lo)
 
 
 @njit(**LEAF)
-def _amx_pack_rows(dst, lo, ld, src, base, row_stride, sd, n_rows, D, Dp, code):
+def amx_pack_rows(dst, lo, ld, src, base, row_stride, sd, n_rows, D, Dp, code):
     """dst[r * ld + d] = src[base + r * row_stride + d * sd], columns D..Dp zero: bf16 bits as
     they are; float16 as bf16 hi parts, with the lo parts at dst[lo + r * ld + d]. Returns
     True when AMX computes these rows exactly (no bf16 subnormal, no non-finite float16)."""
@@ -81,11 +81,11 @@ def _amx_pack_rows(dst, lo, ld, src, base, row_stride, sd, n_rows, D, Dp, code):
                 drow[d] = u
                 key = min(key, _subnormal_key(u))
         drow[D:] = 0
-    return key >= _SUBNORMAL_LIMIT and ex != _F16_EXP
+    return key >= SUBNORMAL_LIMIT and ex != F16_EXP
 
 
 @njit(**LEAF)
-def _bf16_scan(buf, n):
+def bf16_scan(buf, n):
     """(smallest subnormal key, largest exponent field) of the bf16 bits buf[:n]: a nonzero
     subnormal makes the key < 0x7F, an inf or NaN makes the exponent 0x7F80."""
     wide_vectors()
@@ -152,7 +152,7 @@ def _pair_words(src, a, b, step, n, t, tl, code):
 
 
 @njit(**LEAF)
-def _amx_pack_k(kt, lo, src, offs, sd, nc, ncp, D, Dp, tmp, code):
+def amx_pack_k(kt, lo, src, offs, sd, nc, ncp, D, Dp, tmp, code):
     """K tile (nc rows of src at element offsets offs[c], element stride sd; see
     :mod:`.kv`) as the VNNI B operand of S = Q K^T: as uint32 pairs,
     kt[p, c] = (K[c, 2p], K[c, 2p + 1]) with ld ncp, zero-padded to ncp columns and Dp / 2
@@ -187,8 +187,8 @@ def _amx_pack_k(kt, lo, src, offs, sd, nc, ncp, D, Dp, tmp, code):
 
 
 @njit(**LEAF)
-def _amx_pack_v(vv, lo, src, offs, sd, nc, ncp, D, Dp, code):
-    """V tile (rows as :func:`_amx_pack_k`'s) as the VNNI B operand of P V: as uint32 pairs,
+def amx_pack_v(vv, lo, src, offs, sd, nc, ncp, D, Dp, code):
+    """V tile (rows as :func:`amx_pack_k`'s) as the VNNI B operand of P V: as uint32 pairs,
     vv[c // 2, d] = (V[c, d], V[c + 1, d]) with ld Dp; rows nc..ncp and columns D..Dp zero
     (float16: bf16 hi parts, lo parts at vv[lo:]). Returns the largest float16 exponent field
     seen."""
@@ -220,7 +220,7 @@ def _amx_pack_v(vv, lo, src, offs, sd, nc, ncp, D, Dp, code):
 #: to zero. Work items whose Q or K hold a subnormal, or whose V holds a nonzero value below
 #: 2^-100 (so that p * v with p >= 2^-26 could be flushed), take the float32 path. Scores are
 #: scaled after the product, so a scale beyond 2^64 (lost products could matter) does too.
-_SUBNORMAL_LIMIT = np.uint32(0x7F)               # key (bits & 0x7FFF) - 1 below: subnormal
-_F16_EXP = np.uint32(0x7C00)                     # float16 exponent field; all ones: inf / NaN
-_TINY_V_LIMIT = np.uint32((127 - 100) << 7) - np.uint32(1)
+SUBNORMAL_LIMIT = np.uint32(0x7F)               # key (bits & 0x7FFF) - 1 below: subnormal
+F16_EXP = np.uint32(0x7C00)                     # float16 exponent field; all ones: inf / NaN
+TINY_V_LIMIT = np.uint32((127 - 100) << 7) - np.uint32(1)
 AMX_MAX_SCALE = 2.0 ** 64

@@ -8,14 +8,14 @@ from ._amx import BLOCK, gemm_bf16, padded, tile_config
 from ._blas import scratch
 from ._jit import FASTMATH
 from ._vector import aligned_empty, take_next
-from .amx_pack import (_F16_EXP, _SUBNORMAL_LIMIT, _TINY_V_LIMIT, _amx_pack_k, _amx_pack_rows,
-                       _amx_pack_v, _bf16_scan)
+from .amx_pack import (F16_EXP, SUBNORMAL_LIMIT, TINY_V_LIMIT, amx_pack_k, amx_pack_rows,
+                       amx_pack_v, bf16_scan)
 from .block_f32 import (add_pv_exact, block, f32_buffers, f32_widths, finish, no_f32_buffers,
                         row_state)
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, item_rows, segment, sizes
 from .kv import kv_tile_end, kv_tile_rows
 from .records import AmxBuffers
-from .rows import _LAZY_V_LIMIT, _rescale_rows, _softmax_rows
+from .rows import LAZY_V_LIMIT, rescale_rows, softmax_rows
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -24,7 +24,7 @@ def _block_amx(ins, outs, extras, geo, tuning, scales, item, bufs, tb, state):
     :func:`~.block_f32.block`; bufs: :class:`.records.AmxBuffers`). Float16
     values enter as bf16 hi + lo parts (exact), kept in the second halves of qh, kt and vv, and
     each product sums three bf16 products (all but lo . lo). Returns False, having written nothing,
-    when an input of the item could be flushed by AMX (see _SUBNORMAL_LIMIT) or, for float16,
+    when an input of the item could be flushed by AMX (see SUBNORMAL_LIMIT) or, for float16,
     is not finite. It walks the kv sequence of :mod:`.kv` (a shared prefix, own rows,
     paged blocks) but dequantizes nothing (dispatch sends int8 key / value to the float32
     kernel); (ro, rs) are its kv_tile_rows buffers."""
@@ -47,7 +47,7 @@ def _block_amx(ins, outs, extras, geo, tuning, scales, item, bufs, tb, state):
     no_keys = np.empty(0, np.int32)            # the row maxima are taken in the softmax pass
     if jstart < jend:
         for h in range(G):       # head h: rows h, h + G, ... (position-major)
-            if not _amx_pack_rows(qh[h * Dp:], q_lo, G * Dp, q,
+            if not amx_pack_rows(qh[h * Dp:], q_lo, G * Dp, q,
                                   boff[T_Q, b] + (g * G + h) * strides[T_Q, 0]
                                   + i0 * strides[T_Q, 1],
                                   strides[T_Q, 1], strides[T_Q, 2], i1 - i0, D, Dp, code):
@@ -63,21 +63,21 @@ def _block_amx(ins, outs, extras, geo, tuning, scales, item, bufs, tb, state):
             nc = j1 - j0
             ncp = padded(nc)
             prefix, sdk, sdv = kv_tile_rows(ins, geo, b, g, j0, nc, ro, rs)
-            ex = max(_amx_pack_k(kt, k_lo, kp if prefix else k, ro[0], sdk, nc, ncp, D, Dp,
+            ex = max(amx_pack_k(kt, k_lo, kp if prefix else k, ro[0], sdk, nc, ncp, D, Dp,
                                  tmp, code),
-                     _amx_pack_v(vv, v_lo, vp if prefix else v, ro[1], sdv, nc, ncp, D, Dp,
+                     amx_pack_v(vv, v_lo, vp if prefix else v, ro[1], sdv, nc, ncp, D, Dp,
                                  code))
             if f16:
-                if ex == _F16_EXP:
+                if ex == F16_EXP:
                     return False
                 v_finite = lazy = True
             else:
-                key_k, _ = _bf16_scan(kt, ncp * Dp)
-                key_v, ex = _bf16_scan(vv, ncp * Dp)
-                if key_k < _SUBNORMAL_LIMIT or key_v < _TINY_V_LIMIT:
+                key_k, _ = bf16_scan(kt, ncp * Dp)
+                key_v, ex = bf16_scan(vv, ncp * Dp)
+                if key_k < SUBNORMAL_LIMIT or key_v < TINY_V_LIMIT:
                     return False
                 v_finite = ex != np.uint32(0x7F80)
-                lazy = ex < _LAZY_V_LIMIT
+                lazy = ex < LAZY_V_LIMIT
             r0 = 0
             while r0 < R:
                 r1, cl, ch, inside = segment(params, tuning, lens, b, i0, i1, j0, j1, r0, R,
@@ -93,9 +93,9 @@ def _block_amx(ins, outs, extras, geo, tuning, scales, item, bufs, tb, state):
                               nrp, nsp, Dp, False)
                     s2 = sb[:nrp * nsp].reshape(nrp, nsp)
                     p3 = pp[:2 * nrp * nsp].reshape(nrp, 2, nsp)
-                    _softmax_rows(s2, p3, no_keys, (r0, r1, ns, cl, inside, v_finite, lazy), item,
+                    softmax_rows(s2, p3, no_keys, (r0, r1, ns, cl, inside, v_finite, lazy), item,
                                   extras, geo, state, scales[F_SCALE])
-                    _rescale_rows(acc[r0 * Dp:], Dp, nrow, D, alpha[r0:])
+                    rescale_rows(acc[r0 * Dp:], Dp, nrow, D, alpha[r0:])
                     if v_finite:
                         # P as bf16 hi and lo parts, interleaved per row: lda 2 nsp, lo at + nsp
                         gemm_bf16(cfg, pp, nsp, 2 * nsp, vv[c0 * Dp:], v_lo, 2 * Dp,
@@ -121,7 +121,7 @@ def attention_amx(ins, outs, extras, geo, tuning, work, scales):
     parts = 2 if params[P_CODE] == CODE_F16 else 1      # float16: bf16 hi and lo parts
     taken = np.zeros(1, np.int64)
     for t in prange(nthr):
-        tb = aligned_empty(16 * D, np.float32)   # also _pack_kt's 16 rows (fallback)
+        tb = aligned_empty(16 * D, np.float32)   # also pack_kt's 16 rows (fallback)
         bufs = AmxBuffers(tile_config(), aligned_empty(parts * Rp * Dp, np.uint16),
                           aligned_empty(parts * Cp * Dp, np.uint16),
                           aligned_empty(parts * Cp * Dp, np.uint16),

@@ -14,8 +14,9 @@ from ._jit import FASTMATH, LEAF, LEAF_INLINE
 from ._vector import aligned_empty, take_next, wide_vectors
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, item_rows, segment, sizes
 from .kv import KEY, VALUE, kv_key_rows, kv_tile_end, kv_tile_rows, kv_value_row, load_dequant_row
-from .rows import (_PF_ROWS, _all_finite, _load_row, _pack_kt, _prefetch_row, _rescale_rows,
-                   _scale_row, _softmax_rows, _store_row, band_of, row_place)
+from ._simd import PF_ROWS
+from .rows import (all_finite, load_row, pack_kt, prefetch_row, rescale_rows,
+                   scale_row, softmax_rows, store_row, band_of, row_place)
 from .records import F32Buffers, RowState, RunBuffers
 from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
 from .stream import fold_query, fold_weights, stream_pv, stream_scores, unfold_scores, unfold_values
@@ -75,7 +76,7 @@ def block(ins, extras, geo, tuning, scales, item, span, bufs, state, blas):
             vs = vp if prefix else v
             v2 = vb[:nc * ldv].reshape(nc, ldv)
             if own:
-                _pack_kt(kb, ks, ro[0], sdk, nc, D, kvcode, tb, (dequant, ks_ch, ko_ch, g * D, rs))
+                pack_kt(kb, ks, ro[0], sdk, nc, D, kvcode, tb, (dequant, ks_ch, ko_ch, g * D, rs))
             else:
                 k2 = kb[:nc * D].reshape(nc, D)
             for c in range(nc):
@@ -83,16 +84,16 @@ def block(ins, extras, geo, tuning, scales, item, span, bufs, state, blas):
                     load_dequant_row(k2, c, ks, ro[0, c], sdk, D, ks_ch, ko_ch, g * D,
                                      rs[KEY, c], rs[KEY + 1, c])
                 elif not own:
-                    _load_row(k2, c, ks, ro[0, c], sdk, D, kvcode, F32_ONE)
-                if c + _PF_ROWS < nc:
-                    _prefetch_row(vs, ro[1, c + _PF_ROWS], D * sdv)
+                    load_row(k2, c, ks, ro[0, c], sdk, D, kvcode, F32_ONE)
+                if c + PF_ROWS < nc:
+                    prefetch_row(vs, ro[1, c + PF_ROWS], D * sdv)
                 if dequant:
                     load_dequant_row(v2, c, vs, ro[1, c], sdv, D, vs_ch, vo_ch, g * D,
                                      rs[VALUE, c], rs[VALUE + 1, c])
                 else:
-                    _load_row(v2, c, vs, ro[1, c], sdv, D, kvcode, F32_ONE)
+                    load_row(v2, c, vs, ro[1, c], sdv, D, kvcode, F32_ONE)
                 v2[c, D:] = F32_ZERO
-            v_finite = _all_finite(vb, nc * ldv)
+            v_finite = all_finite(vb, nc * ldv)
             r0 = 0
             while r0 < R:
                 r1, cl, ch, inside = segment(params, tuning, lens, b, i0, i1, j0, j1, r0, R,
@@ -118,9 +119,9 @@ def block(ins, extras, geo, tuning, scales, item, span, bufs, state, blas):
                         gemm_rm(blas, nrow, ns, D, qb, r0 * D, D, True, kb,
                                 (cl - j0) * D, D, sb, 0, ns, F32_ZERO)
                     s2 = sb[:nrow * lds].reshape(nrow, lds)
-                    _softmax_rows(s2, no_p3, keys, (r0, r1, ns, cl, inside, False, False), item,
+                    softmax_rows(s2, no_p3, keys, (r0, r1, ns, cl, inside, False, False), item,
                                   extras, geo, state, F32_ONE)
-                    _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, alpha[r0:])
+                    rescale_rows(acc[r0 * ldv:], ldv, nrow, D, alpha[r0:])
                     vo = (cl - j0) * ldv
                     if not v_finite:
                         add_pv_exact(acc[r0 * ldv:], ldv, nrow, D, sb, lds, ns, vb[vo:], ldv, 1)
@@ -231,7 +232,7 @@ def _widen_rows(dst, src, offs, nc, sd, D, code):
     float32 (exact), and offs[c] = c * D, c < nc."""
     rows = dst[:nc * D].reshape(nc, D)
     for c in range(nc):
-        _load_row(rows, c, src, offs[c], sd, D, code, F32_ONE)
+        load_row(rows, c, src, offs[c], sd, D, code, F32_ONE)
         offs[c] = c * D
 
 
@@ -257,10 +258,10 @@ def _stream_segments(extras, geo, tuning, item, tile, heads, hh, bufs, no_p3, ke
             stream_scores(sb, ns, q2, r0, nrow, keys, cl - j0, ns, values)
             if dequant:
                 unfold_scores(sb, ns, nrow, r0, rs, cl - j0, ns, fold)
-            _softmax_rows(sb[:nrow * ns].reshape(nrow, ns), no_p3, kx[:0],
+            softmax_rows(sb[:nrow * ns].reshape(nrow, ns), no_p3, kx[:0],
                           (r0, r1, ns, cl, inside, False, False), item, extras, geo, state,
                           F32_ONE)
-            _rescale_rows(acc[r0 * ldv:], ldv, nrow, D, state.alpha[r0:])
+            rescale_rows(acc[r0 * ldv:], ldv, nrow, D, state.alpha[r0:])
             if dequant:
                 fold_weights(sb, ns, nrow, r0, rs, cl - j0, ns, state.alpha, fold)
             stream_pv(acc[r0 * ldv:], ldv, nrow, sb, ns, values, cl - j0, ns, buf,
@@ -279,9 +280,9 @@ def start_rows(q, geo, scales, item, R, qb, acc, state):
     for rr in range(R):
         off = (boff[T_Q, b] + (g * G + rr % G) * strides[T_Q, 0]
                + (i0 + rr // G) * strides[T_Q, 1])
-        _load_row(q2, rr, q, off, strides[T_Q, 2], D, params[P_CODE], scales[F_SCALE])
+        load_row(q2, rr, q, off, strides[T_Q, 2], D, params[P_CODE], scales[F_SCALE])
         if scales[F_SCALE2] != F32_ONE:      # a scale_value below float32's range
-            _scale_row(q2, rr, D, scales[F_SCALE2])
+            scale_row(q2, rr, D, scales[F_SCALE2])
         m[rr] = F32_NEG_INF
         l[rr] = F32_ZERO
     acc[:] = F32_ZERO
@@ -320,7 +321,7 @@ def finish(outs, ins, geo, item, i1, acc, ld, state, tb, computed):
         outcome, lo, hi, divisor = row_outcome(True, m[rr] if computed else F32_NEG_INF, l[rr],
                                                params[P_IP], i, pre_e, next_e, kl)
         if outcome == ROW_SOFTMAX:
-            _store_row(out, o_off, osd, acc, rr * ld, l[rr], D, ocode)
+            store_row(out, o_off, osd, acc, rr * ld, l[rr], D, ocode)
             if want_lse:
                 lse[l_off] = lse_value(m[rr], l[rr], params[P_SCALE_EXP])
             if want_flags:
@@ -387,7 +388,7 @@ def attention(ins, outs, extras, geo, tuning, work, scales, parts, runs):
     n_runs = runs.shape[0] - 1
     taken = np.zeros(1, np.int64)
     for t in prange(nthr):
-        tb = aligned_empty(16 * D, np.float32)   # _pack_kt's 16 rows, finish's one
+        tb = aligned_empty(16 * D, np.float32)   # pack_kt's 16 rows, finish's one
         bufs = f32_buffers(params, tuning.gemm, tb)
         heads = _run_buffers(params, tuning, runs)
         state = row_state(rows)

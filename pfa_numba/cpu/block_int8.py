@@ -12,7 +12,7 @@ from ._blas import gemm_rm, scratch
 from ._jit import FASTMATH, LEAF
 from ._vector import take_next
 from .items import W_B, W_G, W_I0, item_rows, sizes
-from .rows import _load_row, _mask_row, _row_max, band_of, element_offsets, row_place
+from .rows import load_row, mask_row, row_max, band_of, element_offsets, row_place
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def _block_int8(ins, outs, extras, geo, fparams, item, bufs, state, blas):
         for rr in range(R):
             off = (boff[T_Q, b] + (g * G + rr % G) * strides[T_Q, 0]
                    + (i0 + rr // G) * strides[T_Q, 1])
-            _load_row(q2, rr, q, off, strides[T_Q, 2], D, CODE_F32, F32_ONE)
+            load_row(q2, rr, q, off, strides[T_Q, 2], D, CODE_F32, F32_ONE)
             m[rr] = F32_NEG_INF
             l[rr] = F32_ZERO
         a2[:, :] = 0.0
@@ -95,10 +95,10 @@ def _block_int8(ins, outs, extras, geo, fparams, item, bufs, state, blas):
                     where = element_offsets(geo, b, g * G + rr % G, i, j0)
                     _int8_scores(s2, rr, nc, deq1, scale16, extras[2], where, has_pse)
                     if mask_kind != 0 or not inside:
-                        _mask_row(s2, rr, nc, j0, i, band, inside, extras, where,
+                        mask_row(s2, rr, nc, j0, i, band, inside, extras, where,
                                   (mask_kind, False, CODE_F16, F32_ONE))
                     if step == 0:
-                        m[rr] = max_nan(m[rr], _row_max(s2, rr, nc, F32_ONE))
+                        m[rr] = max_nan(m[rr], row_max(s2, rr, nc, F32_ONE))
                     elif m[rr] == F32_NEG_INF:
                         s2[rr, :] = F32_ZERO
                     else:
@@ -122,7 +122,7 @@ def _load_rows(dst, src, base, row_stride, sd, n_rows, D):
     rows of int8 values)."""
     d2 = dst[:n_rows * D].reshape(n_rows, D)
     for r in range(n_rows):
-        _load_row(d2, r, src, base + r * row_stride, sd, D, CODE_F32, F32_ONE)
+        load_row(d2, r, src, base + r * row_stride, sd, D, CODE_F32, F32_ONE)
 
 
 @njit(**LEAF)

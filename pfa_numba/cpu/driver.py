@@ -18,7 +18,7 @@ from .amx_pack import AMX_MAX_SCALE
 from .block_amx import attention_amx
 from .block_f32 import attention, f32_widths, merge_split
 from .block_int8 import INT8_MAX_KV_COLS, attention_int8
-from .items import (_work_items, kv_head_runs, prefetch_next_keys, seg_rows, stream_rows, streams,
+from .items import (work_items, kv_head_runs, prefetch_next_keys, seg_rows, stream_rows, streams,
                     sub_rows, tile_shape)
 from .records import Extras, Geometry, Inputs, Outputs, Tuning
 from .split_kv import partial_buffers, runs_wanted, split_work
@@ -135,7 +135,7 @@ def divide(p):
         kv_cols = min(kv_cols, INT8_MAX_KV_COLS)
     rows_per_head = max(1, q_rows // p.G)
     empty = not (p.B and math.prod(p.out_shape))
-    items = np.zeros((0, 6), np.int64) if empty else _work_items(p, rows_per_head)
+    items = np.zeros((0, 6), np.int64) if empty else work_items(p, rows_per_head)
     groups = np.zeros((0, 5), np.int64)
     # pieces and runs of several items are the float32 kernel's; runs of kv heads come
     # first (as many as split-kv wants), pieces of kv columns only where they are too few

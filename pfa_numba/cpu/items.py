@@ -57,7 +57,7 @@ def segment(params, tuning, lens, b, i0, i1, j0, j1, r0, R, align):
     return r1, cl, ch, tile_inside_band(p0, p1, cl, ch, pre_e, next_e)
 
 
-def _work_items(p, rows_per_head):
+def work_items(p, rows_per_head):
     """The work array (columns W_*) of whole items, one for every (b, kv head, i0) block with
     rows to compute, most expensive first."""
     return _items_by_cost(p.qlen, p.klen, p.pre_e, p.next_e, rows_per_head, p.Nkv)
@@ -65,7 +65,7 @@ def _work_items(p, rows_per_head):
 
 @njit(cache=True)
 def _items_by_cost(qlen, klen, pre_e, next_e, rows_per_head, nkv):
-    """:func:`_work_items` of the int64 per-batch lengths and band edges; a block's estimated
+    """:func:`work_items` of the int64 per-batch lengths and band edges; a block's estimated
     cost is its band columns times its rows, ties in (b, i0) order."""
     n = 0
     for b in range(qlen.shape[0]):

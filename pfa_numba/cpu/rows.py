@@ -13,6 +13,7 @@ from ..numerics.kernel_args import (L_KLEN, L_NEXT, L_PRE, P_CODE, P_G, P_MASK, 
                                     T_L, T_M, T_O, T_P)
 from ._gemm import PANEL
 from ._jit import LEAF, LEAF_INLINE
+from ._simd import PF_ROWS
 from ._vector import (bf16_bits_hw, f16_bits_to_f32_hw, f32_to_f16_bits_hw, host_has, prefetch,
                       wide_vectors)
 from .kv import KEY, load_dequant_row
@@ -24,19 +25,19 @@ from .kv import KEY, load_dequant_row
 
 #: float16 <-> float32 for the row loads and output rows: VCVTPH2PS / VCVTPS2PH where the CPU
 #: has F16C (one instruction per 16 values against about 7 / 15 integer ones; both exact IEEE)
-_f16_to_f32 = f16_bits_to_f32_hw if host_has("f16c") else f16_to_f32
+widen_f16 = f16_bits_to_f32_hw if host_has("f16c") else f16_to_f32
 _f32_to_f16 = f32_to_f16_bits_hw if host_has("f16c") else f32_to_f16
 
 
 @njit(**LEAF)
-def _u32(x):
+def as_u32(x):
     """x as uint32 (Numba widens uint32 arithmetic to 64 bits, which halves the vector lanes:
     each step below is cast back)."""
     return np.uint32(x)
 
 
 @njit(**LEAF)
-def _load_row(dst, r, src, off, stride, n, code, factor):
+def load_row(dst, r, src, off, stride, n, code, factor):
     """dst[r, :n] = widen(src[off + d*stride]) * factor, one loop per storage code so each
     vectorises. Rows are addressed by index and the source through unsigned indices: no
     array views (each costs reference counting) and no negative-index checks (which stop
@@ -46,7 +47,7 @@ def _load_row(dst, r, src, off, stride, n, code, factor):
         base = np.uint64(off)
         if code == CODE_F16:
             for d in range(n):
-                dst[r, d] = _f16_to_f32(src[base + np.uint64(d)]) * factor
+                dst[r, d] = widen_f16(src[base + np.uint64(d)]) * factor
         elif code == CODE_BF16:
             for d in range(n):
                 dst[r, d] = bf16_to_f32(src[base + np.uint64(d)]) * factor
@@ -59,10 +60,10 @@ def _load_row(dst, r, src, off, stride, n, code, factor):
 
 
 @njit(cache=True, _nrt=False)    # no fast-math: a true division, not 1 / div estimated
-def _store_row(dst, off, stride, row, r0, div, n, code):
+def store_row(dst, off, stride, row, r0, div, n, code):
     """dst[off + d*stride] = row[r0 + d] / div in the storage of ``code`` (rounded to nearest
     even), d < n; one loop per code for contiguous rows, so that each vectorises (see
-    :func:`_load_row`)."""
+    :func:`load_row`)."""
     wide_vectors()
     if stride == 1:
         base = np.uint64(off)
@@ -81,7 +82,7 @@ def _store_row(dst, off, stride, row, r0, div, n, code):
 
 
 @njit(**LEAF)
-def _all_finite(buf, n):
+def all_finite(buf, n):
     """True when buf[:n] holds no inf or NaN (x * 0 is 0 only for finite x)."""
     wide_vectors()
     chk = F32_ZERO
@@ -91,7 +92,7 @@ def _all_finite(buf, n):
 
 
 @njit(**LEAF)
-def _row_max(s2, r, n, f):
+def row_max(s2, r, n, f):
     """max over c < n of the float32 products s2[r, c] * f, through order-preserving int keys
     (vectorises; -inf / NaN exact). Rounding is monotonic, so that is f times the largest raw
     score (f >= 0) or the smallest (f < 0, with a NaN anywhere giving NaN): the row need not be
@@ -131,7 +132,7 @@ def _exp_row(s2, r, n, m, f, post_e):
 
 
 @njit(**LEAF)
-def _mask_row(s2, r, nc, j0, i, band, inside, extras, where, kinds):
+def mask_row(s2, r, nc, j0, i, band, inside, extras, where, kinds):
     """Scores s2[r] of query row i over the tile's columns j0 .. j0 + nc - 1 -> pse added,
     fp16 mask added, dropped columns at -inf. band = (kL, preE, nextE); extras = (mask8,
     mask16, pse); where = (mask offset, mask column stride, pse offset, pse column stride) at
@@ -202,7 +203,7 @@ def _prepare_row(s2, r, nc, i, n, b, j0, inside, extras, geo):
     place: pse and fp16 mask added, columns outside the band or masked set to -inf.
     extras, geo: the :class:`.records.Extras` and Geometry."""
     params = geo.params
-    _mask_row(s2, r, nc, j0, i, band_of(geo.lens, b), inside, extras,
+    mask_row(s2, r, nc, j0, i, band_of(geo.lens, b), inside, extras,
               element_offsets(geo, b, n, i, j0),
               (params[P_MASK], params[P_PSE] != 0, params[P_CODE],
                times_pow2(F32_ONE, -params[P_SCALE_EXP])))
@@ -230,7 +231,7 @@ def _online_row(s2, r, nc, rr, state, p3, split, lazy, keys, f, post_e):
             l[rr] = l[rr] + s
             alpha[rr] = F32_ONE
             return
-    mx = from_order_key(keys[r]) if keys.size else _row_max(s2, r, nc, f)
+    mx = from_order_key(keys[r]) if keys.size else row_max(s2, r, nc, f)
     m_new, a = online_update(m_old, mx, post_e)
     if m_new == F32_NEG_INF:
         if split:
@@ -249,7 +250,7 @@ def _online_row(s2, r, nc, rr, state, p3, split, lazy, keys, f, post_e):
 
 
 @njit(**LEAF)
-def _rescale_rows(acc, ld, R, D, alpha):
+def rescale_rows(acc, ld, R, D, alpha):
     """acc[rr, :D] *= alpha[rr] (acc rows of ld values) for the rows whose running max moved."""
     wide_vectors()
     a2 = acc[:R * ld].reshape(R, ld)
@@ -261,7 +262,7 @@ def _rescale_rows(acc, ld, R, D, alpha):
 
 
 @njit(**LEAF)
-def _softmax_rows(s2, p3, keys, seg, item, extras, geo, state, scale):
+def softmax_rows(s2, p3, keys, seg, item, extras, geo, state, scale):
     """Rows [r0, r1) of a segment's scores s2[rr - r0, :nc] (columns from cl), times ``scale``:
     masked where needed, then the online-softmax step; p goes in place or (``split``) into
     p3[rr - r0] as bf16 hi / lo parts. Rows that need no mask are scaled inside the max and exp
@@ -279,17 +280,14 @@ def _softmax_rows(s2, p3, keys, seg, item, extras, geo, state, scale):
         f = scale
         if any_user or not inside:
             if scale != F32_ONE:
-                _scale_row(s2, r, nc, scale)
+                scale_row(s2, r, nc, scale)
             f = F32_ONE
             _prepare_row(s2, r, nc, i0 + rr // G, g * G + rr % G, b, cl, inside, extras, geo)
         _online_row(s2, r, nc, rr, state, p3, split, lazy, keys, f, post_e)
 
 
-_PF_ROWS = 8          # K / V rows are prefetched this many rows ahead of their load
-
-
 @njit(**LEAF_INLINE)
-def _prefetch_row(src, off, n):
+def prefetch_row(src, off, n):
     """Prefetch the cache lines of src[off:off + n] (a K or V row: rows of one head lie N * D
     apart in BSH / BSND inputs, too far for the hardware prefetcher)."""
     for x in range(0, n, 64 // src.itemsize):
@@ -298,7 +296,7 @@ def _prefetch_row(src, off, n):
 
 
 @njit(**LEAF)
-def _pack_kt(kt, src, offs, sd, nc, D, code, tb, dq):
+def pack_kt(kt, src, offs, sd, nc, D, code, tb, dq):
     """K tile (nc rows from src at element offsets offs[c], widened) as K^T panels for
     _gemm.scores: kt[p * PANEL * D + d * PANEL + c] = K[p * PANEL + c, d]; the last panel's
     columns past nc are zero. Rows are widened 16 at a time into ``tb`` (16 * D values;
@@ -310,13 +308,13 @@ def _pack_kt(kt, src, offs, sd, nc, D, code, tb, dq):
     for c0 in range(0, nc, 16):
         cn = min(16, nc - c0)
         for cc in range(cn):
-            if c0 + cc + _PF_ROWS < nc:
-                _prefetch_row(src, offs[c0 + cc + _PF_ROWS], D * sd)
+            if c0 + cc + PF_ROWS < nc:
+                prefetch_row(src, offs[c0 + cc + PF_ROWS], D * sd)
             if dequant:
                 load_dequant_row(tmp, cc, src, offs[c0 + cc], sd, D, cs, co, base,
                                  rs[KEY, c0 + cc], rs[KEY + 1, c0 + cc])
             else:
-                _load_row(tmp, cc, src, offs[c0 + cc], sd, D, code, F32_ONE)
+                load_row(tmp, cc, src, offs[c0 + cc], sd, D, code, F32_ONE)
         dst = (c0 // PANEL) * PANEL * D + c0 % PANEL      # the 16 columns share a panel
         for d in range(D):
             col = kt[dst + d * PANEL:dst + d * PANEL + cn]
@@ -330,9 +328,9 @@ def _pack_kt(kt, src, offs, sd, nc, D, code, tb, dq):
 
 #: The lazy softmax step (see _online_row) keeps p = exp(s - m_old) up to e^LAZY_MARGIN, so acc
 #: may grow that much more than with p <= 1: it runs only where |V| < 2^64 (bf16: exponent
-#: field below _LAZY_V_LIMIT; float16 always).
+#: field below LAZY_V_LIMIT; float16 always).
 LAZY_MARGIN = np.float32(8.0)
-_LAZY_V_LIMIT = np.uint32((127 + 64) << 7)
+LAZY_V_LIMIT = np.uint32((127 + 64) << 7)
 _LAZY_MARGIN_BITS = LAZY_MARGIN.view(np.int32)
 
 
@@ -358,8 +356,8 @@ def _exp_row_split(s2, r, n, m, p3, f):
         p = exp_nonpos5(x)
         s += p
         u = f32_as_u32(p)
-        p3[r, 0, c] = np.uint16(_u32(u >> _u32(16)))
-        p3[r, 1, c] = _bf16_bits(p - u32_as_f32(_u32(u & _u32(0xFFFF0000))))
+        p3[r, 0, c] = np.uint16(as_u32(u >> as_u32(16)))
+        p3[r, 1, c] = _bf16_bits(p - u32_as_f32(as_u32(u & as_u32(0xFFFF0000))))
     p3[r, :, n:] = 0
     return s, top > _LAZY_MARGIN_BITS
 
@@ -369,7 +367,7 @@ _bf16_bits = bf16_bits_hw if host_has("avx512bf16") else f32_to_bf16
 
 
 @njit(**LEAF)
-def _scale_row(s2, r, n, f):
+def scale_row(s2, r, n, f):
     wide_vectors()
     for c in range(n):
         s2[r, c] = s2[r, c] * f

@@ -5,7 +5,7 @@ each run's kv range cut into pieces, computed in parallel as separate runs, then
 A piece leaves the online-softmax state of its rows, (unnormalised sums acc, running max m,
 running sum l) over its kv columns, in a slot of the partial buffers; :func:`merge_rows`
 combines the slots of an item with the online-softmax step itself (:func:`numerics.core.rescale_factor`,
-as between two tiles of one item); block_f32's ``_merge_split`` then finishes the rows as a
+as between two tiles of one item); block_f32's ``merge_split`` then finishes the rows as a
 whole item would (contract 'Empty rows', lse, output rounding), so a split changes nothing but the
 order of float32 additions. Only the float32 kernel (:mod:`.block_f32`) takes pieces.
 """

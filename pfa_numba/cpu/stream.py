@@ -14,11 +14,11 @@ from numba import njit
 
 from ..numerics.core import CODE_BF16, CODE_F16, F32_ONE, F32_ZERO
 from ._jit import LEAF, LEAF_INLINE
-from ._simd import (scores_bf16, scores_f16, scores_native, weighted_sum_bf16, weighted_sum_f16,
-                    weighted_sum_native)
+from ._simd import (PF_ROWS, scores_bf16, scores_f16, scores_native, weighted_sum_bf16,
+                    weighted_sum_f16, weighted_sum_native)
 from ._vector import wide_vectors
 from .kv import KEY, VALUE
-from .rows import _PF_ROWS, _load_row, _prefetch_row
+from .rows import load_row, prefetch_row
 
 #: query rows a vector product takes at once
 BLOCK = 4
@@ -26,13 +26,13 @@ BLOCK = 4
 
 @njit(**LEAF)
 def _row(buf, t, kv, c, nc):
-    """Row c of the tile's nc, as float32, into buf[t, :D]; the row _PF_ROWS on is prefetched
+    """Row c of the tile's nc, as float32, into buf[t, :D]; the row PF_ROWS on is prefetched
     (paged rows jump from block to block, where the hardware prefetcher starts over)."""
     src, offs, code = kv
     D = buf.shape[1]
-    if c + _PF_ROWS < nc:
-        _prefetch_row(src, offs[c + _PF_ROWS], D)
-    _load_row(buf, t, src, offs[c], 1, D, code, F32_ONE)
+    if c + PF_ROWS < nc:
+        prefetch_row(src, offs[c + PF_ROWS], D)
+    load_row(buf, t, src, offs[c], 1, D, code, F32_ONE)
 
 
 @njit(**LEAF)

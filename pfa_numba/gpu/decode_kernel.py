@@ -53,10 +53,10 @@ from ..numerics.kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_RO
                                     T_V)
 from . import fragments as F
 from . import ptx as X
-from .kernels import array_function, kv_places, kv_value
-from .tc_kernel import (FULL, HEAD_DIMS, KV_SOURCES, LOG2E, SIGNS, SIMULATOR, _band32, _banded,
-                        _device, _stage_walked, make_row_masks, reads_mask_or_pse,
-                        rows_reason, scale_reason)
+from .kernels import array_function, device_function, kv_places, kv_value
+from .tc_kernel import (FULL, HEAD_DIMS, KV_SOURCES, LOG2E, SIGNS, SIMULATOR, band32, banded,
+                        make_row_masks, reads_mask_or_pse, rows_reason, scale_reason,
+                        stage_walked)
 from .dequant import make_dequant, row_tokens
 from .guard import antiquant_reason
 
@@ -168,7 +168,7 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
         different banks."""
         return row * ROW_U16 + ((k ^ (row & (RAW_CHUNKS - 1))) << 3)
 
-    raw_chunk = _device(raw_chunk)
+    raw_chunk = device_function(raw_chunk)
     MAX_AT = 2 * WARPS * ROWS * D      # the warps' row maxima after their sums, then sums
     SUM_AT = MAX_AT + 2 * WARPS * ROWS
     AHEAD = NBUF - 2                   # loads still in flight when one is consumed
@@ -198,7 +198,7 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
                     else:
                         X.cp_async_16_zfill(ring, to, k, 0, 0)
                 else:           # K(t) divides, V(t) (the next load) reuses its columns
-                    _stage_walked(ring, to, is_v, j, jend, columns, c, rows, table, b,
+                    stage_walked(ring, to, is_v, j, jend, columns, c, rows, table, b,
                                   (k, v, kp, vp), ccol)
                 j += KV_RSTEP
         X.cp_async_commit()
@@ -245,14 +245,14 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
             if band:
                 jc = j0 + WARP_KEYS * w + 2 * t4           # the lane's first key
                 for h in range(2):
-                    lo, hi = _band32(rows[h], rows[2], jc, rows[4], rows[5], rows[3])
+                    lo, hi = band32(rows[h], rows[2], jc, rows[4], rows[5], rows[3])
                     if MASKED:                  # t = s * fold with the band, pse and masks
                         row_masks(s, h, fold, lo, hi, ex[5][h] + jc, ex[6][h] + jc, ex)
                     else:
                         for nt8 in range(2):
                             for e in range(2):
                                 x = 4 * nt8 + 2 * h + e
-                                s[x] = _banded(s[x], np.int32(8 * nt8 + e), lo, hi)
+                                s[x] = banded(s[x], np.int32(8 * nt8 + e), lo, hi)
             if MASKED:
                 fold = F32_ONE                  # the scores are in log2 units already
             tm0 = X.max_nan_f32(X.max_nan_f32(s[0], s[1]), X.max_nan_f32(s[4], s[5]))
@@ -295,10 +295,10 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
                     pa[0], pa[1], pa[2], pa[3], v0, v1, o[e], o[e + 1], o[e + 2], o[e + 3])
                 o[e + 4], o[e + 5], o[e + 6], o[e + 7] = mma(
                     pa[0], pa[1], pa[2], pa[3], v2, v3, o[e + 4], o[e + 5], o[e + 6], o[e + 7])
-        return _device(tile_step)
+        return device_function(tile_step)
 
-    stage = _device(stage)
-    dequantize = _device(dequantize)
+    stage = device_function(stage)
+    dequantize = device_function(dequantize)
     tile_inside, tile_edge = make_tile_step(False), make_tile_step(True)
 
     def load_q(qa, q, boff, strides, b, gh, G, sq, ql, lane):
@@ -316,13 +316,13 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
                     hi_bits = uint32(q[at + (16 * kk + c + 1) * sd])
                 qa[4 * kk + reg] = lo_bits | (hi_bits << uint32(16))
 
-    load_q = _device(load_q)
+    load_q = device_function(load_q)
 
     def shared_f32(ring, at):
         """The float32 stored at 16-bit offset ``at`` of the ring."""
         return _f32_of(ring[at], ring[at + 1])
 
-    shared_f32 = _device(shared_f32)
+    shared_f32 = device_function(shared_f32)
 
     def block_max(ring, r):
         """Row r's maximum over the warps' maxima in the ring."""
@@ -331,7 +331,7 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
             top = max_nan(top, shared_f32(ring, MAX_AT + 2 * (x * ROWS + r)))
         return top
 
-    block_max = _device(block_max)
+    block_max = device_function(block_max)
 
     def decode_split(q, k, v, kp, vp, mask8, mask16, pse, table, strides, boff, lens, params,
                      fparams, ws, sq, per_split, splits, guard, guard_id, channel, kts, kto, vts,

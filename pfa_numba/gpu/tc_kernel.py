@@ -92,13 +92,13 @@ BIAS_F16 = np.float32(F16_MASK_SCALE * LOG2E)       # the float16 mask's -10000,
 
 
 @array_function
-def _banded(t, j, lo, hi):
+def banded(t, j, lo, hi):
     """t where key j is inside the row's band [lo, hi], else -inf."""
     return t if j >= lo and j <= hi else F32_NEG_INF
 
 
 @array_function
-def _band32(i, ql, jc, pre_e, next_e, kl):
+def band32(i, ql, jc, pre_e, next_e, kl):
     """Row i's kept columns [lo, hi] relative to key jc, in 32 bits (so that a tile's tests
     compare with constants); an empty range for a row at or past qL."""
     lo, hi = row_band(i, pre_e, next_e, kl)
@@ -130,7 +130,7 @@ def _stage(smem, dst, src, base, row, stride, rows_left, chunks, row_step, row_e
 
 
 @_device
-def _stage_walked(smem, to, is_v, j, jend, columns, c, places, table, b, kv, ccol):
+def stage_walked(smem, to, is_v, j, jend, columns, c, places, table, b, kv, ccol):
     """cp.async the 16-byte chunk at head dim ``ccol`` of kv row j, found through the kv
     sequence (``kv``: the cache's K, V and the prefix's K, V), to shared offset ``to`` (zero-
     filled for a row at or past jend). K divides to find the row's block-table column, kept
@@ -182,7 +182,7 @@ def make_row_masks(ns, code):
         for nt in range(ns):
             for e in range(2):
                 x = 4 * nt + 2 * h + e
-                s[x] = _banded(s[x] * c2, np.int32(8 * nt + e), lo, hi)
+                s[x] = banded(s[x] * c2, np.int32(8 * nt + e), lo, hi)
         if has_pse:
             for nt in range(ns):
                 for e in range(2):
@@ -258,7 +258,7 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
         places = kv_places(strides, boff, params, T_V, T_PV, b, gh) if is_v else k_places
         j = j_row
         for c in range(KV_CPT):
-            _stage_walked(smem, RAW_AT + c_at + c * KV_RSTEP * ROW_U16, is_v, j, jend, columns,
+            stage_walked(smem, RAW_AT + c_at + c * KV_RSTEP * ROW_U16, is_v, j, jend, columns,
                           c, places, table, b, (k, v, kp, vp), ccol)
             j += KV_RSTEP
 
@@ -299,16 +299,16 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
         if MASKED:
             p_rows, m_rows = ex[5], ex[6]
             for h in range(2):
-                lo, hi = _band32(ia + 8 * h, ql, jc, pre_e, next_e, kl)
+                lo, hi = band32(ia + 8 * h, ql, jc, pre_e, next_e, kl)
                 row_masks(s, h, c2, lo, hi, p_rows[h] + jc, m_rows[h] + jc, ex)
             return
         if band:
             for h in range(2):
-                lo, hi = _band32(ia + 8 * h, ql, jc, pre_e, next_e, kl)
+                lo, hi = band32(ia + 8 * h, ql, jc, pre_e, next_e, kl)
                 for nt in range(NS):
                     for e in range(2):
                         x = 4 * nt + 2 * h + e
-                        s[x] = _banded(s[x], np.int32(8 * nt + e), lo, hi)
+                        s[x] = banded(s[x], np.int32(8 * nt + e), lo, hi)
 
     def make_tile_step(band):
         """One tile of the kv loop (``band``: the tile crosses the band of some row)."""

@@ -218,7 +218,7 @@ def _user_mask_2d(attn_mask, b, Sq, Skv):
 # Layouts (contract 'Layouts')
 # ---------------------------------------------------------------------------------------------
 
-def _to_bnsd(x, layout, heads):
+def as_bnsd(x, layout, heads):
     """An input tensor in ``layout`` as a (B, heads, S, D) array (dtype unchanged)."""
     x = np.asarray(x)
     if layout == "BSH":
@@ -235,7 +235,7 @@ def _to_bnsd(x, layout, heads):
     return x                                     # BNSD, BNSD_BSND
 
 
-def _from_bnsd(o, layout):
+def from_bnsd(o, layout):
     """A (B, N, Sq, D) result in the output layout of contract 'Layouts'."""
     B, N, Sq, D = o.shape
     if layout == "BSH":
@@ -245,7 +245,7 @@ def _from_bnsd(o, layout):
     return o                                     # BNSD
 
 
-def _lengths(actual, B, S, name):
+def actual_lengths(actual, B, S, name):
     """Per-batch actual lengths (contract 'Lengths'): None -> S for all, length 1 -> broadcast."""
     if actual is None:
         return [S] * B
@@ -546,14 +546,14 @@ def prompt_flash_attention(
             Nkv = key.shape[2] // D if D else N
         else:
             Nkv = int(num_key_value_heads) or N
-        q = _to_bnsd(query, input_layout, N)
-        k = _to_bnsd(key, input_layout, Nkv)
-        v = _to_bnsd(value, input_layout, Nkv)
+        q = as_bnsd(query, input_layout, N)
+        k = as_bnsd(key, input_layout, Nkv)
+        v = as_bnsd(value, input_layout, Nkv)
         B, Sq, Skv = q.shape[0], q.shape[2], k.shape[2]
-        q_lens = _lengths(actual_seq_lengths, B, Sq, "actual_seq_lengths")
-        kv_lens = _lengths(actual_seq_lengths_kv, B, Skv, "actual_seq_lengths_kv")
+        q_lens = actual_lengths(actual_seq_lengths, B, Sq, "actual_seq_lengths")
+        kv_lens = actual_lengths(actual_seq_lengths_kv, B, Skv, "actual_seq_lengths_kv")
         out, lse = _attention_bnsd(q, k, v, attn_mask, q_lens, kv_lens, pse_shift, **common)
-        out = _from_bnsd(out, input_layout)
+        out = from_bnsd(out, input_layout)
     return (out, lse) if return_softmax_lse else out
 
 

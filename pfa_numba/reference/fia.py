@@ -12,7 +12,7 @@ depends on the kernels, and the input is assumed valid.
 """
 import numpy as np
 
-from . import _from_bnsd, _lengths, _to_bnsd, prompt_flash_attention
+from . import from_bnsd, actual_lengths, as_bnsd, prompt_flash_attention
 
 __all__ = ["fused_infer_attention_score"]
 
@@ -55,10 +55,10 @@ def fused_infer_attention_score(
     antiquant = _Antiquant(query.dtype, kv, antiquant_scale, antiquant_offset, antiquant_mode,
                            key_antiquant_scale, key_antiquant_offset, key_antiquant_mode,
                            value_antiquant_scale, value_antiquant_offset, value_antiquant_mode)
-    q = _to_bnsd(query, input_layout, num_heads)
+    q = as_bnsd(query, input_layout, num_heads)
     B, N, Sq, D = q.shape
     decode = Sq == 1
-    q_lens = [1] * B if decode else _lengths(actual_seq_lengths, B, Sq, "actual_seq_lengths")
+    q_lens = [1] * B if decode else actual_lengths(actual_seq_lengths, B, Sq, "actual_seq_lengths")
     kv_lens = kv.lengths(actual_seq_lengths_kv)
     q0s = _starts(None if decode else query_padding_size, actual_seq_lengths, Sq, q_lens)
     k0s = _starts(kv_padding_size, actual_seq_lengths_kv, kv.extent, kv_lens)
@@ -86,7 +86,7 @@ def fused_infer_attention_score(
             **dict(pfa, pse_shift=_pse_window(pse_shift, b, rows, cols)))
         out[b, :, q0:q0 + qL] = ob[0]
         lse[b, :, q0:q0 + qL] = lb[0]
-    return _from_bnsd(out, input_layout), (lse if softmax_lse_flag else np.zeros(1))
+    return from_bnsd(out, input_layout), (lse if softmax_lse_flag else np.zeros(1))
 
 
 def _single(x):
@@ -146,17 +146,17 @@ class _KvCaches:
             self.pools = tuple(self._pool(np.asarray(x), D) for x in (key, value))
             self.extent = self.table.shape[1] * self.block_size
         elif self.listed:
-            self.elems = [tuple(_to_bnsd(np.asarray(x), layout, self._heads(x, N, Nkv, D))[0]
+            self.elems = [tuple(as_bnsd(np.asarray(x), layout, self._heads(x, N, Nkv, D))[0]
                                 for x in pair) for pair in zip(key, value)]
             self.Nkv = self.elems[0][0].shape[0]
             self.extent = max(k.shape[1] for k, _ in self.elems)
         else:
             self.Nkv = self._heads(key, N, Nkv, D)
-            self.k, self.v = (_to_bnsd(x, layout, self.Nkv) for x in (key, value))
+            self.k, self.v = (as_bnsd(x, layout, self.Nkv) for x in (key, value))
             self.extent = self.k.shape[2]
         self.P = 0
         if prefix_k is not None:
-            self.prefix = tuple(_to_bnsd(np.asarray(x), layout, self.Nkv)[0]
+            self.prefix = tuple(as_bnsd(np.asarray(x), layout, self.Nkv)[0]
                                 for x in (prefix_k, prefix_v))
             self.P = (self.prefix[0].shape[1] if prefix_len is None
                       else int(np.asarray(prefix_len).reshape(-1)[0]))
@@ -179,7 +179,7 @@ class _KvCaches:
                                                     else self.k.shape[0])
         if actual is None:
             return [k.shape[1] for k, _ in self.elems] if self.listed else [self.extent] * B
-        return _lengths(actual, B, self.extent, "actual_seq_lengths_kv")
+        return actual_lengths(actual, B, self.extent, "actual_seq_lengths_kv")
 
     def own(self, b, k0, kL):
         """(K, V, token index p on the kv S axis, paged (block, offset) slots) of batch b's

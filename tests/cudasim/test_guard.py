@@ -16,7 +16,7 @@ import numba  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from pfa_numba import config, prompt_flash_attention  # noqa: E402
-from pfa_numba.gpu import device, guard as G, launch as L, tc_kernel as T  # noqa: E402
+from pfa_numba.gpu import device, guard as G, tc_kernel as T  # noqa: E402
 from _cases import assert_matches_reference, qkv  # noqa: E402
 
 if not numba.config.ENABLE_CUDASIM and not cuda.is_available():
