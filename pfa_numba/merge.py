@@ -12,22 +12,61 @@ is NaN; a row that is -inf in every part comes out 0 with lse -inf. The merge eq
 call over the whole kv range (up to the output dtype's rounding) for every row with kept mass.
 """
 import numpy as np
+from numba import njit
 
-from .interop import torch_tensors
+from .cpu.records import RowState
+from .cpu.split_kv import merge_rows
 from .frontend import checks
+from .interop import torch_tensors
+from .numerics.core import F32_NEG_INF, F32_ONE, lse_value
 from .numerics.dtypes import dtype_name
 
 
-def _weights_to_out_layout(w, layout, out_shape):
-    """Per-row weights (B, N, Sq, 1) / (T, N, 1) broadcast against the output's layout."""
-    if layout in ("BNSD", "TND"):
-        return w
-    w = w.transpose(0, 2, 1, 3)                       # (B, Sq, N, 1)
+@njit(cache=True)
+def _merge(outs, lses):
+    """The merged rows of the parts' rows ``outs`` (P, R, D) and ``lses`` (P, R), float32:
+    each part's row taken as a piece of online-softmax state (acc = out, m = lse, l = 1) and
+    merged by the rule split-kv merges its pieces by (``cpu.split_kv.merge_rows``), then
+    finished as a row is: divided by l, lse = m + log(l); 0 and -inf where no part kept it."""
+    P, R, D = outs.shape
+    pml = np.empty((P, R, 2), np.float32)
+    pml[:, :, 0] = lses
+    pml[:, :, 1] = F32_ONE
+    acc = np.empty(R * D, np.float32)
+    state = RowState(np.empty(R, np.float32), np.empty(R, np.float32),
+                     np.empty(R, np.float32))
+    merge_rows((outs.reshape(P, R * D), pml), 0, P, R, D, D, acc, state, 0)
+    out = np.zeros((R, D), np.float32)
+    lse = np.empty(R, np.float32)
+    for r in range(R):
+        lse[r] = lse_value(state.m[r], state.l[r], 0)
+        if state.m[r] != F32_NEG_INF:
+            out[r] = acc[r * D:(r + 1) * D] / state.l[r]
+    return out, lse
+
+
+def _heads_first(out, layout, heads):
+    """An output in ``layout`` as a (B, N, Sq, D) view ((T, N, D) for TND)."""
     if layout == "BSH":
-        b, s, n, _ = w.shape
-        d = out_shape[-1] // n
-        return np.repeat(w, d, axis=3).reshape(b, s, n * d)
-    return w                                          # BSND, BNSD_BSND: (B, Sq, N, D)
+        b, s, h = out.shape
+        out = out.reshape(b, s, heads, h // heads)
+    return out.transpose(0, 2, 1, 3) if layout in ("BSH", "BSND", "BNSD_BSND") else out
+
+
+def _in_layout(rows, layout, shape):
+    """(B, N, Sq, D) / (T, N, D) rows back in ``layout``'s output of ``shape``."""
+    if layout in ("BSH", "BSND", "BNSD_BSND"):
+        rows = rows.transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(rows).reshape(shape)
+
+
+def _lse_shape(shape, layout, heads):
+    """softmax_lse's shape for an output of ``shape`` in ``layout`` with ``heads`` heads."""
+    if layout == "TND":
+        return (shape[0], shape[1], 1)
+    if layout == "BNSD":
+        return (shape[0], shape[1], shape[2], 1)
+    return (shape[0], heads, shape[1], 1)
 
 
 def merge_attention(parts, input_layout="BSH"):
@@ -36,8 +75,9 @@ def merge_attention(parts, input_layout="BSH"):
     ``input_layout`` is the layout the parts were computed with (it fixes the output layout:
     BSH, BNSD, BSND, BNSD_BSND or TND). Outputs are float16, bfloat16 or float32 NumPy arrays
     of one shape and dtype; the lse arrays float32 (B, N, Sq, 1) or, for TND, (T, N, 1).
-    Returns ``(out, lse)`` in the parts' dtype and layout, rounded once; torch CPU tensor parts
-    give torch tensors.
+    The rows merge in float32 by the rule split-kv merges its pieces by (one online-softmax
+    rule for both). Returns ``(out, lse)`` in the parts' dtype and layout, rounded once; torch
+    CPU tensor parts give torch tensors.
     """
     layout = checks.check_layout(input_layout)
     parts = list(parts)
@@ -65,16 +105,17 @@ def merge_attention(parts, input_layout="BSH"):
         if l.shape != lse_shape:
             raise ValueError(f"parts[{idx}] softmax_lse has shape {checks.shape_str(l.shape)}, "
                              f"parts[0] has {checks.shape_str(lse_shape)}")
-    lse_all = np.stack([l.astype(np.float64) for l in lses])
-    with np.errstate(invalid="ignore", over="ignore"):
-        lse = np.logaddexp.reduce(lse_all, axis=0)      # -inf where every part is -inf
-        acc = np.zeros(shape, np.float64)
-        for o, lp in zip(outs, lse_all):
-            kept = np.isfinite(lp) | (lp == np.inf)
-            w = np.where(kept, np.exp(lp - np.where(np.isneginf(lse), 0.0, lse)), 0.0)
-            w = _weights_to_out_layout(w, layout, shape)
-            contrib = o.astype(np.float64) * w
-            acc += np.where(w == 0, 0.0, contrib)       # weight 0: ignored, even if NaN
+    heads = lse_shape[1] if len(lse_shape) > 1 else 0
+    if not heads or lse_shape != _lse_shape(shape, layout, heads) or \
+            (layout == "BSH" and shape[2] % heads):
+        raise ValueError(f"parts[0] softmax_lse has shape {checks.shape_str(lse_shape)}, which "
+                         f"is not that of out {checks.shape_str(shape)} in layout {layout}")
+    rows = [_heads_first(o, layout, heads) for o in outs]
+    d = rows[0].shape[-1]
+    merged, lse = _merge(np.stack([np.ascontiguousarray(x, np.float32).reshape(-1, d)
+                                   for x in rows]),
+                         np.stack([l.reshape(-1).astype(np.float32) for l in lses]))
     with np.errstate(over="ignore", under="ignore"):  # rounding to the output dtype, as a call does
-        out, lse = acc.astype(dtype), lse.astype(np.float32)
+        out = _in_layout(merged.reshape(rows[0].shape), layout, shape).astype(dtype)
+    lse = lse.reshape(lse_shape)
     return (torch_tensors.as_tensor(out), torch_tensors.as_tensor(lse)) if tensors else (out, lse)

@@ -14,6 +14,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ._vector import element_args, element_pointer
+
 _address = None
 
 
@@ -56,13 +58,11 @@ def _call(typingctx, address, transa, transb, m, n, k, alpha, a, lda, b, ldb, be
 @intrinsic
 def _elem_ptr(typingctx, arr, idx):
     """Address of ``arr.flat[idx]`` (a C-contiguous 1-D array) as a void pointer."""
-    if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
+    if not element_args(arr, idx):
         return None
 
     def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        ptr = builder.gep(ary.data, [args[1]])
-        return builder.bitcast(ptr, cgutils.voidptr_t)
+        return builder.bitcast(element_pointer(context, builder, sig, args), cgutils.voidptr_t)
 
     return types.voidptr(arr, idx), codegen
 

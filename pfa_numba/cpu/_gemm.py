@@ -25,7 +25,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._vector import host_has, llvm_function, wide_vectors
+from ._vector import add_products, host_has, llvm_function, wide_vectors
 
 #: rows of one register block
 MR = 6
@@ -69,12 +69,6 @@ def _smax(builder, a, b):
     return builder.select(builder.icmp_signed(">", a, b), a, b)
 
 
-def _splat(builder, x):
-    undef = ir.Constant(_V, ir.Undefined)
-    one = builder.insert_element(undef, x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
-
-
 def _register_block(nv, accumulate):
     """Intrinsic ``block(a, a_off, lda, b, b_off, ldb, c, c_off, ldc, k, keys, keys_off)``:
     C[MR, nv * 16] (+)= A[MR, k] @ B[k, nv * 16]; A is read one broadcast element at a time,
@@ -115,10 +109,8 @@ def _register_block(nv, accumulate):
                 brow = builder.gep(bp, [builder.mul(d, ldb_)])
                 bv = [builder.load(builder.bitcast(builder.gep(brow, [ir.Constant(_I64, LANES * j)]),
                                                    _V.as_pointer()), align=4) for j in range(nv)]
-                for r in range(MR):
-                    x = _splat(builder, builder.load(builder.gep(arow[r], [d])))
-                    for j in range(nv):
-                        builder.store(_fma(builder, x, bv[j], builder.load(accs[r][j])), accs[r][j])
+                add_products(builder, _fma, [builder.load(builder.gep(arow[r], [d]))
+                                             for r in range(MR)], bv, accs)
             for r in range(MR):
                 for j in range(nv):
                     builder.store(builder.load(accs[r][j]), cvec[r][j], align=4)

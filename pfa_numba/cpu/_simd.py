@@ -35,7 +35,7 @@ from numba.extending import intrinsic
 
 from ._vector import PREFETCH_L1 as _L1
 from ._vector import PREFETCH_L2 as _L2
-from ._vector import emit_prefetch, host_has, llvm_function
+from ._vector import add_products, emit_prefetch, host_has, llvm_function, splat
 
 LANES = 16 if host_has("avx512f") else 8
 #: K / V rows are prefetched this many rows ahead of their use
@@ -58,9 +58,7 @@ def _c64(n):
 
 
 def _splat(builder, scalar, lanes=LANES):
-    vec = builder.insert_element(ir.Constant(ir.VectorType(scalar.type, lanes), ir.Undefined),
-                                 scalar, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes))
+    return splat(builder, scalar, lanes)
 
 
 def _lane_mask(builder, n_left):
@@ -78,6 +76,12 @@ class _Rows:
         self.builder, self.data, self.elem, self.kind = builder, data, elem, kind
         self.vec = ir.VectorType(elem, LANES)
         self.size = elem.width // 8 if isinstance(elem, ir.IntType) else 4
+
+    @classmethod
+    def of(cls, context, builder, ty, value, kind):
+        """The rows of array argument ``value`` of Numba type ``ty``."""
+        return cls(builder, _array(context, builder, ty, value).data,
+                   context.get_value_type(ty.dtype), kind)
 
     def load(self, offset, mask=None):
         b = self.builder
@@ -176,8 +180,7 @@ def _scores_codegen(kind):
             return context.get_dummy_value()
         s, lds, q, r0, nr, src, offs, c0, nc, vsrc, voffs, nv = args
         nv = _i64(context, builder, nv, sig.args[11])
-        vrows = _Rows(builder, _array(context, builder, vsrc_ty, vsrc).data,
-                      context.get_value_type(vsrc_ty.dtype), kind)
+        vrows = _Rows.of(context, builder, vsrc_ty, vsrc, kind)
         vodata = _array(context, builder, voffs_ty, voffs).data
         lds, r0, nr, c0, nc = (_i64(context, builder, v, sig.args[i])
                                for i, v in ((1, lds), (3, r0), (4, nr), (7, c0), (8, nc)))
@@ -186,8 +189,7 @@ def _scores_codegen(kind):
         qstride = builder.sdiv(cgutils.unpack_tuple(builder, qa.strides, 2)[0], _c64(4))
         sdata = _array(context, builder, s_ty, s).data
         odata = _array(context, builder, offs_ty, offs).data
-        rows = _Rows(builder, _array(context, builder, src_ty, src).data,
-                     context.get_value_type(src_ty.dtype), kind)
+        rows = _Rows.of(context, builder, src_ty, src, kind)
         qrows = _Rows(builder, qa.data, _F32, "native")
         last_r = builder.sub(nr, _c64(1))
         qoff = [builder.mul(builder.add(r0, _min(builder, _c64(r), last_r)), qstride)
@@ -305,10 +307,8 @@ def _weighted_sum_codegen(kind):
         adata = _array(context, builder, acc_ty, acc).data
         pdata = _array(context, builder, p_ty, p).data
         odata = _array(context, builder, offs_ty, offs).data
-        rows = _Rows(builder, _array(context, builder, src_ty, src).data,
-                     context.get_value_type(src_ty.dtype), kind)
-        krows = _Rows(builder, _array(context, builder, ksrc_ty, ksrc).data,
-                      context.get_value_type(ksrc_ty.dtype), kind)
+        rows = _Rows.of(context, builder, src_ty, src, kind)
+        krows = _Rows.of(context, builder, ksrc_ty, ksrc, kind)
         next_keys = (krows, _array(context, builder, koffs_ty, koffs).data, c0, nk)
         nlines = _line_count(builder, D, rows.size)
         span = _c64(_SLICE * LANES)
@@ -375,10 +375,7 @@ def _slice_rows(builder, out, weights, kv, prefetch, masks):
                  for r in range(n)]
             vo = builder.add(_load_i64(builder, odata, builder.add(c0, c)), d0)
             vs = [rows.load(builder.add(vo, _c64(v * LANES)), masks[v]) for v in range(_SLICE)]
-            for r in range(n):
-                wv = _splat(builder, w[r])
-                for v in range(_SLICE):
-                    builder.store(_fma(builder, wv, vs[v], builder.load(acc[r][v])), acc[r][v])
+            add_products(builder, _fma, w, vs, acc)
     for r in range(n):
         for v in range(_SLICE):
             _store_f32(builder, adata, at[r][v], builder.load(acc[r][v]), masks[v])

@@ -50,18 +50,44 @@ def llvm_function(builder, name, ret, args):
     return fn
 
 
+def element_args(arr, idx):
+    """Whether an intrinsic's (arr, idx) are a 1-D array and an integer index."""
+    return isinstance(arr, types.Array) and isinstance(idx, types.Integer)
+
+
+def element_pointer(context, builder, sig, args):
+    """In an intrinsic of (arr, idx): the address of ``arr.flat[idx]``."""
+    ary = context.make_array(sig.args[0])(context, builder, args[0])
+    return builder.gep(ary.data, [args[1]])
+
+
+def add_products(builder, fma, scalars, vectors, accs):
+    """accs[r][j] = fma(splat(scalars[r]), vectors[j], accs[r][j]) for every r and j: the
+    outer-product step of the register blocks (accs: pointers to the accumulator vectors)."""
+    lanes = vectors[0].type.count
+    for r, x in enumerate(scalars):
+        xs = splat(builder, x, lanes)
+        for j, vec in enumerate(vectors):
+            builder.store(fma(builder, xs, vec, builder.load(accs[r][j])), accs[r][j])
+
+
+def splat(builder, scalar, lanes):
+    """A vector of ``lanes`` copies of ``scalar``."""
+    vec = builder.insert_element(ir.Constant(ir.VectorType(scalar.type, lanes), ir.Undefined),
+                                 scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes))
+
+
 @intrinsic
 def prefetch(typingctx, arr, idx):
     """Software prefetch of the cache line holding ``arr.flat[idx]`` into L1 (no fault on any
     address, no effect on the result)."""
-    if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
+    if not element_args(arr, idx):
         return None
 
     def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        emit_prefetch(builder, builder.gep(ary.data, [args[1]]), PREFETCH_L1)
+        emit_prefetch(builder, element_pointer(context, builder, sig, args), PREFETCH_L1)
         return context.get_dummy_value()
-
     return types.none(arr, idx), codegen
 
 

@@ -13,7 +13,7 @@ from .amx_pack import (F16_EXP, SUBNORMAL_LIMIT, TINY_V_LIMIT, amx_pack_k, amx_p
 from .block_f32 import (add_pv_exact, block, f32_buffers, f32_widths, finish, no_f32_buffers,
                         row_state)
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, item_rows, segment, sizes
-from .kv import kv_tile_end, kv_tile_rows
+from .kv import next_tile
 from .records import AmxBuffers
 from .rows import LAZY_V_LIMIT, rescale_rows, softmax_rows
 
@@ -56,13 +56,10 @@ def _block_amx(ins, outs, extras, geo, tuning, scales, item, bufs, tb, state):
             m[rr] = F32_NEG_INF
             l[rr] = F32_ZERO
         acc[:padded(R) * Dp] = F32_ZERO
-        j1 = jstart
-        while j1 < jend:
-            j0 = j1
-            j1 = kv_tile_end(params, j0, tk, jend)
-            nc = j1 - j0
+        j0 = jstart
+        while j0 < jend:
+            j1, nc, prefix, sdk, sdv = next_tile(ins, geo, b, g, j0, tk, jend, ro, rs)
             ncp = padded(nc)
-            prefix, sdk, sdv = kv_tile_rows(ins, geo, b, g, j0, nc, ro, rs)
             ex = max(amx_pack_k(kt, k_lo, kp if prefix else k, ro[0], sdk, nc, ncp, D, Dp,
                                  tmp, code),
                      amx_pack_v(vv, v_lo, vp if prefix else v, ro[1], sdv, nc, ncp, D, Dp,
@@ -104,6 +101,7 @@ def _block_amx(ins, outs, extras, geo, tuning, scales, item, bufs, tb, state):
                         add_pv_exact(acc[r0 * Dp:], Dp, nrow, D, sb, nsp, ns, vv[c0 * Dp:],
                                      2 * Dp, 2)
                 r0 = r1
+            j0 = j1
     finish(outs, ins, geo, item, i1, acc, Dp, state, tb, jstart < jend)
     return True
 

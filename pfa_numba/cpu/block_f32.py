@@ -13,7 +13,8 @@ from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_wi
 from ._jit import FASTMATH, LEAF, LEAF_INLINE
 from ._vector import aligned_empty, take_next, wide_vectors
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, item_rows, segment, sizes
-from .kv import KEY, VALUE, kv_key_rows, kv_tile_end, kv_tile_rows, kv_value_row, load_dequant_row
+from .kv import (KEY, VALUE, kv_key_rows, kv_tile_end, kv_tile_rows, kv_value_row,
+                 load_dequant_row, next_tile)
 from ._simd import PF_ROWS
 from .rows import (all_finite, load_row, pack_kt, prefetch_row, rescale_rows,
                    scale_row, softmax_rows, store_row, band_of, row_place)
@@ -66,12 +67,9 @@ def block(ins, extras, geo, tuning, scales, item, span, bufs, state, blas):
     no_p3 = np.empty((1, 2, 1), np.uint16)        # the in-place softmax writes no bf16 parts
     if jstart < jend:
         start_rows(q, geo, scales, item, R, qb, acc, state)
-        j1 = jstart
-        while j1 < jend:
-            j0 = j1
-            j1 = kv_tile_end(params, j0, tk, jend)
-            nc = j1 - j0
-            prefix, sdk, sdv = kv_tile_rows(ins, geo, b, g, j0, nc, ro, rs)
+        j0 = jstart
+        while j0 < jend:
+            j1, nc, prefix, sdk, sdv = next_tile(ins, geo, b, g, j0, tk, jend, ro, rs)
             ks = kp if prefix else k
             vs = vp if prefix else v
             v2 = vb[:nc * ldv].reshape(nc, ldv)
@@ -134,6 +132,7 @@ def block(ins, extras, geo, tuning, scales, item, span, bufs, state, blas):
                         gemm_rm(blas, nrow, D, ns, sb, 0, lds, False, vb, vo, ldv,
                                 acc, r0 * ldv, ldv, F32_ONE)
                 r0 = r1
+            j0 = j1
     return i1, jstart < jend
 
 

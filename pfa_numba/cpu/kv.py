@@ -33,6 +33,16 @@ def kv_tile_end(params, j0, tk, jend):
 
 
 @njit(**LEAF)
+def next_tile(ins, geo, b, g, j0, tk, jend, ro, rs):
+    """The kv tile from column j0 (:func:`kv_tile_end`) and its rows' places
+    (:func:`kv_tile_rows`): (its end j1, its columns, whether the rows are the prefix's, the
+    key's and the value's element strides)."""
+    j1 = kv_tile_end(geo.params, j0, tk, jend)
+    prefix, sdk, sdv = kv_tile_rows(ins, geo, b, g, j0, j1 - j0, ro, rs)
+    return j1, j1 - j0, prefix, sdk, sdv
+
+
+@njit(**LEAF)
 def _token(scales, offsets, geo, table, t, mode, b, g, j):
     """(scale, offset) of own row j of kv head g in the token planes (geometry rows t, t + 1)
     of ``mode`` (1: by row, 2: by paged slot), or (1, 0) without them."""

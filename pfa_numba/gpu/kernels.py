@@ -236,6 +236,22 @@ def _tile_element(e, D, base, row_stride, sd):
 
 
 @array_function
+def _row_places(strides, boff, b, n, i):
+    """(output offset, output element stride, softmax_lse offset) of query row i of head n in
+    batch b."""
+    return (boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1], strides[T_O, 2],
+            boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1])
+
+
+@array_function
+def _quantized(x, outcome, scale2, offset2, ch):
+    """numerics.core.quantize_output of output element x of channel ch (channel 0 where one
+    scale serves all); 0 in a row of structural zeros."""
+    c = ch if scale2.shape[0] > 1 else 0
+    return quantize_output(x, scale2[c], offset2[c]) if outcome != ROW_ZERO else F32_ZERO
+
+
+@array_function
 def _place_rows(places, tokens, strides, boff, table, params, kts, kto, vts, vto, b, g, j0,
                 c):
     """Stage where kv row j0 + c of the tile lies (:func:`_kv_source`), for K (r = 0) and V
@@ -384,7 +400,7 @@ def kernel_source(dpad, bq, bkv):
         if i < rows_b:
             outcome, mlo, mhi, denom = row_outcome(active, m, l, inner_precise, i, pre_e, next_e,
                                                    kl)
-            o_off, osd = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1], strides[T_O, 2]
+            o_off, osd, l_off = _row_places(strides, boff, b, n, i)
             if outcome == ROW_MEAN:
                 for d in range(D):
                     acc[d] = F32_ZERO
@@ -403,15 +419,10 @@ def kernel_source(dpad, bq, bkv):
                 elif ocode == CODE_BF16:
                     out[o_off + d * osd] = f32_to_bf16(x)
                 elif ocode == CODE_I8:
-                    ch = n * D + d if scale2.shape[0] > 1 else 0
-                    y = F32_ZERO
-                    if outcome != ROW_ZERO:
-                        y = quantize_output(x, scale2[ch], offset2[ch])
-                    out[o_off + d * osd] = y
+                    out[o_off + d * osd] = _quantized(x, outcome, scale2, offset2, n * D + d)
                 else:
                     out[o_off + d * osd] = x
             if want_lse:
-                l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
                 lse[l_off] = lse_value(m, l, post_e) if active else F32_NEG_INF
 
     return attention
@@ -492,7 +503,7 @@ def kernel_source_int8(dpad, bq, bkv):
         if i < rows_b:
             outcome, mlo, mhi, denom = row_outcome(active, m, l, inner_precise, i, pre_e, next_e,
                                                    kl)
-            o_off, osd = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1], strides[T_O, 2]
+            o_off, osd, l_off = _row_places(strides, boff, b, n, i)
             if outcome == ROW_MEAN:
                 # contract 'Empty rows' for int8: every band score equal (E = 1 on the band)
                 p8f = int8_weight(F32_ONE, qs1)
@@ -510,17 +521,12 @@ def kernel_source_int8(dpad, bq, bkv):
                 # deq2 * acc / denom rounded once to float16 (exact), the CPU's procedure;
                 # rows with nothing written are +0 (contract 'Empty rows')
                 h = int8_out_f16(acc[d], deq2, denom) if outcome != ROW_ZERO else uint16(0)
-                if ocode == CODE_I8:
-                    # quantized from the stored float16 value, as on the CPU
-                    ch = n * D + d if scale2.shape[0] > 1 else 0
-                    y = F32_ZERO
-                    if outcome != ROW_ZERO:
-                        y = quantize_output(f16_to_f32(h), scale2[ch], offset2[ch])
-                    out[o_off + d * osd] = y
+                if ocode == CODE_I8:       # quantized from the stored float16, as on the CPU
+                    out[o_off + d * osd] = _quantized(f16_to_f32(h), outcome, scale2, offset2,
+                                                      n * D + d)
                 else:
                     out[o_off + d * osd] = h
             if want_lse:
-                l_off = boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]
                 lse[l_off] = lse_value(m, l, 0) if active else F32_NEG_INF
 
     return attention_int8
