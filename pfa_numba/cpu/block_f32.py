@@ -12,13 +12,14 @@ from ._blas import gemm_rm, scratch
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
 from ._jit import FASTMATH, LEAF, LEAF_INLINE
 from ._vector import aligned_empty, take_next, wide_vectors
-from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, item_rows, segment, sizes
+from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, item_rows, sizes
 from .kv import (KEY, VALUE, kv_key_rows, kv_tile_end, kv_tile_rows, kv_value_row,
-                 load_dequant_row, next_tile)
+                 load_dequant_row)
 from ._simd import PF_ROWS
-from .rows import (all_finite, load_row, pack_kt, prefetch_row, rescale_rows,
-                   scale_row, softmax_rows, store_row, band_of, row_place)
-from .records import F32Buffers, RowState, RunBuffers
+from .rows import (all_finite, band_of, load_row, pack_kt, prefetch_row, row_place, scale_row,
+                   store_row)
+from .records import F32Buffers, F32Products, RowState, RunBuffers, StreamProducts
+from .tile import products, tile_step, walk_tiles
 from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
 from .stream import fold_query, fold_weights, stream_pv, stream_scores, unfold_scores, unfold_values
 
@@ -41,99 +42,108 @@ def f32_widths(params, gemm):
 def block(ins, extras, geo, tuning, scales, item, span, bufs, state, blas):
     """One work item in float32: rows of positions [i0, i1) of the G query heads of kv head g
     in batch b (item = (b, g, i0), see :func:`.items.item_rows`), over the kv columns of its
-    band inside span = [lo, hi) (a piece of a split item; (0, BAND_INF): all). The tile
-    products run on the register-blocked kernels of _gemm (tuning.gemm) or on BLAS. Leaves the
-    rows' unnormalised sums in acc and their (m, l) in state for :func:`finish` or
-    split_kv.keep_piece; returns (i1, whether any kv column was visited).
+    band inside span = [lo, hi) (a piece of a split item; (0, BAND_INF): all), through the
+    tile loop of :mod:`.tile` with the products of the register-blocked kernels of _gemm
+    (tuning.gemm) or of BLAS. Leaves the rows' unnormalised sums in acc and their (m, l) in
+    state for :func:`finish` or split_kv.keep_piece; returns (i1, whether any kv column was
+    visited).
 
     ins (:class:`.records.Inputs`, the kv cache's arrays as :mod:`.kv` walks them), extras,
     geo and tuning: the kernel arguments; bufs (:class:`.records.F32Buffers`, see
     :func:`f32_buffers`) and state (:class:`.records.RowState`): the thread's buffers."""
-    q, k, v, kp, vp, channel = ins.q, ins.k, ins.v, ins.kp, ins.vp, ins.channel
-    ks_ch, ko_ch, vs_ch, vo_ch = channel[KEY], channel[KEY + 1], channel[VALUE], channel[VALUE + 1]
-    strides, boff, lens, params = geo
-    b, g, i0 = item
-    qb, sb, tb, acc, kb, vb, kx, ro, rs = bufs
-    alpha = state.alpha
-    D = params[P_D]
-    kvcode = params[P_KVCODE]
-    dequant = params[P_DEQUANT] != 0
-    tk = params[P_COLS]
-    own = tuning.gemm != 0
-    any_user = params[P_MASK] != 0 or params[P_PSE] != 0
-    ldv = f32_widths(params, tuning.gemm)[0]          # row length of acc and of the V tile
-    i1, R, jstart, jend = item_rows(params, lens, b, i0)
+    params = geo.params
+    i1, R, jstart, jend = item_rows(params, geo.lens, item[0], item[2])
     jstart, jend = max(jstart, span[0]), min(jend, span[1])
-    no_p3 = np.empty((1, 2, 1), np.uint16)        # the in-place softmax writes no bf16 parts
     if jstart < jend:
-        start_rows(q, geo, scales, item, R, qb, acc, state)
-        j0 = jstart
-        while j0 < jend:
-            j1, nc, prefix, sdk, sdv = next_tile(ins, geo, b, g, j0, tk, jend, ro, rs)
-            ks = kp if prefix else k
-            vs = vp if prefix else v
-            v2 = vb[:nc * ldv].reshape(nc, ldv)
-            if own:
-                pack_kt(kb, ks, ro[0], sdk, nc, D, kvcode, tb, (dequant, ks_ch, ko_ch, g * D, rs))
-            else:
-                k2 = kb[:nc * D].reshape(nc, D)
-            for c in range(nc):
-                if not own and dequant:
-                    load_dequant_row(k2, c, ks, ro[0, c], sdk, D, ks_ch, ko_ch, g * D,
-                                     rs[KEY, c], rs[KEY + 1, c])
-                elif not own:
-                    load_row(k2, c, ks, ro[0, c], sdk, D, kvcode, F32_ONE)
-                if c + PF_ROWS < nc:
-                    prefetch_row(vs, ro[1, c + PF_ROWS], D * sdv)
-                if dequant:
-                    load_dequant_row(v2, c, vs, ro[1, c], sdv, D, vs_ch, vo_ch, g * D,
-                                     rs[VALUE, c], rs[VALUE + 1, c])
-                else:
-                    load_row(v2, c, vs, ro[1, c], sdv, D, kvcode, F32_ONE)
-                v2[c, D:] = F32_ZERO
-            v_finite = all_finite(vb, nc * ldv)
-            r0 = 0
-            while r0 < R:
-                r1, cl, ch, inside = segment(params, tuning, lens, b, i0, i1, j0, j1, r0, R,
-                                             PANEL if own else 1)
-                ns = ch - cl
-                if ns > 0:
-                    nrow = r1 - r0
-                    # S = Q K^T; softmax; acc = acc * alpha + P V
-                    keys = kx[:0]
-                    if own:
-                        lds = panels(ns) * PANEL
-                        if inside and not any_user and ns == lds:
-                            # the product also takes the row maxima (no column past ns)
-                            keys = kx[:padded_rows(nrow)]
-                            keys[:] = order_key(F32_NEG_INF)
-                            scores(qb, r0 * D, D, kb, (cl - j0) * D, D, sb, lds, nrow, panels(ns),
-                                   keys)
-                        else:
-                            scores(qb, r0 * D, D, kb, (cl - j0) * D, D, sb, lds, nrow, panels(ns),
-                                   None)
-                    else:
-                        lds = ns
-                        gemm_rm(blas, nrow, ns, D, qb, r0 * D, D, True, kb,
-                                (cl - j0) * D, D, sb, 0, ns, F32_ZERO)
-                    s2 = sb[:nrow * lds].reshape(nrow, lds)
-                    softmax_rows(s2, no_p3, keys, (r0, r1, ns, cl, inside, False, False), item,
-                                  extras, geo, state, F32_ONE)
-                    rescale_rows(acc[r0 * ldv:], ldv, nrow, D, alpha[r0:])
-                    vo = (cl - j0) * ldv
-                    if not v_finite:
-                        add_pv_exact(acc[r0 * ldv:], ldv, nrow, D, sb, lds, ns, vb[vo:], ldv, 1)
-                    elif own:
-                        # the register blocks also add the padding rows' P (zero) to the rows
-                        # below the segment: + 0 changes nothing
-                        sb[nrow * lds:padded_rows(nrow) * lds] = F32_ZERO
-                        accumulate(sb, lds, vb, vo, ldv, acc, r0 * ldv, ldv, nrow, ns)
-                    else:
-                        gemm_rm(blas, nrow, D, ns, sb, 0, lds, False, vb, vo, ldv,
-                                acc, r0 * ldv, ldv, F32_ONE)
-                r0 = r1
-            j0 = j1
+        start_rows(ins.q, geo, scales, item, R, bufs.qb, bufs.acc, state)
+        own = tuning.gemm != 0
+        ld = f32_widths(params, tuning.gemm)[0]          # row length of acc and of the V tile
+        kernel = F32Products(bufs, blas, own, params[P_MASK] != 0 or params[P_PSE] != 0,
+                             np.empty((1, 2, 1), np.uint16), params[P_D], ld, params[P_KVCODE],
+                             params[P_DEQUANT] != 0)
+        walk_tiles(kernel, ins, item, (i1, R, jstart, jend), PANEL if own else 1, extras, geo,
+                   tuning, state, bufs.acc, ld, (bufs.ro, bufs.rs))
     return i1, jstart < jend
+
+
+@njit(**LEAF)
+def _f32_tile(kernel, ins, item, cols, prefix, sdk, sdv):
+    """The float32 kernel's load_tile (:mod:`.tile`): K as K^T panels (register blocks) or
+    rows (BLAS), V as rows of ld values, both dequantized where int8; the tile: whether every
+    V value is finite."""
+    bufs, own, D, ld, code, dequant = (kernel.bufs, kernel.own, kernel.D, kernel.ld,
+                                       kernel.code, kernel.dequant)
+    channel = ins.channel
+    ks_ch, ko_ch, vs_ch, vo_ch = channel[KEY], channel[KEY + 1], channel[VALUE], channel[VALUE + 1]
+    g = item[1]
+    nc = cols[1]
+    ro, rs, kb, vb = bufs.ro, bufs.rs, bufs.kb, bufs.vb
+    ks = ins.kp if prefix else ins.k
+    vs = ins.vp if prefix else ins.v
+    v2 = vb[:nc * ld].reshape(nc, ld)
+    k2 = kb[:nc * D].reshape(nc, D)
+    if own:
+        pack_kt(kb, ks, ro[0], sdk, nc, D, code, bufs.tb, (dequant, ks_ch, ko_ch, g * D, rs))
+    for c in range(nc):
+        if not own and dequant:
+            load_dequant_row(k2, c, ks, ro[0, c], sdk, D, ks_ch, ko_ch, g * D, rs[KEY, c],
+                             rs[KEY + 1, c])
+        elif not own:
+            load_row(k2, c, ks, ro[0, c], sdk, D, code, F32_ONE)
+        if c + PF_ROWS < nc:
+            prefetch_row(vs, ro[1, c + PF_ROWS], D * sdv)
+        if dequant:
+            load_dequant_row(v2, c, vs, ro[1, c], sdv, D, vs_ch, vo_ch, g * D, rs[VALUE, c],
+                             rs[VALUE + 1, c])
+        else:
+            load_row(v2, c, vs, ro[1, c], sdv, D, code, F32_ONE)
+        v2[c, D:] = F32_ZERO
+    return True, all_finite(vb, nc * ld)
+
+
+@njit(**LEAF)
+def _f32_scores(kernel, v_finite, seg):
+    """The float32 kernel's scores (:mod:`.tile`): S = Q K^T on the register blocks, which
+    also take the row maxima where no column past ns and no mask or band touches them, or on
+    BLAS."""
+    bufs, D = kernel.bufs, kernel.D
+    qb, kb, sb, kx = bufs.qb, bufs.kb, bufs.sb, bufs.kx
+    r0, r1, c0, ns, inside = seg
+    nrow = r1 - r0
+    keys = kx[:0]
+    if kernel.own:
+        lds = panels(ns) * PANEL
+        if inside and not kernel.any_user and ns == lds:
+            keys = kx[:padded_rows(nrow)]
+            keys[:] = order_key(F32_NEG_INF)
+            scores(qb, r0 * D, D, kb, c0 * D, D, sb, lds, nrow, panels(ns), keys)
+        else:
+            scores(qb, r0 * D, D, kb, c0 * D, D, sb, lds, nrow, panels(ns), None)
+    else:
+        lds = ns
+        gemm_rm(kernel.blas, nrow, ns, D, qb, r0 * D, D, True, kb, c0 * D, D, sb, 0, ns,
+                F32_ZERO)
+    return sb[:nrow * lds].reshape(nrow, lds), kernel.no_p3, keys, False, False, F32_ONE
+
+
+@njit(**LEAF)
+def _f32_weighted_sum(kernel, v_finite, seg, s2, acc, ld, state):
+    """The float32 kernel's weighted_sum (:mod:`.tile`): acc += P V on the register blocks or
+    BLAS, or column by column where V holds inf or NaN."""
+    sb, vb = kernel.bufs.sb, kernel.bufs.vb
+    r0, r1, c0, ns, _ = seg
+    nrow, lds = r1 - r0, s2.shape[1]
+    vo = c0 * ld
+    if not v_finite:
+        add_pv_exact(acc, ld, nrow, kernel.D, sb, lds, ns, vb[vo:], ld, 1)
+    elif kernel.own:
+        # the register blocks also add the padding rows' P (zero) to the rows below the
+        # segment: + 0 changes nothing
+        sb[nrow * lds:padded_rows(nrow) * lds] = F32_ZERO
+        accumulate(sb, lds, vb, vo, ld, acc, 0, ld, nrow, ns)
+    else:
+        gemm_rm(kernel.blas, nrow, kernel.D, ns, sb, 0, lds, False, vb, vo, ld, acc, 0, ld,
+                F32_ONE)
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -238,34 +248,47 @@ def _widen_rows(dst, src, offs, nc, sd, D, code):
 @njit(**LEAF)
 def _stream_segments(extras, geo, tuning, item, tile, heads, hh, bufs, no_p3, keys, values,
                      next_keys):
-    """The row segments of :func:`_stream_tile`'s tile: keys, values = (rows' array, element
-    offsets, storage code) of contiguous rows."""
+    """The tile step (:mod:`.tile`) of :func:`_stream_tile`'s tile with the streaming
+    products: keys, values = (rows' array, element offsets, storage code) of contiguous
+    rows."""
     params = geo.params
-    b, g, i0 = item
-    i1, R, j0, j1 = tile
-    sb, tb, kx, rs = bufs.sb, bufs.tb, bufs.kx, bufs.rs
     D = params[P_D]
-    dequant = params[P_DEQUANT] != 0
     ldv = f32_widths(params, tuning.gemm)[0]
-    q2, acc, state, fold = head(heads, hh, R, D, ldv)
-    buf = tb[:D].reshape(1, D)                    # a V row the weighted sum takes on its own
-    r0 = 0
-    while r0 < R:
-        r1, cl, ch, inside = segment(params, tuning, geo.lens, b, i0, i1, j0, j1, r0, R, 1)
-        ns, nrow = ch - cl, r1 - r0
-        if ns > 0:
-            stream_scores(sb, ns, q2, r0, nrow, keys, cl - j0, ns, values)
-            if dequant:
-                unfold_scores(sb, ns, nrow, r0, rs, cl - j0, ns, fold)
-            softmax_rows(sb[:nrow * ns].reshape(nrow, ns), no_p3, kx[:0],
-                          (r0, r1, ns, cl, inside, False, False), item, extras, geo, state,
-                          F32_ONE)
-            rescale_rows(acc[r0 * ldv:], ldv, nrow, D, state.alpha[r0:])
-            if dequant:
-                fold_weights(sb, ns, nrow, r0, rs, cl - j0, ns, state.alpha, fold)
-            stream_pv(acc[r0 * ldv:], ldv, nrow, sb, ns, values, cl - j0, ns, buf,
-                      next_keys if r0 == 0 else (next_keys[0], next_keys[1], 0))
-        r0 = r1
+    q2, acc, state, fold = head(heads, hh, tile[1], D, ldv)
+    kernel = StreamProducts(q2, keys, values, next_keys, bufs.sb, bufs.rs, fold,
+                            bufs.tb[:D].reshape(1, D), params[P_DEQUANT] != 0, no_p3,
+                            bufs.kx[:0])
+    tile_step(kernel, None, item, tile, 1, extras, geo, tuning, state, acc, ldv)
+
+
+@njit(**LEAF)
+def _stream_scores(kernel, tile, seg):
+    """The streaming scores (:mod:`.tile`): each K row read once for every row of the segment
+    (:func:`.stream.stream_scores`), int8 products unfolded to the dequantized rows' scores."""
+    r0, r1, c0, ns, _ = seg
+    nrow = r1 - r0
+    sb = kernel.sb
+    stream_scores(sb, ns, kernel.q2, r0, nrow, kernel.k_rows, c0, ns, kernel.v_rows)
+    if kernel.dequant:
+        unfold_scores(sb, ns, nrow, r0, kernel.rs, c0, ns, kernel.fold)
+    return sb[:nrow * ns].reshape(nrow, ns), kernel.no_p3, kernel.no_keys, False, False, F32_ONE
+
+
+@njit(**LEAF)
+def _stream_weighted_sum(kernel, tile, seg, s2, acc, ld, state):
+    """The streaming weighted sum (:mod:`.tile`): each V row read once for every row of the
+    segment (:func:`.stream.stream_pv`; kernel.buf: a V row taken on its own), int8 weights
+    folded first; the first segment prefetches the K rows read next."""
+    r0, r1, c0, ns, _ = seg
+    sb, next_keys = kernel.sb, kernel.next_keys
+    if kernel.dequant:
+        fold_weights(sb, ns, r1 - r0, r0, kernel.rs, c0, ns, state.alpha, kernel.fold)
+    stream_pv(acc, ld, r1 - r0, sb, ns, kernel.v_rows, c0, ns, kernel.buf,
+              next_keys if r0 == 0 else (next_keys[0], next_keys[1], 0))
+
+
+products(F32Products, _f32_tile, _f32_scores, _f32_weighted_sum)
+products(StreamProducts, None, _stream_scores, _stream_weighted_sum)
 
 
 @njit(fastmath=FASTMATH, cache=True)

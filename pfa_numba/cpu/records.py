@@ -44,3 +44,25 @@ AmxBuffers = namedtuple("AmxBuffers", ["cfg", "qh", "kt", "vv", "tmp", "sb", "pp
 #: a thread's buffers for the streaming items of a run, each head's part in turn: query rows,
 #: sums, the row state's (m, l, alpha) and an int8 cache's folded sums
 RunBuffers = namedtuple("RunBuffers", ["q", "acc", "m", "l", "alpha", "fold"])
+
+#: what the float32 kernel's products read (see .tile): the thread's F32Buffers, BLAS's scratch,
+#: whether the register blocks run (else BLAS), whether a user mask or pse applies, the empty
+#: bf16 parts of an in-place softmax, the head dim, the acc / V row length, the kv storage code
+#: and whether int8 rows are dequantized
+F32Products = namedtuple("F32Products", ["bufs", "blas", "own", "any_user", "no_p3", "D", "ld",
+                                         "code", "dequant"])
+
+#: what the AMX kernel's products read: the thread's AmxBuffers, the head dim, its padded
+#: width, the storage code, the score scale and the offsets of the float16 lo parts of the
+#: packed query, K^T and V tiles (-1: bf16, no lo parts); no order keys (the softmax pass
+#: takes the row maxima)
+AmxProducts = namedtuple("AmxProducts", ["bufs", "D", "Dp", "code", "scale", "q_lo", "k_lo",
+                                         "v_lo", "no_keys"])
+
+#: what the streaming products read for one head's tile: its query rows, the tile's K and V
+#: rows as (array, element offsets, storage code), the K rows to prefetch next, the scores,
+#: token scales and int8 folded sums, a V row's buffer, whether int8 rows are folded, and the
+#: empty bf16 parts and order keys of the in-place softmax
+StreamProducts = namedtuple("StreamProducts", ["q2", "k_rows", "v_rows", "next_keys", "sb",
+                                               "rs", "fold", "buf", "dequant", "no_p3",
+                                               "no_keys"])
