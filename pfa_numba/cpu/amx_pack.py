@@ -50,8 +50,7 @@ def amx_pack_rows(dst, lo, ld, src, base, row_stride, sd, n_rows, D, Dp, code):
     they are; float16 as bf16 hi parts, with the lo parts at dst[lo + r * ld + d]. Returns
     True when AMX computes these rows exactly (no bf16 subnormal, no non-finite float16)."""
     wide_vectors()
-    key = np.uint32(0xFFFFFFFF)
-    ex = np.uint32(0)
+    key, ex = NOTHING_SCANNED
     for r in range(n_rows):
         drow = dst[r * ld:r * ld + Dp]
         off = base + r * row_stride
@@ -89,8 +88,7 @@ def bf16_scan(buf, n):
     """(smallest subnormal key, largest exponent field) of the bf16 bits buf[:n]: a nonzero
     subnormal makes the key < 0x7F, an inf or NaN makes the exponent 0x7F80."""
     wide_vectors()
-    key = np.uint32(0xFFFFFFFF)
-    ex = np.uint32(0)
+    key, ex = NOTHING_SCANNED
     for i in range(n):
         u = np.uint32(buf[i])
         key = min(key, (u & np.uint32(0x7FFF)) - np.uint32(1))
@@ -220,6 +218,9 @@ def amx_pack_v(vv, lo, src, offs, sd, nc, ncp, D, Dp, code):
 #: to zero. Work items whose Q or K hold a subnormal, or whose V holds a nonzero value below
 #: 2^-100 (so that p * v with p >= 2^-26 could be flushed), take the float32 path. Scores are
 #: scaled after the product, so a scale beyond 2^64 (lost products could matter) does too.
+#: (key, exponent) of a scan that has seen no element: every later one lowers the key and
+#: raises the exponent
+NOTHING_SCANNED = (np.uint32(0xFFFFFFFF), np.uint32(0))
 SUBNORMAL_LIMIT = np.uint32(0x7F)               # key (bits & 0x7FFF) - 1 below: subnormal
 F16_EXP = np.uint32(0x7C00)                     # float16 exponent field; all ones: inf / NaN
 TINY_V_LIMIT = np.uint32((127 - 100) << 7) - np.uint32(1)

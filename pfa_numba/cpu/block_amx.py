@@ -5,13 +5,12 @@ from numba import njit, prange
 from ..numerics.core import CODE_F16, F32_NEG_INF, F32_ZERO
 from ..numerics.kernel_args import F_SCALE, P_CODE, P_D, P_G, T_Q
 from ._amx import BLOCK, gemm_bf16, padded, tile_config
-from ._blas import scratch
 from ._jit import FASTMATH, LEAF
 from ._vector import aligned_empty, take_next
 from .amx_pack import (F16_EXP, SUBNORMAL_LIMIT, TINY_V_LIMIT, amx_pack_k, amx_pack_rows,
                        amx_pack_v, bf16_scan)
 from .block_f32 import (add_pv_exact, block, f32_buffers, f32_widths, finish, no_f32_buffers,
-                        row_state)
+                        thread_state)
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, item_rows, sizes
 from .records import AmxBuffers, AmxProducts
 from .rows import LAZY_V_LIMIT
@@ -147,9 +146,8 @@ def attention_amx(ins, outs, extras, geo, tuning, work, scales):
                           aligned_empty(Rp * Dp, np.float32),
                           aligned_empty(3 * tk, np.int64).reshape(3, tk),
                           aligned_empty(4 * tk, np.float32).reshape(4, tk))
-        state = row_state(rows)
+        state, blas = thread_state(rows, tuning)
         fallback = no_f32_buffers(tb)
-        blas = scratch(tuning.blas)
         w = take_next(taken)
         while w < n_items:
             item = (work[w, W_B], work[w, W_G], work[w, W_I0])

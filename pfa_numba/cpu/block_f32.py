@@ -7,7 +7,7 @@ from ..numerics.core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO
                              lse_value, order_key, store, widen)
 from ..numerics.kernel_args import (F_SCALE, F_SCALE2, P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_IP,
                                     P_KVCODE, P_DEQUANT, P_LSE, P_MASK, P_OCODE, P_PSE, P_ROWS,
-                                    P_SCALE_EXP, T_Q)
+                                    P_SCALE_EXP)
 from ._blas import gemm_rm, scratch
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
 from ._jit import FASTMATH, LEAF, LEAF_INLINE
@@ -16,8 +16,8 @@ from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, item_rows, sizes
 from .kv import (KEY, VALUE, kv_key_rows, kv_tile_end, kv_tile_rows, kv_value_row,
                  load_dequant_row)
 from ._simd import PF_ROWS
-from .rows import (all_finite, band_of, load_row, pack_kt, prefetch_row, row_place, scale_row,
-                   store_row)
+from .rows import (all_finite, band_of, load_query_rows, load_row, pack_kt, prefetch_row,
+                   row_place, scale_row, store_row)
 from .records import F32Buffers, F32Products, RowState, RunBuffers, StreamProducts
 from .tile import products, tile_step, walk_tiles
 from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
@@ -294,19 +294,14 @@ products(StreamProducts, None, _stream_scores, _stream_weighted_sum)
 @njit(fastmath=FASTMATH, cache=True)
 def start_rows(q, geo, scales, item, R, qb, acc, state):
     """Load the item's R query rows into qb (scaled), and zero its sums and running state."""
-    strides, boff, _, params = geo
-    b, g, i0 = item
-    G, D = params[P_G], params[P_D]
-    m, l, _ = state
+    D = geo.params[P_D]
     q2 = qb[:R * D].reshape(R, D)
-    for rr in range(R):
-        off = (boff[T_Q, b] + (g * G + rr % G) * strides[T_Q, 0]
-               + (i0 + rr // G) * strides[T_Q, 1])
-        load_row(q2, rr, q, off, strides[T_Q, 2], D, params[P_CODE], scales[F_SCALE])
-        if scales[F_SCALE2] != F32_ONE:      # a scale_value below float32's range
+    load_query_rows(q2, q, geo, item, geo.params[P_CODE], scales[F_SCALE])
+    if scales[F_SCALE2] != F32_ONE:      # a scale_value below float32's range
+        for rr in range(R):
             scale_row(q2, rr, D, scales[F_SCALE2])
-        m[rr] = F32_NEG_INF
-        l[rr] = F32_ZERO
+    state.m[:R] = F32_NEG_INF
+    state.l[:R] = F32_ZERO
     acc[:] = F32_ZERO
 
 
@@ -397,6 +392,12 @@ def row_state(rows):
                     np.empty(rows, np.float32))
 
 
+@njit(fastmath=FASTMATH, cache=True)
+def thread_state(rows, tuning):
+    """A thread's RowState of ``rows`` rows and its BLAS scratch."""
+    return row_state(rows), scratch(tuning.blas)
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def attention(ins, outs, extras, geo, tuning, work, scales, parts, runs):
     """Run every work item. Each of the threads takes the next run of items
@@ -413,8 +414,7 @@ def attention(ins, outs, extras, geo, tuning, work, scales, parts, runs):
         tb = aligned_empty(16 * D, np.float32)   # pack_kt's 16 rows, finish's one
         bufs = f32_buffers(params, tuning.gemm, tb)
         heads = _run_buffers(params, tuning, runs)
-        state = row_state(rows)
-        blas = scratch(tuning.blas)
+        state, blas = thread_state(rows, tuning)
         x = take_next(taken)
         while x < n_runs:
             w, nh = runs[x], runs[x + 1] - runs[x]

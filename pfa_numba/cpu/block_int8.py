@@ -7,12 +7,12 @@ from ..numerics.core import (CODE_F16, CODE_F32, F32_NAN, F32_NEG_INF, F32_ONE, 
                              int8_out_f16, int8_score, int8_score_pse, int8_weight, lse_value,
                              max_nan, softmax_weight)
 from ..numerics.kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE16, P_COLS, P_D, P_FLAGS, P_G,
-                                    P_IP, P_LSE, P_MASK, P_PSE, T_K, T_Q, T_V)
+                                    P_IP, P_LSE, P_MASK, P_PSE, T_K, T_V)
 from ._blas import gemm_rm, scratch
 from ._jit import FASTMATH, LEAF
 from ._vector import take_next
 from .items import W_B, W_G, W_I0, item_rows, sizes
-from .rows import load_row, mask_row, row_max, band_of, element_offsets, row_place
+from .rows import load_query_rows, load_row, mask_row, row_max, band_of, element_offsets, row_place
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,20 +73,15 @@ def _block_int8(ins, outs, extras, geo, fparams, item, bufs, state, blas):
     k_base = boff[T_K, b] + g * strides[T_K, 0]
     v_base = boff[T_V, b] + g * strides[T_V, 0]
     if jstart < jend:
-        q2 = qb[:R * D].reshape(R, D)
-        for rr in range(R):
-            off = (boff[T_Q, b] + (g * G + rr % G) * strides[T_Q, 0]
-                   + (i0 + rr // G) * strides[T_Q, 1])
-            load_row(q2, rr, q, off, strides[T_Q, 2], D, CODE_F32, F32_ONE)
-            m[rr] = F32_NEG_INF
-            l[rr] = F32_ZERO
+        load_query_rows(qb[:R * D].reshape(R, D), q, geo, item, CODE_F32, F32_ONE)
+        m[:R] = F32_NEG_INF
+        l[:R] = F32_ZERO
         a2[:, :] = 0.0
         for step in range(2):
             for j0 in range(jstart, jend, tk):
                 j1 = min(j0 + tk, jend)
                 nc = j1 - j0
-                _load_rows(kb, k, k_base + j0 * strides[T_K, 1], strides[T_K, 1],
-                           strides[T_K, 2], nc, D)
+                _load_rows(kb, k, geo, T_K, k_base, j0, nc)
                 s2 = sb[:R * nc].reshape(R, nc)
                 gemm_rm(blas, R, nc, D, qb, 0, D, True, kb, 0, D, sb, 0, nc, F32_ZERO)
                 inside = tile_inside_band(i0, i1, j0, j1, band[1], band[2])
@@ -104,8 +99,7 @@ def _block_int8(ins, outs, extras, geo, fparams, item, bufs, state, blas):
                     else:
                         l[rr] = _int8_weights(s2, rr, nc, m[rr], qs1, l[rr])
                 if step == 1:
-                    _load_rows(vb, v, v_base + j0 * strides[T_V, 1], strides[T_V, 1],
-                               strides[T_V, 2], nc, D)
+                    _load_rows(vb, v, geo, T_V, v_base, j0, nc)
                     t2 = tb[:R * D].reshape(R, D)
                     gemm_rm(blas, R, D, nc, sb, 0, nc, False, vb, 0, D, tb, 0, D, F32_ZERO)
                     for rr in range(R):
@@ -117,12 +111,14 @@ def _block_int8(ins, outs, extras, geo, fparams, item, bufs, state, blas):
 
 
 @njit(**LEAF)
-def _load_rows(dst, src, base, row_stride, sd, n_rows, D):
-    """dst[r * D + d] = src[base + r * row_stride + d * sd] as float32, r < n_rows (K or V
-    rows of int8 values)."""
+def _load_rows(dst, src, geo, t, base, j0, n_rows):
+    """dst[r * D:][:D] = row j0 + r of the K or V head at ``base`` in src (tensor t of the
+    geometry: T_K or T_V) as float32, r < n_rows (rows of int8 values)."""
+    strides, D = geo.strides, geo.params[P_D]
     d2 = dst[:n_rows * D].reshape(n_rows, D)
     for r in range(n_rows):
-        load_row(d2, r, src, base + r * row_stride, sd, D, CODE_F32, F32_ONE)
+        load_row(d2, r, src, base + (j0 + r) * strides[t, 1], strides[t, 2], D, CODE_F32,
+                 F32_ONE)
 
 
 @njit(**LEAF)

@@ -10,7 +10,7 @@ from ..numerics.core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F
                              f32_to_f16, from_order_key, online_update, order_key, running_sum,
                              softmax_weight, store, times_pow2, u32_as_f32, widen)
 from ..numerics.kernel_args import (L_KLEN, L_NEXT, L_PRE, P_CODE, P_G, P_MASK, P_PSE, P_SCALE_EXP,
-                                    T_L, T_M, T_O, T_P)
+                                    T_L, T_M, T_O, T_P, T_Q)
 from ._gemm import PANEL
 from ._jit import LEAF, LEAF_INLINE
 from ._simd import PF_ROWS
@@ -57,6 +57,19 @@ def load_row(dst, r, src, off, stride, n, code, factor):
     else:
         for d in range(n):
             dst[r, d] = widen(src[off + d * stride], code) * factor
+
+
+@njit(**LEAF)
+def load_query_rows(q2, q, geo, item, code, factor):
+    """q2[rr] = query row rr of work item (b, g, i0) (rows stacked position-major, see
+    items.item_rows) as float32, times factor, for every row of q2."""
+    strides, boff, _, params = geo
+    b, g, i0 = item
+    G = params[P_G]
+    for rr in range(q2.shape[0]):
+        off = (boff[T_Q, b] + (g * G + rr % G) * strides[T_Q, 0]
+               + (i0 + rr // G) * strides[T_Q, 1])
+        load_row(q2, rr, q, off, strides[T_Q, 2], q2.shape[1], code, factor)
 
 
 @njit(cache=True, _nrt=False)    # no fast-math: a true division, not 1 / div estimated
