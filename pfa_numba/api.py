@@ -140,12 +140,15 @@ def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths
     kernel (heads, head dim, masks, sparse_mode, inner_precise, pre/next signs). Every message
     names the argument and the value received; invalid input never writes into any array.
     """
-    valid = PV.validate(PV.Call(query, key, value, attn_mask, actual_seq_lengths,
-                              actual_seq_lengths_kv, pse_shift, deq_scale1, quant_scale1,
-                              deq_scale2, quant_scale2, quant_offset2, num_heads, scale_value,
-                              pre_tokens, next_tokens, input_layout, num_key_value_heads,
-                              sparse_mode, inner_precise, device, return_softmax_lse),
-                       stage=_stage)
+    valid = PV.validate(PV.Call(
+        query, key, value, attn_mask=attn_mask, actual_seq_lengths=actual_seq_lengths,
+        actual_seq_lengths_kv=actual_seq_lengths_kv, pse_shift=pse_shift, deq_scale1=deq_scale1,
+        quant_scale1=quant_scale1, deq_scale2=deq_scale2, quant_scale2=quant_scale2,
+        quant_offset2=quant_offset2, num_heads=num_heads, scale_value=scale_value,
+        pre_tokens=pre_tokens, next_tokens=next_tokens, input_layout=input_layout,
+        num_key_value_heads=num_key_value_heads, sparse_mode=sparse_mode,
+        inner_precise=inner_precise, device=device, return_softmax_lse=return_softmax_lse),
+        stage=_stage)
     problem = plan(valid)
     out, lse = dispatch.choose(problem, valid.device, valid.staged).run(problem,
                                                                        valid.staged)

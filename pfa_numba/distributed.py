@@ -65,8 +65,10 @@ def prompt_flash_attention(client, query, key, value, attn_mask=None, actual_seq
         raise ValueError(f"kv_splits and batch_splits must be >= 1, got {kv_splits} and "
                          f"{batch_splits}")
     from .frontend.problem import plan
-    p = plan(PV.validate(PV.Call(query, key, value, attn_mask, actual_seq_lengths,
-                               actual_seq_lengths_kv, pse_shift, num_heads=num_heads,
+    p = plan(PV.validate(PV.Call(query, key, value, attn_mask=attn_mask,
+                               actual_seq_lengths=actual_seq_lengths,
+                               actual_seq_lengths_kv=actual_seq_lengths_kv,
+                               pse_shift=pse_shift, num_heads=num_heads,
                                scale_value=scale_value, pre_tokens=pre_tokens,
                                next_tokens=next_tokens, input_layout=input_layout,
                                num_key_value_heads=num_key_value_heads, sparse_mode=sparse_mode,

@@ -64,15 +64,7 @@ def fused_infer_attention_score(
     portable CUDA kernel walks the same kv sequence; the tensors of a CUDA query are read in
     place (lists are gathered on the host). Errors are those of docs/fia.md, 'Errors'.
     """
-    call = FV.FiaCall(
-        query, key, value, pse_shift, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
-        dequant_scale1, quant_scale1, dequant_scale2, quant_scale2, quant_offset2,
-        antiquant_scale, antiquant_offset, key_antiquant_scale, key_antiquant_offset,
-        value_antiquant_scale, value_antiquant_offset, block_table, query_padding_size,
-        kv_padding_size, key_shared_prefix, value_shared_prefix, actual_shared_prefix_len,
-        num_heads, scale, pre_tokens, next_tokens, input_layout, num_key_value_heads,
-        sparse_mode, inner_precise, block_size, antiquant_mode, key_antiquant_mode,
-        value_antiquant_mode, softmax_lse_flag, device)
+    call = FV.FiaCall(**locals())        # every argument, by its name
     device = checks.check_placement(call)
     call = _host(call)
     staged = Staged(call, device) if checks.is_cuda_array(query) else None

@@ -63,7 +63,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         mask = checks.check_array("attn_mask", mask)
         pse, discard = _mask(mask, q, k)
         band = _mask_band(mask, q.shape[-2], k.shape[-2]) if mask.dtype == np.bool_ else None
-    call = PV.Call(q4, k4, v4, discard, pse_shift=pse, num_heads=hq,
+    call = PV.Call(q4, k4, v4, attn_mask=discard, pse_shift=pse, num_heads=hq,
                   num_key_value_heads=hkv, scale_value=scale, input_layout="BNSD",
                   sparse_mode=0 if discard is None else 1, inner_precise=2)
     valid = PV.validate(call)

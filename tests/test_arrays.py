@@ -42,12 +42,12 @@ def test_meta_planning_recovers_every_device_pointer(layout):
     args = dict(num_heads=2, scale_value=0.1, pre_tokens=2147483647, next_tokens=0,
                 input_layout=layout, num_key_value_heads=0, sparse_mode=1, inner_precise=1,
                 return_softmax_lse=False)
-    real = problem.plan(PV.validate(PV.Call(q, k, v, mask, **args)))
+    real = problem.plan(PV.validate(PV.Call(q, k, v, attn_mask=mask, **args)))
     meta = _arrays.Meta()
     mq, mk, mv, mm = (meta.make(name, HostBackedCudaArray(x)) for name, x in
                       zip(("query", "key", "value", "attn_mask"), (q, k, v, mask)))
     assert all(isinstance(x, np.ndarray) and not x.flags.writeable for x in (mq, mk, mv, mm))
-    planned = problem.plan(PV.validate(PV.Call(mq, mk, mv, mm, **args)))
+    planned = problem.plan(PV.validate(PV.Call(mq, mk, mv, attn_mask=mm, **args)))
     out = np.zeros(real.out_shape, np.float16)
     lse = np.zeros(real.lse_shape, np.float32)
     g_real = geometry(real, out, lse)

@@ -144,9 +144,8 @@ def _separate(call, qdtype, shape):
         raise RuntimeError("key_antiquant_offset and value_antiquant_offset come together")
     _pair_rules("key_antiquant_scale", ks, "key_antiquant_offset", ko)
     _pair_rules("value_antiquant_scale", vs, "value_antiquant_offset", vo)
-    if kmode == vmode and ks.shape != vs.shape:
-        raise RuntimeError(f"key_antiquant_scale and value_antiquant_scale shapes differ: "
-                           f"{checks.shape_str(ks.shape)} and {checks.shape_str(vs.shape)}")
+    if kmode == vmode:
+        checks.check_same_shape("key_antiquant_scale", ks, "value_antiquant_scale", vs)
     return [_separate_one(name, mode, s, o, qdtype, shape)
             for name, mode, s, o in (("key", kmode, ks, ko), ("value", vmode, vs, vo))]
 

@@ -11,11 +11,13 @@ import dataclasses
 import math
 import numbers
 
+from typing import Any
+
 import numpy as np
 
 from ..interop.torch_tensors import is_tensor
 from ..numerics.dtypes import F16, F32, I8, dtype_name, is_bf16
-from ..numerics.band import tokens_to_band
+from ..numerics.band import TOKENS_INF, tokens_to_band
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -89,10 +91,30 @@ def check_device(value):
     return value
 
 
+@dataclasses.dataclass(frozen=True)
 class Arguments:
     """What a call's record of its arguments (:class:`.pfa.Call`, :class:`.fia.FiaCall`: frozen
-    dataclasses, every argument by its name, as passed) shares: its tensors, which live on one
-    device, named by ``TENSORS``."""
+    dataclasses, every argument by its name, as passed, all but query, key and value by
+    keyword) shares: the arguments both operators take under one name, with one default, and
+    its tensors, which live on one device, named by ``TENSORS``."""
+    query: Any
+    key: Any
+    value: Any
+    _: dataclasses.KW_ONLY
+    pse_shift: Any = None
+    actual_seq_lengths: Any = None
+    actual_seq_lengths_kv: Any = None
+    quant_scale1: Any = None
+    quant_scale2: Any = None
+    quant_offset2: Any = None
+    num_heads: Any = 1
+    pre_tokens: Any = TOKENS_INF
+    input_layout: Any = "BSH"
+    num_key_value_heads: Any = 0
+    sparse_mode: Any = 0
+    inner_precise: Any = 1
+    device: Any = None
+
     TENSORS = ()
 
     def tensors(self):
@@ -130,9 +152,14 @@ def check_offset_like(oname, offset, sname, scale):
     if offset.dtype != scale.dtype:
         raise TypeError(f"{oname} dtype must equal {sname}'s ({dtype_name(scale.dtype)}), got "
                         f"{dtype_name(offset.dtype)}")
-    if offset.shape != scale.shape:
-        raise RuntimeError(f"{oname} shape must equal {sname}'s {shape_str(scale.shape)}, got "
-                           f"{shape_str(offset.shape)}")
+    check_same_shape(sname, scale, oname, offset)
+
+
+def check_same_shape(a_name, a, b_name, b):
+    """Two arrays that go together have one shape (RuntimeError)."""
+    if a.shape != b.shape:
+        raise RuntimeError(f"{a_name} and {b_name} shapes differ: {shape_str(a.shape)} and "
+                           f"{shape_str(b.shape)}")
 
 
 def check_band_signs(pre_tokens, next_tokens, where, int8_out=False):

@@ -35,21 +35,13 @@ _PAD_BEYOND = 1 << 62
 MAX_KV_ELEMENTS = 1 << 62
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FiaCall(checks.Arguments):
-    """One fused_infer_attention_score call: every argument by its name, as passed."""
-    query: Any
-    key: Any
-    value: Any
-    pse_shift: Any = None
+    """One fused_infer_attention_score call: every argument by its name, as passed (those
+    prompt_flash_attention shares: :class:`.checks.Arguments`)."""
     atten_mask: Any = None
-    actual_seq_lengths: Any = None
-    actual_seq_lengths_kv: Any = None
     dequant_scale1: Any = None
-    quant_scale1: Any = None
     dequant_scale2: Any = None
-    quant_scale2: Any = None
-    quant_offset2: Any = None
     antiquant_scale: Any = None
     antiquant_offset: Any = None
     key_antiquant_scale: Any = None
@@ -62,20 +54,13 @@ class FiaCall(checks.Arguments):
     key_shared_prefix: Any = None
     value_shared_prefix: Any = None
     actual_shared_prefix_len: Any = None
-    num_heads: Any = 1
     scale: Any = 1.0
-    pre_tokens: Any = TOKENS_INF
     next_tokens: Any = TOKENS_INF
-    input_layout: Any = "BSH"
-    num_key_value_heads: Any = 0
-    sparse_mode: Any = 0
-    inner_precise: Any = 1
     block_size: Any = 0
     antiquant_mode: Any = 0
     key_antiquant_mode: Any = 0
     value_antiquant_mode: Any = 0
     softmax_lse_flag: Any = False
-    device: Any = None
 
     TENSORS = TENSORS
 
@@ -191,10 +176,12 @@ def validate(call, device=None):
         for name in ("pre_tokens", "next_tokens"):
             checks.check_int(name, getattr(call, name))
     pfa_call = PV.Call(
-        query, key, value, mask,
-        None if decode else call.actual_seq_lengths, call.actual_seq_lengths_kv, call.pse_shift,
-        call.dequant_scale1, call.quant_scale1, call.dequant_scale2, call.quant_scale2,
-        call.quant_offset2, num_heads=call.num_heads, scale_value=call.scale,
+        query, key, value, attn_mask=mask,
+        actual_seq_lengths=None if decode else call.actual_seq_lengths,
+        actual_seq_lengths_kv=call.actual_seq_lengths_kv, pse_shift=call.pse_shift,
+        deq_scale1=call.dequant_scale1, quant_scale1=call.quant_scale1,
+        deq_scale2=call.dequant_scale2, quant_scale2=call.quant_scale2,
+        quant_offset2=call.quant_offset2, num_heads=call.num_heads, scale_value=call.scale,
         pre_tokens=TOKENS_INF if band_ignored else call.pre_tokens,
         next_tokens=TOKENS_INF if band_ignored else call.next_tokens, input_layout=layout,
         num_key_value_heads=call.num_key_value_heads,
@@ -246,7 +233,7 @@ def _gathered(key_list, value_list, layout, batch):
     for i, (k, v) in enumerate(zip(key_list, value_list)):
         for name, x in ((f"key[{i}]", k), (f"value[{i}]", v)):
             _batch_one_like(name, x, "key[0]", first, layout)
-        _same_shapes(f"key[{i}]", k, f"value[{i}]", v)
+        checks.check_same_shape(f"key[{i}]", k, f"value[{i}]", v)
     lens = [k.shape[axis] for k in key_list]
     shape = list(first.shape)
     shape[0], shape[axis] = batch, max(lens)
@@ -366,7 +353,7 @@ def _prefix(call, layout, key, prefix_k, prefix_v):
                            f"only {given}")
     for name, x in (("key_shared_prefix", prefix_k), ("value_shared_prefix", prefix_v)):
         _batch_one_like(name, x, "key", key, layout)
-    _same_shapes("key_shared_prefix", prefix_k, "value_shared_prefix", prefix_v)
+    checks.check_same_shape("key_shared_prefix", prefix_k, "value_shared_prefix", prefix_v)
     sp = prefix_k.shape[checks.SEQ_AXIS[layout]]
     if call.actual_shared_prefix_len is None:
         return sp
@@ -391,12 +378,6 @@ def _batch_one_like(name, x, ref_name, ref, layout):
         raise RuntimeError(f"{name} must be batch 1 with {ref_name}'s heads and head dim and "
                            f"its own sequence length, got shape {checks.shape_str(x.shape)} "
                            f"({ref_name}: {checks.shape_str(ref.shape)})")
-
-
-def _same_shapes(a_name, a, b_name, b):
-    if a.shape != b.shape:
-        raise RuntimeError(f"{a_name} and {b_name} shapes differ: {checks.shape_str(a.shape)} and "
-                           f"{checks.shape_str(b.shape)}")
 
 
 def _same_heads(x, ref, seq_axis):
@@ -432,9 +413,7 @@ def _check_pools(query, key, value, table, block_size, layout):
     if table.ndim != 2 or table.shape[0] != B:
         raise RuntimeError(f"block_table must be (B, max_blocks) with B = {B}, got shape "
                            f"{checks.shape_str(table.shape)}")
-    if key.shape != value.shape:
-        raise RuntimeError(f"key and value pools must have equal shapes, got "
-                           f"{checks.shape_str(key.shape)} and {checks.shape_str(value.shape)}")
+    checks.check_same_shape("key pool", key, "value pool", value)
     if key.ndim == 4 and layout not in ("BNSD", "BNSD_BSND"):
         raise RuntimeError(f"a 4-D block pool (num_blocks, Nkv, block_size, D) needs "
                            f"input_layout BNSD or BNSD_BSND, got {layout!r} with pool shape "

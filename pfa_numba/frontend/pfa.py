@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..numerics.band import TOKENS_INF, reads_user_mask
+from ..numerics.band import reads_user_mask
 from ..numerics.core import MASK_NONE
 from ..numerics.dtypes import I8, is_bf16
 from .checks import (Arguments, MAX_BATCH, MAX_GROUP, MAX_HEADS, MAX_HEAD_DIM, SEQ_AXIS,
@@ -34,30 +34,15 @@ TENSOR_ARGS = ("query", "key", "value", "attn_mask", "pse_shift")
 ARRAY_ARGS = TENSOR_ARGS + QUANT_ARGS + ("actual_seq_lengths", "actual_seq_lengths_kv")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Call(Arguments):
-    """One prompt_flash_attention call: every argument by its name, as the caller passed it."""
-    query: Any
-    key: Any
-    value: Any
+    """One prompt_flash_attention call: every argument by its name, as the caller passed it
+    (those FIA shares: :class:`.checks.Arguments`)."""
     attn_mask: Any = None
-    actual_seq_lengths: Any = None
-    actual_seq_lengths_kv: Any = None
-    pse_shift: Any = None
     deq_scale1: Any = None
-    quant_scale1: Any = None
     deq_scale2: Any = None
-    quant_scale2: Any = None
-    quant_offset2: Any = None
-    num_heads: Any = 1
     scale_value: Any = 1.0
-    pre_tokens: Any = TOKENS_INF
     next_tokens: Any = 0
-    input_layout: Any = "BSH"
-    num_key_value_heads: Any = 0
-    sparse_mode: Any = 0
-    inner_precise: Any = 1
-    device: Any = None
     return_softmax_lse: Any = False
 
     TENSORS = TENSOR_ARGS

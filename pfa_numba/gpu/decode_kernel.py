@@ -45,7 +45,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 from .. import config
-from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, block_kv_range, interior_tiles, row_outcome
+from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, block_kv_range, kv_tiles, row_outcome
 from ..numerics.core import (CODE_BF16, CODE_F16, F32_NEG_INF, F32_ONE, F32_ZERO, f32_as_u32, jit,
                              lse_log2, max_nan, online_update_log2, u32_as_f32)
 from ..numerics.kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_D, P_G, P_IP,
@@ -55,8 +55,8 @@ from . import fragments as F
 from . import ptx as X
 from .kernels import array_function, device_function, kv_places, kv_value
 from .tc_kernel import (FULL, HEAD_DIMS, KV_SOURCES, LOG2E, SIGNS, SIMULATOR, band32, banded,
-                        make_row_masks, reads_mask_or_pse, rows_reason, scale_reason,
-                        stage_walked)
+                        make_mma_pair, make_online_step, make_row_masks, reads_mask_or_pse, rows_reason,
+                        scale_reason, stage_walked, start_rows)
 from .dequant import make_dequant, row_tokens
 from .guard import antiquant_reason
 
@@ -172,7 +172,8 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
     MAX_AT = 2 * WARPS * ROWS * D      # the warps' row maxima after their sums, then sums
     SUM_AT = MAX_AT + 2 * WARPS * ROWS
     AHEAD = NBUF - 2                   # loads still in flight when one is consumed
-    mma = X.mma_m16n8k16_f16 if kind == "f16" else X.mma_m16n8k16_bf16
+    mma_pair = make_mma_pair(kind)
+    online_step = make_online_step(2, NO)
     pack = X.pack_f16x2 if kind == "f16" else X.pack_bf16x2
     exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
     ALIGN = None if SIMULATOR else 16
@@ -236,12 +237,8 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
             for x in range(8):
                 s[x] = F32_ZERO
             for kk in range(KT):
-                b0, b1, b2, b3 = X.ldmatrix_x4(
-                    ring, kbuf + F.swizzle_step(b_at, WARP_KEYS * w, 16 * kk, D))
-                s[0], s[1], s[2], s[3] = mma(qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2],
-                                             qa[4 * kk + 3], b0, b1, s[0], s[1], s[2], s[3])
-                s[4], s[5], s[6], s[7] = mma(qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2],
-                                             qa[4 * kk + 3], b2, b3, s[4], s[5], s[6], s[7])
+                mma_pair(s, 0, qa, 4 * kk, X.ldmatrix_x4(
+                    ring, kbuf + F.swizzle_step(b_at, WARP_KEYS * w, 16 * kk, D)))
             if band:
                 jc = j0 + WARP_KEYS * w + 2 * t4           # the lane's first key
                 for h in range(2):
@@ -255,26 +252,7 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
                                 s[x] = banded(s[x], np.int32(8 * nt8 + e), lo, hi)
             if MASKED:
                 fold = F32_ONE                  # the scores are in log2 units already
-            tm0 = X.max_nan_f32(X.max_nan_f32(s[0], s[1]), X.max_nan_f32(s[4], s[5]))
-            tm1 = X.max_nan_f32(X.max_nan_f32(s[2], s[3]), X.max_nan_f32(s[6], s[7]))
-            for sh in (1, 2):
-                tm0 = X.max_nan_f32(tm0, X.shfl_xor_sync(FULL, tm0, sh))
-                tm1 = X.max_nan_f32(tm1, X.shfl_xor_sync(FULL, tm1, sh))
-            for h in range(2):
-                m_new, shift, m_sub = online_update_log2(mr[h], (tm0 if h == 0 else tm1) * fold)
-                alpha = exp2(shift)
-                part = F32_ZERO
-                for nt8 in range(2):
-                    for e in range(2):
-                        x = 4 * nt8 + 2 * h + e
-                        pv = exp2(X.fma_f32(s[x], fold, -m_sub))
-                        s[x] = pv
-                        part += pv
-                lr[h] = lr[h] * alpha + part
-                mr[h] = m_new
-                for dt in range(NO):
-                    o[4 * dt + 2 * h] *= alpha
-                    o[4 * dt + 2 * h + 1] *= alpha
+            online_step(s, o, mr, lr, fold)
             for reg in range(4):
                 nt2, x = F.p_from_s(reg)
                 pa[reg] = pack(s[4 * nt2 + x], s[4 * nt2 + x + 1])
@@ -288,13 +266,8 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
                 X.syncwarp()
                 vbuf = STAGE_AT
             for dp in range(KT):
-                v0, v1, v2, v3 = X.ldmatrix_x4_trans(
-                    ring, vbuf + F.swizzle_step(a_at, WARP_KEYS * w, 16 * dp, D))
-                e = 8 * dp
-                o[e], o[e + 1], o[e + 2], o[e + 3] = mma(
-                    pa[0], pa[1], pa[2], pa[3], v0, v1, o[e], o[e + 1], o[e + 2], o[e + 3])
-                o[e + 4], o[e + 5], o[e + 6], o[e + 7] = mma(
-                    pa[0], pa[1], pa[2], pa[3], v2, v3, o[e + 4], o[e + 5], o[e + 6], o[e + 7])
+                mma_pair(o, 8 * dp, pa, 0, X.ldmatrix_x4_trans(
+                    ring, vbuf + F.swizzle_step(a_at, WARP_KEYS * w, 16 * dp, D)))
         return device_function(tile_step)
 
     stage = device_function(stage)
@@ -353,20 +326,13 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
         gh = cuda.blockIdx.y
         G = params[P_G]
         ql, kl, pre_e, next_e = lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b]
-        jstart, jend = block_kv_range(0, ql, pre_e, next_e, kl)
-        ntiles = (jend - jstart + BKV - 1) // BKV if jend > jstart and ql > 0 else 0
+        jstart, jend, ntiles, ta, tb = kv_tiles(0, ql, kl, pre_e, next_e, BKV)
         t0 = min(split * per_split, ntiles)
         nt = min(t0 + per_split, ntiles) - t0
-        ta, tb = interior_tiles(0, ql, jstart, jend, BKV, pre_e, next_e)
         if MASKED:                       # every tile tested per accumulator
             ta, tb = 0, 0
-        for h in range(2):
-            mr[h], lr[h] = F32_NEG_INF, F32_ZERO
-        for x in range(OACC):
-            o[x] = F32_ZERO
-        ar, ac = F.ldsm_a_addr(lane)
-        br, bc = F.ldsm_b_addr(lane)
-        lane_at = (F.swizzle(ar, ac, D), F.swizzle(br, bc, D), g4, t4, w)
+        start_rows(mr, lr, o)
+        lane_at = F.lane_addresses(lane, D) + (g4, t4, w)
         if INT8:                         # 16 int8 values a chunk
             crow, ccol = tid // RAW_CHUNKS, tid % RAW_CHUNKS * 16
             c_at = raw_chunk(crow, ccol >> 4)

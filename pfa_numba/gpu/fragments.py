@@ -85,6 +85,16 @@ def ldsm_a_addr(lane):
 
 
 @jit
+def lane_addresses(lane, row_elems):
+    """This lane's ldmatrix offsets in the first 16 x 16 block of a swizzled tile of
+    ``row_elems`` values a row: (as an A operand, :func:`ldsm_a_addr`; as a B operand,
+    :func:`ldsm_b_addr`); the other blocks are :func:`swizzle_step` of them by constants."""
+    ar, ac = ldsm_a_addr(lane)
+    br, bc = ldsm_b_addr(lane)
+    return swizzle(ar, ac, row_elems), swizzle(br, bc, row_elems)
+
+
+@jit
 def ldsm_b_addr(lane):
     """ldmatrix .x4 of a 16 x 16 block whose matrices are, in register order, columns 0-7 /
     8-15 of rows 0-7, then columns 0-7 / 8-15 of rows 8-15: (row, first column) of the row

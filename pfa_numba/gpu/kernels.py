@@ -19,8 +19,8 @@ from numba import cuda, float32, int64, njit, uint16
 
 from .. import config
 from ..numerics.band import ROW_MEAN, ROW_ZERO, block_kv_range, row_band, row_outcome
-from ..numerics.core import (CODE_BF16, CODE_F16, CODE_I8, F16_MASK_SCALE, F32_NAN, F32_NEG_INF,
-                             F32_ONE, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, antiquant, f16_to_f32,
+from ..numerics.core import (CODE_BF16, CODE_F16, CODE_F32, CODE_I8, F16_MASK_SCALE, F32_NAN,
+                             F32_NEG_INF, F32_ONE, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, antiquant, f16_to_f32,
                              f32_to_bf16, f32_to_f16, int8_out_f16, int8_score, int8_score_pse,
                              int8_weight, lse_value, max_nan, online_update, quantize_output,
                              running_sum, softmax_weight, times_pow2, widen)
@@ -244,6 +244,35 @@ def _row_places(strides, boff, b, n, i):
 
 
 @array_function
+def _row_end(state, band, strides, boff, b, n):
+    """What becomes of query row i of head n in batch b at the end (state = (whether it was
+    computed, its m, its l, inner_precise), band = (i, preE, nextE, kL)): row_outcome's
+    (outcome, band columns lo, hi, divisor) and :func:`_row_places`."""
+    active, m, l, inner_precise = state
+    i, pre_e, next_e, kl = band
+    return (row_outcome(active, m, l, inner_precise, i, pre_e, next_e, kl)
+            + _row_places(strides, boff, b, n, i))
+
+
+@array_function
+def _user_rows(strides, boff, b, n, i):
+    """(mask row offset, pse row offset) of query row i of head n in batch b."""
+    return (boff[T_M, b] + i * strides[T_M, 1],
+            boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1])
+
+
+@array_function
+def _start_row(qv, acc, q, strides, boff, row, D, code, factors):
+    """qv = query row row = (b, n, i) widened from ``code`` times both factors (in turn, as
+    the CPU scales), acc = 0."""
+    b, n, i = row
+    q_off = boff[T_Q, b] + n * strides[T_Q, 0] + i * strides[T_Q, 1]
+    for d in range(D):
+        qv[d] = widen(q[q_off + d * strides[T_Q, 2]], code) * factors[0] * factors[1]
+        acc[d] = 0
+
+
+@array_function
 def _quantized(x, outcome, scale2, offset2, ch):
     """numerics.core.quantize_output of output element x of channel ch (channel 0 where one
     scale serves all); 0 in a row of structural zeros."""
@@ -338,10 +367,7 @@ def kernel_source(dpad, bq, bkv):
         kv_code, dequant = params[P_KVCODE], params[P_DEQUANT] != 0
         m, l = F32_NEG_INF, F32_ZERO                 # the row's running max and sum
         if active:
-            q_off = boff[T_Q, b] + n * strides[T_Q, 0] + i * strides[T_Q, 1]
-            for d in range(D):
-                qv[d] = widen(q[q_off + d * strides[T_Q, 2]], code) * scale * scale2_q
-                acc[d] = F32_ZERO
+            _start_row(qv, acc, q, strides, boff, (b, n, i), D, code, (scale, scale2_q))
         for t in range(ntiles):
             j0, nc = _tile(t, jstart, jend, BKV)
             for c in range(tid, nc, BQ):
@@ -361,8 +387,7 @@ def kernel_source(dpad, bq, bkv):
             if active:
                 # step 1: scores of this row against the tile (dropped columns at -inf)
                 tmax = F32_NEG_INF
-                m_off = boff[T_M, b] + i * strides[T_M, 1]
-                p_off = boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1]
+                m_off, p_off = _user_rows(strides, boff, b, n, i)
                 for c in range(nc):
                     j = j0 + c
                     s = F32_NEG_INF
@@ -398,9 +423,8 @@ def kernel_source(dpad, bq, bkv):
 
         # finalize: every output row of the block is written (the output is not pre-zeroed)
         if i < rows_b:
-            outcome, mlo, mhi, denom = row_outcome(active, m, l, inner_precise, i, pre_e, next_e,
-                                                   kl)
-            o_off, osd, l_off = _row_places(strides, boff, b, n, i)
+            outcome, mlo, mhi, denom, o_off, osd, l_off = _row_end(
+                (active, m, l, inner_precise), (i, pre_e, next_e, kl), strides, boff, b, n)
             if outcome == ROW_MEAN:
                 for d in range(D):
                     acc[d] = F32_ZERO
@@ -456,10 +480,7 @@ def kernel_source_int8(dpad, bq, bkv):
         m, l = F32_NEG_INF, F32_ZERO                 # the row's running max and sum
         nan_row = False
         if active:
-            q_off = boff[T_Q, b] + n * strides[T_Q, 0] + i * strides[T_Q, 1]
-            for d in range(D):
-                qv[d] = float32(q[q_off + d * strides[T_Q, 2]])
-                acc[d] = 0
+            _start_row(qv, acc, q, strides, boff, (b, n, i), D, CODE_F32, (F32_ONE, F32_ONE))
         for step in range(2):
             for t in range(ntiles):
                 j0, nc = _tile(t, jstart, jend, BKV)
@@ -471,8 +492,7 @@ def kernel_source_int8(dpad, bq, bkv):
                         vs[c, d] = float32(v[xv])
                 cuda.syncthreads()   # the tile is in shared memory before anyone reads it
                 if active:
-                    m_off = boff[T_M, b] + i * strides[T_M, 1]
-                    p_off = boff[T_P, b] + n * strides[T_P, 0] + i * strides[T_P, 1]
+                    m_off, p_off = _user_rows(strides, boff, b, n, i)
                     for c in range(nc):
                         j = j0 + c
                         if j < lo or j > hi:
@@ -501,9 +521,8 @@ def kernel_source_int8(dpad, bq, bkv):
                 cuda.syncthreads()   # every row is done with this tile before it is overwritten
 
         if i < rows_b:
-            outcome, mlo, mhi, denom = row_outcome(active, m, l, inner_precise, i, pre_e, next_e,
-                                                   kl)
-            o_off, osd, l_off = _row_places(strides, boff, b, n, i)
+            outcome, mlo, mhi, denom, o_off, osd, l_off = _row_end(
+                (active, m, l, inner_precise), (i, pre_e, next_e, kl), strides, boff, b, n)
             if outcome == ROW_MEAN:
                 # contract 'Empty rows' for int8: every band score equal (E = 1 on the band)
                 p8f = int8_weight(F32_ONE, qs1)

@@ -60,8 +60,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 from .. import config
-from ..numerics.band import (ROW_MEAN, ROW_SOFTMAX, block_kv_range, interior_tiles, row_band,
-                             row_outcome)
+from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, kv_tiles, row_band, row_outcome
 from ..numerics.core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_ZERO,
                              MASK_ADD_F16, MASK_DISCARD, MASK_NONE, bf16_to_f32, f16_to_f32,
                              f32_to_bf16, f32_to_f16, lse_log2, online_update_log2)
@@ -89,6 +88,68 @@ SIMULATOR = numba.config.ENABLE_CUDASIM
 LOG2E = np.float32(1.4426950408889634)
 _device = device_function
 BIAS_F16 = np.float32(F16_MASK_SCALE * LOG2E)       # the float16 mask's -10000, in log2 units
+
+
+def make_mma_pair(kind):
+    """``mma_pair(c, e, a, ka, b)``: c[e:e + 8] += A B on tensor cores (mma m16n8k16 of
+    ``kind``, f16 or bf16), A the fragment a[ka:ka + 4], B two n-tiles of 8 columns whose
+    fragments ``b`` = (b0, b1, b2, b3) one ldmatrix x4 gave: c[e:e + 4] takes the first,
+    c[e + 4:e + 8] the second."""
+    mma = X.mma_m16n8k16_f16 if kind == "f16" else X.mma_m16n8k16_bf16
+
+    def mma_pair(c, e, a, ka, b):
+        a0, a1, a2, a3 = a[ka], a[ka + 1], a[ka + 2], a[ka + 3]
+        c[e], c[e + 1], c[e + 2], c[e + 3] = mma(a0, a1, a2, a3, b[0], b[1], c[e], c[e + 1],
+                                                 c[e + 2], c[e + 3])
+        c[e + 4], c[e + 5], c[e + 6], c[e + 7] = mma(a0, a1, a2, a3, b[2], b[3], c[e + 4],
+                                                     c[e + 5], c[e + 6], c[e + 7])
+    return device_function(mma_pair)
+
+
+def make_online_step(ns, no):
+    """``online_step(s, o, mr, lr, fold)``: the online-softmax step of a warp's scores s
+    (``ns`` n-tiles of 8 keys, accumulators 4 nt + e of this lane's row g and 4 nt + 2 + e of
+    row g + 8) against the running max mr and sum lr of those rows and their ``no`` n-tiles
+    of output accumulators o: t = s * fold (log2 units), the rows' tile maxima over the lane
+    quad, the new max and rescale factor, s = the weights exp2(t - m), lr gains their sum and
+    o is rescaled. (fold >= 0, so the max of s * fold is fold times the max of s, rounded
+    alike.)"""
+    exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
+
+    def online_step(s, o, mr, lr, fold):
+        tm0, tm1 = X.max_nan_f32(s[0], s[1]), X.max_nan_f32(s[2], s[3])
+        for nt in range(1, ns):
+            tm0 = X.max_nan_f32(tm0, X.max_nan_f32(s[4 * nt], s[4 * nt + 1]))
+            tm1 = X.max_nan_f32(tm1, X.max_nan_f32(s[4 * nt + 2], s[4 * nt + 3]))
+        for sh in (1, 2):
+            tm0 = X.max_nan_f32(tm0, X.shfl_xor_sync(FULL, tm0, sh))
+            tm1 = X.max_nan_f32(tm1, X.shfl_xor_sync(FULL, tm1, sh))
+        for h in range(2):
+            m_new, shift, m_sub = online_update_log2(mr[h], (tm0 if h == 0 else tm1) * fold)
+            alpha = exp2(shift)
+            part = F32_ZERO
+            for nt in range(ns):
+                for e in range(2):
+                    x = 4 * nt + 2 * h + e
+                    pv = exp2(X.fma_f32(s[x], fold, -m_sub))
+                    s[x] = pv
+                    part += pv
+            lr[h] = lr[h] * alpha + part
+            mr[h] = m_new
+            for dt in range(no):
+                o[4 * dt + 2 * h] *= alpha
+                o[4 * dt + 2 * h + 1] *= alpha
+    return device_function(online_step)
+
+
+@array_function
+def start_rows(mr, lr, o):
+    """A block's rows before their first tile: running max -inf and sum 0 (this lane's two
+    rows g, g + 8), output accumulators 0."""
+    for h in range(2):
+        mr[h], lr[h] = F32_NEG_INF, F32_ZERO
+    for x in range(o.size):
+        o[x] = F32_ZERO
 
 
 @array_function
@@ -223,9 +284,9 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
     CPT = TILE // F.CHUNK // THREADS   # 16-byte chunks each thread copies per tile
     RSTEP = THREADS // (D // F.CHUNK)  # rows between a thread's chunks of a tile
     OUT_CHUNKS = WARP_ROWS * D // F.CHUNK // F.WARP   # 16-byte output stores per lane
-    mma = X.mma_m16n8k16_f16 if kind == "f16" else X.mma_m16n8k16_bf16
+    mma_pair = make_mma_pair(kind)
+    online_step = make_online_step(NS, NO)
     pack = X.pack_f16x2 if kind == "f16" else X.pack_bf16x2
-    exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
     to_f32 = f16_to_f32 if kind == "f16" else bf16_to_f32
     to_bits = f32_to_f16 if kind == "f16" else f32_to_bf16
     CODE = CODE_F16 if kind == "f16" else CODE_BF16
@@ -332,41 +393,11 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
                     s[x] = F32_ZERO
                 for pair in range(NS // 2):
                     for kk in range(KT):
-                        b0, b1, b2, b3 = X.ldmatrix_x4(
-                            ks, F.swizzle_step(b_at, 16 * pair, 16 * kk, D))
-                        e = 8 * pair
-                        s[e], s[e + 1], s[e + 2], s[e + 3] = mma(
-                            qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b0, b1,
-                            s[e], s[e + 1], s[e + 2], s[e + 3])
-                        s[e + 4], s[e + 5], s[e + 6], s[e + 7] = mma(
-                            qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2], qa[4 * kk + 3], b2, b3,
-                            s[e + 4], s[e + 5], s[e + 6], s[e + 7])
+                        mma_pair(s, 8 * pair, qa, 4 * kk,
+                                 X.ldmatrix_x4(ks, F.swizzle_step(b_at, 16 * pair, 16 * kk, D)))
                 scores(s, j0, band, lane_at, rows, ex)
-                fold = F32_ONE if MASKED else rows[6]       # t = s * fold, in log2 units
-                tm0, tm1 = F32_NEG_INF, F32_NEG_INF
-                for nt in range(NS):
-                    tm0 = X.max_nan_f32(tm0, X.max_nan_f32(s[4 * nt], s[4 * nt + 1]))
-                    tm1 = X.max_nan_f32(tm1, X.max_nan_f32(s[4 * nt + 2], s[4 * nt + 3]))
-                for sh in (1, 2):
-                    tm0 = X.max_nan_f32(tm0, X.shfl_xor_sync(FULL, tm0, sh))
-                    tm1 = X.max_nan_f32(tm1, X.shfl_xor_sync(FULL, tm1, sh))
-                # the online step, per row half: new max, rescale factor, weights, sums (fold
-                # >= 0, so the max of s * fold is fold times the max of s, rounded alike)
-                for h in range(2):
-                    m_new, shift, m_sub = online_update_log2(mr[h],
-                                                             (tm0 if h == 0 else tm1) * fold)
-                    alpha = exp2(shift)
-                    part = F32_ZERO
-                    for nt in range(NS):
-                        for e in range(2):
-                            pv = exp2(X.fma_f32(s[4 * nt + 2 * h + e], fold, -m_sub))
-                            s[4 * nt + 2 * h + e] = pv
-                            part += pv
-                    lr[h] = lr[h] * alpha + part
-                    mr[h] = m_new
-                    for dt in range(NO):
-                        o[4 * dt + 2 * h] *= alpha
-                        o[4 * dt + 2 * h + 1] *= alpha
+                # t = s * fold, in log2 units
+                online_step(s, o, mr, lr, F32_ONE if MASKED else rows[6])
                 # P's A fragments from the S accumulators, packed now (16 registers, not 32)
                 for kk in range(BKV // 16):
                     for reg in range(4):
@@ -383,16 +414,9 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
             if busy:
                 # O += P V, V by ldmatrix.trans
                 for kk in range(BKV // 16):
-                    p0, p1, p2, p3 = pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]
                     for dp in range(KT):
-                        v0, v1, v2, v3 = X.ldmatrix_x4_trans(
-                            vs, F.swizzle_step(a_at, 16 * kk, 16 * dp, D))
-                        e = 8 * dp
-                        o[e], o[e + 1], o[e + 2], o[e + 3] = mma(
-                            p0, p1, p2, p3, v0, v1, o[e], o[e + 1], o[e + 2], o[e + 3])
-                        o[e + 4], o[e + 5], o[e + 6], o[e + 7] = mma(
-                            p0, p1, p2, p3, v2, v3,
-                            o[e + 4], o[e + 5], o[e + 6], o[e + 7])
+                        mma_pair(o, 8 * dp, pa, 4 * kk, X.ldmatrix_x4_trans(
+                            vs, F.swizzle_step(a_at, 16 * kk, 16 * dp, D)))
         return _device(tile_step)
 
     row_masks = make_row_masks(NS, CODE)
@@ -423,21 +447,12 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
         gh = n // params[P_G]
         ql, kl, pre_e, next_e = lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b]
         i1 = min(i0 + ROWS, ql)
-        jstart, jend = block_kv_range(i0, i1, pre_e, next_e, kl)
-        ntiles = (jend - jstart + BKV - 1) // BKV if jend > jstart and i0 < ql else 0
-        ta, tb = interior_tiles(i0, i1, jstart, jend, BKV, pre_e, next_e)
+        jstart, jend, ntiles, ta, tb = kv_tiles(i0, i1, kl, pre_e, next_e, BKV)
         if MASKED:                          # every tile is tested per element: one loop
             ta, tb = 0, 0
         wi = i0 + w * WARP_ROWS                             # the warp's first row
-        for h in range(2):
-            mr[h], lr[h] = F32_NEG_INF, F32_ZERO
-        for x in range(OACC):
-            o[x] = F32_ZERO
-        # each lane's ldmatrix address in the first 16 x 16 block; the others are
-        # fragments.swizzle_step of it by constants
-        ar, ac = F.ldsm_a_addr(lane)
-        br, bc = F.ldsm_b_addr(lane)
-        lane_at = (F.swizzle(ar, ac, D), F.swizzle(br, bc, D), g4, t4, wi)
+        start_rows(mr, lr, o)
+        lane_at = F.lane_addresses(lane, D) + (g4, t4, wi)
         # this thread's first chunk of a tile: its row, its shared offset, its column
         crow, ccol = F.tile_chunk(tid, D)
         c_at = F.swizzle(crow, ccol, D)

@@ -165,6 +165,17 @@ def tile_inside_band(i0, i1, j0, j1, pre_e, next_e):
 
 
 @jit
+def kv_tiles(i0, i1, kl, pre_e, next_e, width):
+    """The kv tiles of a block of query rows [i0, i1): (jstart, jend) of
+    :func:`block_kv_range`, the number of tiles of ``width`` columns from jstart (none for no
+    rows), and their interior run [ta, tb) (:func:`interior_tiles`)."""
+    jstart, jend = block_kv_range(i0, i1, pre_e, next_e, kl)
+    ntiles = (jend - jstart + width - 1) // width if jend > jstart and i1 > i0 else 0
+    ta, tb = interior_tiles(i0, i1, jstart, jend, width, pre_e, next_e)
+    return jstart, jend, ntiles, ta, tb
+
+
+@jit
 def interior_tiles(i0, i1, jstart, jend, width, pre_e, next_e):
     """The tiles [ta, tb) of the columns [jstart, jend) cut in tiles of ``width`` (tile t:
     columns jstart + t * width ..) that are whole (they end at or before jend) and inside the
