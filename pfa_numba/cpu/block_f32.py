@@ -2,11 +2,10 @@
 the softmax of ``rows``, the deferred division and contract 'Empty rows' in the finish."""
 import numpy as np
 from numba import njit, prange
-from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, row_outcome
+from ..numerics.band import ROW_MEAN, ROW_SOFTMAX
 from ..numerics.core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, antiquant,
                              lse_value, order_key, store, widen)
-from ..numerics.kernel_args import (F_SCALE, F_SCALE2, P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_IP,
-                                    P_KVCODE, P_DEQUANT, P_LSE, P_MASK, P_OCODE, P_PSE, P_ROWS,
+from ..numerics.kernel_args import (F_SCALE, F_SCALE2, P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_KVCODE, P_DEQUANT, P_LSE, P_MASK, P_OCODE, P_PSE, P_ROWS,
                                     P_SCALE_EXP)
 from ._blas import gemm_rm, scratch
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
@@ -16,8 +15,8 @@ from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, item_rows, sizes
 from .kv import (KEY, VALUE, kv_key_rows, kv_tile_end, kv_tile_rows, kv_value_row,
                  load_dequant_row)
 from ._simd import PF_ROWS
-from .rows import (all_finite, band_of, load_query_rows, load_row, pack_kt, prefetch_row,
-                   row_place, scale_row, store_row)
+from .rows import (all_finite, load_query_rows, load_row, pack_kt, prefetch_row, row_end,
+                   scale_row, store_row)
 from .records import F32Buffers, F32Products, RowState, RunBuffers, StreamProducts
 from .tile import products, tile_step, walk_tiles
 from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
@@ -332,11 +331,8 @@ def finish(outs, ins, geo, item, i1, acc, ld, state, tb, computed):
     m, l, _ = state
     D, code, ocode = params[P_D], params[P_KVCODE], params[P_OCODE]
     want_lse, want_flags = params[P_LSE] != 0, params[P_FLAGS] != 0
-    kl, pre_e, next_e = band_of(lens, b)
     for rr in range(params[P_G] * (i1 - i0)):
-        i, n, o_off, osd, l_off = row_place(geo, item, rr)
-        outcome, lo, hi, divisor = row_outcome(True, m[rr] if computed else F32_NEG_INF, l[rr],
-                                               params[P_IP], i, pre_e, next_e, kl)
+        (o_off, osd, l_off), (outcome, lo, hi, divisor) = row_end(geo, item, rr, m, l, computed)
         if outcome == ROW_SOFTMAX:
             store_row(out, o_off, osd, acc, rr * ld, l[rr], D, ocode)
             if want_lse:

@@ -2,17 +2,18 @@
 the weights against it and accumulates P8 . V exactly."""
 import numpy as np
 from numba import njit, prange
-from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, row_outcome, tile_inside_band
+from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, tile_inside_band
 from ..numerics.core import (CODE_F16, CODE_F32, F32_NAN, F32_NEG_INF, F32_ONE, F32_ZERO,
                              int8_out_f16, int8_score, int8_score_pse, int8_weight, lse_value,
                              max_nan, softmax_weight)
 from ..numerics.kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE16, P_COLS, P_D, P_FLAGS, P_G,
-                                    P_IP, P_LSE, P_MASK, P_PSE, T_K, T_V)
+                                    P_LSE, P_MASK, P_PSE, T_K, T_V)
 from ._blas import gemm_rm, scratch
 from ._jit import FASTMATH, LEAF
 from ._vector import take_next
 from .items import W_B, W_G, W_I0, item_rows, sizes
-from .rows import load_query_rows, load_row, mask_row, row_max, band_of, element_offsets, row_place
+from .rows import (band_of, element_offsets, load_query_rows, load_row, mask_row, row_end,
+                   row_max)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,12 +133,9 @@ def _finish_int8(outs, v, geo, fparams, item, i1, a2, state, computed):
     D = params[P_D]
     want_lse, want_flags = params[P_LSE] != 0, params[P_FLAGS] != 0
     qs1, deq2 = fparams[F_QS1], fparams[F_DEQ2]
-    kl, pre_e, next_e = band_of(lens, b)
     v_base = boff[T_V, b] + g * strides[T_V, 0]
     for rr in range(params[P_G] * (i1 - i0)):
-        i, n, o_off, osd, l_off = row_place(geo, item, rr)
-        outcome, lo, hi, divisor = row_outcome(True, m[rr] if computed else F32_NEG_INF, l[rr],
-                                               params[P_IP], i, pre_e, next_e, kl)
+        (o_off, osd, l_off), (outcome, lo, hi, divisor) = row_end(geo, item, rr, m, l, computed)
         arow = a2[rr]
         if outcome == ROW_SOFTMAX:
             lr = l[rr]

@@ -3,14 +3,14 @@ round, max, exp, band / user mask, the online-softmax step, K^T packing). Compil
 reference counting (``LEAF``): they take arrays but allocate none."""
 import numpy as np
 from numba import njit
-from ..numerics.band import row_band
+from ..numerics.band import row_band, row_outcome
 from ..numerics.core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_POS_INF,
                              F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32, exp_nonpos,
                              exp_nonpos5, f16_to_f32, f32_as_i32, f32_as_u32, f32_to_bf16,
                              f32_to_f16, from_order_key, online_update, order_key, running_sum,
                              softmax_weight, store, times_pow2, u32_as_f32, widen)
-from ..numerics.kernel_args import (L_KLEN, L_NEXT, L_PRE, P_CODE, P_G, P_MASK, P_PSE, P_SCALE_EXP,
-                                    T_L, T_M, T_O, T_P, T_Q)
+from ..numerics.kernel_args import (L_KLEN, L_NEXT, L_PRE, P_CODE, P_G, P_IP, P_MASK, P_PSE,
+                                    P_SCALE_EXP, T_L, T_M, T_O, T_P, T_Q)
 from ._gemm import PANEL
 from ._jit import LEAF, LEAF_INLINE
 from ._simd import PF_ROWS
@@ -202,6 +202,18 @@ def row_place(geo, item, rr):
     n = g * G + rr % G
     return (i, n, boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1], strides[T_O, 2],
             boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1])
+
+
+@njit(**LEAF_INLINE)
+def row_end(geo, item, rr, m, l, computed):
+    """What becomes of row rr of a finished work item (contract 'Empty rows'): its output and
+    softmax_lse places (:func:`row_place`: output offset, element stride, lse offset) and
+    numerics.band.row_outcome's (outcome, band lo, hi, divisor) of its running max and sum
+    in m, l (computed False: the item visited no kv column)."""
+    i, _, o_off, osd, l_off = row_place(geo, item, rr)
+    kl, pre_e, next_e = band_of(geo.lens, item[0])
+    return (o_off, osd, l_off), row_outcome(True, m[rr] if computed else F32_NEG_INF, l[rr],
+                                            geo.params[P_IP], i, pre_e, next_e, kl)
 
 
 @njit(**LEAF)
