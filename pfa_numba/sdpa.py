@@ -8,12 +8,16 @@ mode 2's band, without its 2048 x 2048 mask); a bool ``attn_mask`` (True = take 
 what it excludes; a float ``attn_mask`` of the query's dtype is added to the scores in float32
 (pse_shift's path); a row that keeps nothing is zeros (inner_precise 2's rule).
 
+``softcap`` (an extension: torch's SDPA has none) caps the scaled scores as Gemma 2's attention
+does: ``softcap * tanh(score / softcap)`` before the mask.
+
 A bool mask also gives a band: the narrowest diagonal band i - pre <= j <= i + next holding
 every True of the mask becomes sparse_mode 0's pre/next tokens, so the kernels never visit the
 kv tiles outside it (a causal, padded or sliding-window mask costs what its band costs).
 """
 import dataclasses
 import math
+import numbers
 
 import numpy as np
 
@@ -26,14 +30,16 @@ from .frontend.problem import plan
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, *, scale=None, enable_gqa=False):
+                                 is_causal=False, *, scale=None, enable_gqa=False,
+                                 softcap=None):
     """torch.nn.functional.scaled_dot_product_attention on NumPy arrays or torch CPU tensors
     (forward only), returning the query's kind and dtype (float32, float16, bfloat16).
 
     Limits the kernels keep raise RuntimeError: head dim E <= 512, value's head dim equal to
     E, Hq a multiple of Hkv (with ``enable_gqa``; equal head counts without it). ``dropout_p``
     other than 0 is refused (no dropout in inference), and so is a mask with ``is_causal``
-    (as torch does)."""
+    (as torch does). ``softcap`` (None, or a finite number > 0): the scaled scores become
+    ``softcap * tanh(score / softcap)`` before the mask."""
     tensor_out = torch_tensors.is_tensor(query)
     q, k, v, mask = (torch_tensors.as_numpy(name, x) if torch_tensors.is_cpu_tensor(x) else x
                      for name, x in (("query", query), ("key", key), ("value", value),
@@ -43,6 +49,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if x.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dimensions (..., L, E), got shape "
                              f"{checks.shape_str(x.shape)}")
+    softcap = _softcap(softcap)
     if dropout_p != 0.0:
         raise RuntimeError(f"dropout_p must be 0.0 (pfa_numba computes inference attention), "
                            f"got {dropout_p!r}")
@@ -72,10 +79,23 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     elif band is not None:
         valid = dataclasses.replace(valid, sparse_mode=0, has_mask=True, pre_tokens=band[0],
                                     next_tokens=band[1])
-    problem = plan(valid)
+    problem = dataclasses.replace(plan(valid), softcap=softcap)
     out, _ = dispatch.choose(problem, "cpu").run(problem)
     out = out.reshape(q.shape)
     return torch_tensors.as_tensor(out) if tensor_out else out
+
+
+def _softcap(value):
+    """The softcap as a float, 0.0 for None; a finite real number > 0 (TypeError for other
+    types, ValueError for other values)."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"softcap must be None or a real number, got "
+                        f"{type(value).__name__}: {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softcap must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def _bnsd(x):

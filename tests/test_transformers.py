@@ -116,7 +116,6 @@ def _attention_inputs():
 
 
 @pytest.mark.parametrize("kwargs, named", [
-    (dict(softcap=30.0), "softcap"),
     (dict(dropout=0.1), "dropout"),
     (dict(output_attentions=True), "output_attentions"),
     (dict(position_bias=torch.zeros(1, 4, 5, 5)), "position_bias"),
@@ -141,6 +140,32 @@ def test_keywords_that_change_nothing_are_taken():
         use_cache=True, output_router_logits=False, cu_seq_lens_q=None, softcap=None,
         s_aux=None, output_attentions=False, position_bias=None)
     assert torch.equal(got, want)
+
+
+def test_gemma2_logit_softcapping_matches_eager():
+    """Gemma 2 passes its attention logit softcapping as ``softcap`` (a small cap here, so that
+    it shapes the result), with sliding windows on every other layer."""
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        pad_token_id=0, attn_logit_softcapping=1.5, sliding_window=8)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config,
+                                                          attn_implementation="eager").eval()
+    with torch.no_grad():             # scores of a few units: the cap shapes them
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20.0)
+            layer.self_attn.k_proj.weight.mul_(20.0)
+    ids, mask = _batch("left", length=20)
+    want = _logits(model, "eager", ids, mask)
+    got = _logits(model, NAME, ids, mask)
+    real = mask.bool()
+    assert (got[real] - want[real]).abs().max() <= 1e-4
+    model.config.attn_logit_softcapping = None
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    uncapped = _logits(model, NAME, ids, mask)
+    assert (uncapped[real] - want[real]).abs().max() > 1e-2
 
 
 def test_a_model_with_attention_sinks_is_refused():

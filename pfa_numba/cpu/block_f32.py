@@ -5,8 +5,8 @@ from numba import njit, prange
 from ..numerics.band import ROW_MEAN, ROW_SOFTMAX
 from ..numerics.core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, antiquant,
                              lse_value, order_key, store, widen)
-from ..numerics.kernel_args import (F_SCALE, F_SCALE2, P_CODE, P_COLS, P_D, P_FLAGS, P_G, P_KVCODE, P_DEQUANT, P_LSE, P_MASK, P_OCODE, P_PSE, P_ROWS,
-                                    P_SCALE_EXP)
+from ..numerics.kernel_args import (F_SCALE, F_SCALE2, P_CODE, P_COLS, P_D, P_DEQUANT, P_FLAGS, P_G,
+                                    P_KVCODE, P_LSE, P_OCODE, P_ROWS, P_SCALE_EXP)
 from ._blas import gemm_rm, scratch
 from ._gemm import MR, PANEL, accumulate, padded_rows, panels, scores, vector_width
 from ._jit import FASTMATH, LEAF, LEAF_INLINE
@@ -15,8 +15,8 @@ from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT, item_rows, sizes
 from .kv import (KEY, VALUE, kv_key_rows, kv_tile_end, kv_tile_rows, kv_value_row,
                  load_dequant_row)
 from ._simd import PF_ROWS
-from .rows import (all_finite, load_query_rows, load_row, pack_kt, prefetch_row, row_end,
-                   scale_row, store_row)
+from .rows import (all_finite, has_user_terms, load_query_rows, load_row, pack_kt, prefetch_row,
+                   row_end, scale_row, store_row)
 from .records import F32Buffers, F32Products, RowState, RunBuffers, StreamProducts
 from .tile import products, tile_step, walk_tiles
 from .split_kv import G_B, G_G, G_I0, G_PIECES, G_SLOT, keep_piece, merge_rows
@@ -57,7 +57,7 @@ def block(ins, extras, geo, tuning, scales, item, span, bufs, state, blas):
         start_rows(ins.q, geo, scales, item, R, bufs.qb, bufs.acc, state)
         own = tuning.gemm != 0
         ld = f32_widths(params, tuning.gemm)[0]          # row length of acc and of the V tile
-        kernel = F32Products(bufs, blas, own, params[P_MASK] != 0 or params[P_PSE] != 0,
+        kernel = F32Products(bufs, blas, own, has_user_terms(params, extras),
                              np.empty((1, 2, 1), np.uint16), params[P_D], ld, params[P_KVCODE],
                              params[P_DEQUANT] != 0)
         walk_tiles(kernel, ins, item, (i1, R, jstart, jend), PANEL if own else 1, extras, geo,

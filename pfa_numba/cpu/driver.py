@@ -223,7 +223,8 @@ class Launch:
         ins = Inputs(a.q if q is None else q, a.k if k is None else k, a.v if v is None else v,
                      a.kp, a.vp, a.table, a.channel, *a.tokens)
         outs = Outputs(out.reshape(-1).view(a.out.dtype), lse.reshape(-1), flags.reshape(-1))
-        return (ins, outs, Extras(a.mask8, a.mask16, a.pse),
+        return (ins, outs, Extras(a.mask8, a.mask16, a.pse,
+                                  np.array([self.p.softcap], np.float32)),
                 Geometry(a.strides, a.boff, a.lens, a.params))
 
     def _call(self, out, lse, flags, q, k, v):

@@ -153,7 +153,7 @@ def mask_row(s2, r, nc, j0, i, band, inside, extras, where, kinds):
     is added: 1, or 2^-e for scores kept 2^e times too small, see numerics.kernel_args.scale_factors)."""
     wide_vectors()
     kl, pre_e, next_e = band
-    mask8, mask16, pse = extras
+    mask8, mask16, pse = extras.mask8, extras.mask16, extras.pse
     moff, msk, poff, psk = where
     mask_kind, has_pse, code, factor = kinds
     srow = s2[r]
@@ -225,13 +225,28 @@ def band_of(lens, b):
 @njit(**LEAF)
 def _prepare_row(s2, r, nc, i, n, b, j0, inside, extras, geo):
     """Scores s2[r] of position i (query head n, batch b) of the tile from column j0, in
-    place: pse and fp16 mask added, columns outside the band or masked set to -inf.
-    extras, geo: the :class:`.records.Extras` and Geometry."""
+    place: softcapped, pse and fp16 mask added, columns outside the band or masked set to
+    -inf. extras, geo: the :class:`.records.Extras` and Geometry."""
     params = geo.params
+    factor = times_pow2(F32_ONE, -params[P_SCALE_EXP])   # scores kept 2^-e times their value
+    if extras.softcap[0] != F32_ZERO:
+        _softcap_row(s2[r], nc, extras.softcap[0] * factor)
     mask_row(s2, r, nc, j0, i, band_of(geo.lens, b), inside, extras,
               element_offsets(geo, b, n, i, j0),
-              (params[P_MASK], params[P_PSE] != 0, params[P_CODE],
-               times_pow2(F32_ONE, -params[P_SCALE_EXP])))
+              (params[P_MASK], params[P_PSE] != 0, params[P_CODE], factor))
+
+
+@njit(**LEAF_INLINE)
+def has_user_terms(params, extras):
+    """Whether the scores take a user's terms (a mask, pse, a softcap) before the softmax."""
+    return params[P_MASK] != 0 or params[P_PSE] != 0 or extras.softcap[0] != F32_ZERO
+
+
+@njit(**LEAF)
+def _softcap_row(srow, nc, cap):
+    """srow[:nc] = cap * tanh(srow / cap): the scores softcapped (cap in the scores' units)."""
+    for c in range(nc):
+        srow[c] = cap * np.tanh(srow[c] / cap)
 
 
 @njit(**LEAF)
@@ -298,7 +313,7 @@ def softmax_rows(s2, p3, keys, seg, item, extras, geo, state, scale):
     b, g, i0 = item
     params = geo.params
     G = params[P_G]
-    any_user = params[P_MASK] != 0 or params[P_PSE] != 0
+    any_user = has_user_terms(params, extras)
     post_e = params[P_SCALE_EXP]
     for rr in range(r0, r1):
         r = rr - r0

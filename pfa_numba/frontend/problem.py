@@ -52,6 +52,9 @@ class Problem:
     # prefix, per-batch kv row offsets), with k / v then its arrays; q_off: first query rows
     cache: Optional[Any] = None
     q_off: Optional[np.ndarray] = None
+    # scores become softcap * tanh(score / softcap) before pse and masks (0: not); an
+    # extension the SDPA drop-in takes (Gemma 2's logit softcapping), not Ascend's
+    softcap: float = 0.0
 
     @property
     def packed(self):

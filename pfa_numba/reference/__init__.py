@@ -310,14 +310,17 @@ def _band_mean_of_v(band, v, rows):
     return out
 
 
-def _attend_float(q, k, v, scale_value, bias, keep, band, inner_precise, compute_dtype):
+def _attend_float(q, k, v, scale_value, bias, keep, band, inner_precise, compute_dtype,
+                  softcap=None):
     """Attention of one (batch, head) with floating inputs, all float64.
 
     q (Sq, D), k and v (Skv, D); ``bias`` (Sq, Skv) is pse plus the additive fp16 mask term (or
     None); ``keep`` is the keep-mask (band minus user mask), ``band`` the band alone.
     Returns (out (Sq, D), lse (Sq,), zero_rows (Sq,) bool: rows that are structural zeros).
     With ``compute_dtype``, q, k, v, the scores, the probabilities and the output are rounded to
-    it (the reference run "in the input dtype", used to size tolerances).
+    it (the reference run "in the input dtype", used to size tolerances). ``softcap`` (an
+    extension, not Ascend's): the scaled scores become softcap * tanh(score / softcap) before
+    pse and masks.
     """
     rnd = (lambda x: x) if compute_dtype is None else (lambda x: _round_to(x, compute_dtype))
     q, k, v = rnd(q), rnd(k), rnd(v)
@@ -325,6 +328,8 @@ def _attend_float(q, k, v, scale_value, bias, keep, band, inner_precise, compute
     # Scores: scaled, pse (and fp16 additive mask) added after scaling.
     with np.errstate(invalid="ignore", over="ignore"):
         s = scale_value * (q @ k.T)
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
     if bias is not None:
         s = s + bias
     # A kept score of -inf counts as masked (decided on the exact score).
@@ -409,7 +414,7 @@ def _attend_int8(q, k, v, deq1, quant_scale1, deq2, scale_value, pse, keep, band
 
 def _attention_bnsd(q, k, v, attn_mask, q_lens, kv_lens, pse_shift, deq_scale1, quant_scale1,
                     deq_scale2, quant_scale2, quant_offset2, scale_value, pre_tokens,
-                    next_tokens, sparse_mode, inner_precise, compute_dtype):
+                    next_tokens, sparse_mode, inner_precise, compute_dtype, softcap=None):
     """The computation on (B, N, Sq, D) / (B, Nkv, Skv, D) arrays; returns float64 (out, lse)."""
     B, N, Sq, D = q.shape
     Nkv, Skv = k.shape[1], k.shape[2]
@@ -469,7 +474,8 @@ def _attention_bnsd(q, k, v, attn_mask, q_lens, kv_lens, pse_shift, deq_scale1, 
                 if mask_bias is not None:
                     bias = mask_bias if bias is None else bias + mask_bias
                 o, l, zero_rows = _attend_float(q[b, n], k[b, n], v[b, n], float(scale_value),
-                                                bias, keep, band, inner_precise, compute_dtype)
+                                                bias, keep, band, inner_precise, compute_dtype,
+                                                softcap)
             if int8_out:
                 o = _quantize_output(o, zero_rows, scale2[n], offset2[n])
             out[b, n] = o
@@ -502,7 +508,7 @@ def prompt_flash_attention(
         sparse_mode=0,                                   # §4.1
         inner_precise=1,                                 # §5: rows that keep nothing
         *, return_softmax_lse=False,                     # §9
-        compute_dtype=None):
+        compute_dtype=None, softcap=None):
     """Reference ``prompt_flash_attention`` (docs/contract.md), in float64 NumPy.
 
     Arguments are those of contract 'Signature' (NumPy arrays of float16, ml_dtypes.bfloat16,
@@ -523,6 +529,10 @@ def prompt_flash_attention(
     the same computation with q, k, v, the scores, the probabilities and the output rounded to
     that dtype.  The difference from the float64 run is "the error of the reference run in the
     input dtype", a yardstick for test tolerances.  Ignored when int8 is involved.
+
+    ``softcap`` (an extension for the SDPA drop-in, not Ascend's; floating paths only): the
+    scaled scores become ``softcap * tanh(score / softcap)`` before pse and masks (Gemma 2's
+    attention logit softcapping).
     """
     if input_layout not in _LAYOUTS:
         raise ValueError(f"input_layout must be one of {_LAYOUTS}, got {input_layout!r}")
@@ -533,7 +543,7 @@ def prompt_flash_attention(
                   quant_scale2=quant_scale2, quant_offset2=quant_offset2,
                   scale_value=scale_value, pre_tokens=pre_tokens, next_tokens=next_tokens,
                   sparse_mode=sparse_mode, inner_precise=inner_precise,
-                  compute_dtype=compute_dtype)
+                  compute_dtype=compute_dtype, softcap=softcap)
 
     if input_layout == "TND":
         out, lse = _prompt_flash_attention_tnd(query, key, value, attn_mask,
