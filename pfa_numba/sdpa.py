@@ -9,7 +9,9 @@ what it excludes; a float ``attn_mask`` of the query's dtype is added to the sco
 (pse_shift's path); a row that keeps nothing is zeros (inner_precise 2's rule).
 
 ``softcap`` (an extension: torch's SDPA has none) caps the scaled scores as Gemma 2's attention
-does: ``softcap * tanh(score / softcap)`` before the mask.
+does: ``softcap * tanh(score / softcap)`` before the mask. ``sinks`` (an extension too): one
+logit a query head (Hq,), in the units of the scaled scores, that joins the softmax denominator
+of every row keeping a score without a value row (gpt-oss's attention sinks).
 
 A bool mask also gives a band: the narrowest diagonal band i - pre <= j <= i + next holding
 every True of the mask becomes sparse_mode 0's pre/next tokens, so the kernels never visit the
@@ -24,14 +26,14 @@ import numpy as np
 from .interop import torch_tensors
 from .frontend import checks
 from .frontend import pfa as PV
-from .numerics.dtypes import dtype_name
+from .numerics.dtypes import dtype_name, is_bf16
 from . import dispatch
 from .frontend.problem import plan
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, *, scale=None, enable_gqa=False,
-                                 softcap=None):
+                                 softcap=None, sinks=None):
     """torch.nn.functional.scaled_dot_product_attention on NumPy arrays or torch CPU tensors
     (forward only), returning the query's kind and dtype (float32, float16, bfloat16).
 
@@ -39,7 +41,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     E, Hq a multiple of Hkv (with ``enable_gqa``; equal head counts without it). ``dropout_p``
     other than 0 is refused (no dropout in inference), and so is a mask with ``is_causal``
     (as torch does). ``softcap`` (None, or a finite number > 0): the scaled scores become
-    ``softcap * tanh(score / softcap)`` before the mask."""
+    ``softcap * tanh(score / softcap)`` before the mask. ``sinks`` (None, or Hq real numbers):
+    each query head's sink logit joins its rows' softmax denominators."""
     tensor_out = torch_tensors.is_tensor(query)
     q, k, v, mask = (torch_tensors.as_numpy(name, x) if torch_tensors.is_cpu_tensor(x) else x
                      for name, x in (("query", query), ("key", key), ("value", value),
@@ -61,6 +64,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                            f"({q.shape[-1]}): the kernels compute P V with one head dim")
     q4, k4, v4 = (_bnsd(x) for x in (q, k, v))
     hq, hkv = q4.shape[1], k4.shape[1]
+    sinks = _sinks(sinks, hq)
     if hq != hkv and not enable_gqa:
         raise RuntimeError(f"query has {hq} heads and key {hkv}: pass enable_gqa=True for "
                            f"grouped-query attention")
@@ -79,7 +83,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     elif band is not None:
         valid = dataclasses.replace(valid, sparse_mode=0, has_mask=True, pre_tokens=band[0],
                                     next_tokens=band[1])
-    problem = dataclasses.replace(plan(valid), softcap=softcap)
+    problem = dataclasses.replace(plan(valid), softcap=softcap, sinks=sinks)
     out, _ = dispatch.choose(problem, "cpu").run(problem)
     out = out.reshape(q.shape)
     return torch_tensors.as_tensor(out) if tensor_out else out
@@ -96,6 +100,22 @@ def _softcap(value):
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"softcap must be a finite number > 0, got {value!r}")
     return float(value)
+
+
+def _sinks(value, heads):
+    """The sink logits as float32 (heads,), or None; an array (NumPy or a torch CPU tensor) of
+    real numbers (TypeError) with one value a query head (ValueError)."""
+    if value is None:
+        return None
+    if torch_tensors.is_cpu_tensor(value):
+        value = torch_tensors.as_numpy("sinks", value)
+    arr = checks.check_array("sinks", value)
+    if arr.dtype.kind not in "fiu" and not is_bf16(arr.dtype):
+        raise TypeError(f"sinks must hold real numbers, got dtype {dtype_name(arr.dtype)}")
+    if arr.shape != (heads,):
+        raise ValueError(f"sinks must have one value a query head, shape ({heads},), got shape "
+                         f"{checks.shape_str(arr.shape)}")
+    return arr.astype(np.float32)
 
 
 def _bnsd(x):

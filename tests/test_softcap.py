@@ -53,23 +53,26 @@ PATHS = {
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("path", list(PATHS))
-def test_kernels_match_the_reference(path, dtype, monkeypatch):
+def check_path(path, dtype, monkeypatch, spread, extension):
+    """The SDPA drop-in with the keywords ``extension(N)`` (softcap=, sinks=) on the problem of
+    ``path`` (its kernel) against the reference; returns the reference's result with and
+    without them."""
     B, N, Nkv, Sq, Skv, D, causal, overrides = PATHS[path]
     for name, value in overrides.items():
         monkeypatch.setattr(config, name, value)
-    rng = np.random.default_rng(1)
-    q, k, v = _qkv(rng, B, N, Nkv, Sq, Skv, D, dtype)
-    cap = 4.0
-    got = scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=N != Nkv,
-                                       softcap=cap)
-    ref = assert_matches_reference(got, (q, k, v), _reference_kwargs(N, Nkv, D, causal, cap),
-                                   dtype)
-    # the cap changes the result (the scores reach well past it)
-    plain = reference.prompt_flash_attention(q, k, v, **_reference_kwargs(N, Nkv, D, causal,
-                                                                          None))
-    assert np.abs(plain - ref).max() > 0.05
+    q, k, v = _qkv(np.random.default_rng(1), B, N, Nkv, Sq, Skv, D, dtype, spread)
+    extra = extension(N)
+    got = scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=N != Nkv, **extra)
+    kw = _reference_kwargs(N, Nkv, D, causal, None)
+    ref = assert_matches_reference(got, (q, k, v), {**kw, **extra}, dtype)
+    return ref, reference.prompt_flash_attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_kernels_match_the_reference(path, dtype, monkeypatch):
+    ref, plain = check_path(path, dtype, monkeypatch, 3.0, lambda N: dict(softcap=4.0))
+    assert np.abs(plain - ref).max() > 0.05       # the scores reach well past the cap
 
 
 @pytest.mark.skipif(not _amx.available(), reason="this CPU has no AMX (tested where it has)")

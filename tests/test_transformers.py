@@ -119,7 +119,8 @@ def _attention_inputs():
     (dict(dropout=0.1), "dropout"),
     (dict(output_attentions=True), "output_attentions"),
     (dict(position_bias=torch.zeros(1, 4, 5, 5)), "position_bias"),
-    (dict(s_aux=torch.zeros(4)), r"s_aux \(given s_aux=tensor of shape \(4,\)"),
+    (dict(position_bias=torch.zeros(2, 4, 5, 5)),
+     r"position_bias \(given position_bias=tensor of shape \(2, 4, 5, 5\)"),
     (dict(sinks=torch.zeros(4)), "sinks"),
     (dict(head_mask=torch.ones(4)), "head_mask"),
     (dict(a_keyword_of_tomorrow=1), "a_keyword_of_tomorrow"),
@@ -166,20 +167,6 @@ def test_gemma2_logit_softcapping_matches_eager():
         layer.self_attn.attn_logit_softcapping = None
     uncapped = _logits(model, NAME, ids, mask)
     assert (uncapped[real] - want[real]).abs().max() > 1e-2
-
-
-def test_a_model_with_attention_sinks_is_refused():
-    """gpt-oss passes its per-head sink logits as s_aux: without them the result is another
-    model's, so the call refuses instead of answering wrongly."""
-    config = transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=NAME)
-    ids = torch.randint(1, VOCAB, (1, 6))
-    with torch.no_grad(), pytest.raises(ValueError, match="does not support s_aux"):
-        model(input_ids=ids)
 
 
 def test_matches_sdpa_attention_forward_directly():

@@ -45,7 +45,7 @@ def _block_amx(ins, outs, extras, geo, tuning, scales, item, bufs, tb, state):
         if not walk_tiles(kernel, ins, item, rows, BLOCK, extras, geo, tuning, state, bufs.acc,
                           Dp, (bufs.ro, bufs.rs)):
             return False
-    finish(outs, ins, geo, item, i1, bufs.acc, Dp, state, tb, jstart < jend)
+    finish(outs, ins, extras, geo, item, i1, bufs.acc, Dp, state, tb, jstart < jend)
     return True
 
 
@@ -156,6 +156,6 @@ def attention_amx(ins, outs, extras, geo, tuning, work, scales):
                     fallback = f32_buffers(params, tuning.gemm, tb)
                 i1, computed = block(ins, extras, geo, tuning, scales, item,
                                      (work[w, W_JLO], work[w, W_JHI]), fallback, state, blas)
-                finish(outs, ins, geo, item, i1, fallback.acc,
+                finish(outs, ins, extras, geo, item, i1, fallback.acc,
                        f32_widths(params, tuning.gemm)[0], state, tb, computed)
             w = take_next(taken)

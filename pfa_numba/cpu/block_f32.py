@@ -3,8 +3,8 @@ the softmax of ``rows``, the deferred division and contract 'Empty rows' in the 
 import numpy as np
 from numba import njit, prange
 from ..numerics.band import ROW_MEAN, ROW_SOFTMAX
-from ..numerics.core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, antiquant,
-                             lse_value, order_key, store, widen)
+from ..numerics.core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_POS_INF, F32_ZERO,
+                             antiquant, lse_value, order_key, sink_sum, store, widen)
 from ..numerics.kernel_args import (F_SCALE, F_SCALE2, P_CODE, P_COLS, P_D, P_DEQUANT, P_FLAGS, P_G,
                                     P_KVCODE, P_LSE, P_OCODE, P_ROWS, P_SCALE_EXP)
 from ._blas import gemm_rm, scratch
@@ -321,9 +321,10 @@ def add_pv_exact(acc, ld, R, D, p, ldp, nc, vb, ldv, pair):
 
 
 @njit(**LEAF)
-def finish(outs, ins, geo, item, i1, acc, ld, state, tb, computed):
+def finish(outs, ins, extras, geo, item, i1, acc, ld, state, tb, computed):
     """Deferred division, rounding to the output storage and softmax_lse of one work item
-    (acc row rr at acc[rr * ld:]); rows with nothing kept follow contract 'Empty rows'."""
+    (acc row rr at acc[rr * ld:]); the query heads' sink logits (extras.sinks) join the
+    denominators; rows with nothing kept follow contract 'Empty rows'."""
     out, lse, flags = outs
     v, vp, channel = ins.v, ins.vp, ins.channel
     strides, boff, lens, params = geo
@@ -331,12 +332,16 @@ def finish(outs, ins, geo, item, i1, acc, ld, state, tb, computed):
     m, l, _ = state
     D, code, ocode = params[P_D], params[P_KVCODE], params[P_OCODE]
     want_lse, want_flags = params[P_LSE] != 0, params[P_FLAGS] != 0
+    sinks, post_e = extras.sinks, params[P_SCALE_EXP]
     for rr in range(params[P_G] * (i1 - i0)):
-        (o_off, osd, l_off), (outcome, lo, hi, divisor) = row_end(geo, item, rr, m, l, computed)
+        (n, o_off, osd, l_off), (outcome, lo, hi, divisor) = row_end(geo, item, rr, m, l,
+                                                                     computed)
         if outcome == ROW_SOFTMAX:
-            store_row(out, o_off, osd, acc, rr * ld, l[rr], D, ocode)
-            if want_lse:
-                lse[l_off] = lse_value(m[rr], l[rr], params[P_SCALE_EXP])
+            total = l[rr] if sinks.size == 0 else sink_sum(m[rr], l[rr], sinks[n], post_e)
+            store_row(out, o_off, osd, acc, rr * ld, total, D, ocode)
+            if want_lse:          # a sink that outweighs the row by e^88: its own logit
+                lse[l_off] = lse_value(m[rr], total, post_e) if total < F32_POS_INF \
+                    else sinks[n]
             if want_flags:
                 flags[l_off] = 1
         elif outcome == ROW_MEAN:
@@ -422,23 +427,23 @@ def attention(ins, outs, extras, geo, tuning, work, scales, parts, runs):
                                             span, heads, bufs)
                 for hh in range(nh):
                     _, hacc, hstate, _ = head(heads, hh, R, D, ldv)
-                    _done(outs, ins, geo, parts, work[w + hh], i1, hacc, ldv, hstate, tb,
+                    _done(outs, ins, extras, geo, parts, work[w + hh], i1, hacc, ldv, hstate, tb,
                           computed)
             else:
                 for y in range(w, w + nh):        # items of many rows: one after another
                     row = work[y]
                     i1, computed = block(ins, extras, geo, tuning, scales, (b, row[W_G], i0),
                                          (row[W_JLO], row[W_JHI]), bufs, state, blas)
-                    _done(outs, ins, geo, parts, row, i1, bufs.acc, ldv, state, tb, computed)
+                    _done(outs, ins, extras, geo, parts, row, i1, bufs.acc, ldv, state, tb, computed)
             x = take_next(taken)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _done(outs, ins, geo, parts, row, i1, acc, ldv, state, tb, computed):
+def _done(outs, ins, extras, geo, parts, row, i1, acc, ldv, state, tb, computed):
     """A computed work item (``row`` of the work array): finished, or its piece kept."""
     item = (row[W_B], row[W_G], row[W_I0])
     if row[W_SLOT] < 0:
-        finish(outs, ins, geo, item, i1, acc, ldv, state, tb, computed)
+        finish(outs, ins, extras, geo, item, i1, acc, ldv, state, tb, computed)
     else:
         keep_piece(parts, row[W_SLOT], acc, ldv, state, geo.params[P_G] * (i1 - item[2]),
                    computed)
@@ -459,7 +464,7 @@ def _run_buffers(params, tuning, runs):
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def merge_split(ins, outs, geo, tuning, groups, parts):
+def merge_split(ins, outs, extras, geo, tuning, groups, parts):
     """Merge the pieces of every split item (split_kv.merge_rows) and finish its rows as
     :func:`finish` finishes a whole item."""
     params, lens = geo.params, geo.lens
@@ -472,5 +477,5 @@ def merge_split(ins, outs, geo, tuning, groups, parts):
         state = row_state(rows)
         merge_rows(parts, groups[w, G_SLOT], groups[w, G_PIECES], R, D, ldv, acc, state,
                    params[P_SCALE_EXP])
-        finish(outs, ins, geo, (b, g, i0), i1, acc, ldv, state, aligned_empty(D, np.float32),
-               True)
+        finish(outs, ins, extras, geo, (b, g, i0), i1, acc, ldv, state,
+               aligned_empty(D, np.float32), True)

@@ -135,7 +135,8 @@ def _finish_int8(outs, v, geo, fparams, item, i1, a2, state, computed):
     qs1, deq2 = fparams[F_QS1], fparams[F_DEQ2]
     v_base = boff[T_V, b] + g * strides[T_V, 0]
     for rr in range(params[P_G] * (i1 - i0)):
-        (o_off, osd, l_off), (outcome, lo, hi, divisor) = row_end(geo, item, rr, m, l, computed)
+        (_, o_off, osd, l_off), (outcome, lo, hi, divisor) = row_end(geo, item, rr, m, l,
+                                                                     computed)
         arow = a2[rr]
         if outcome == ROW_SOFTMAX:
             lr = l[rr]

@@ -223,8 +223,11 @@ class Launch:
         ins = Inputs(a.q if q is None else q, a.k if k is None else k, a.v if v is None else v,
                      a.kp, a.vp, a.table, a.channel, *a.tokens)
         outs = Outputs(out.reshape(-1).view(a.out.dtype), lse.reshape(-1), flags.reshape(-1))
+        sinks = self.p.sinks
         return (ins, outs, Extras(a.mask8, a.mask16, a.pse,
-                                  np.array([self.p.softcap], np.float32)),
+                                  np.array([self.p.softcap], np.float32),
+                                  np.empty(0, np.float32) if sinks is None
+                                  else np.ascontiguousarray(sinks, np.float32)),
                 Geometry(a.strides, a.boff, a.lens, a.params))
 
     def _call(self, out, lse, flags, q, k, v):
@@ -238,7 +241,7 @@ class Launch:
             attention(ins, outs, extras, geo, self.tuning, self.work, self.args.fparams,
                       self.parts, self.runs)
             if self.groups.shape[0]:
-                merge_split(ins, outs, geo, self.tuning, self.groups, self.parts)
+                merge_split(ins, outs, extras, geo, self.tuning, self.groups, self.parts)
 
 
 @njit(parallel=True, cache=True)

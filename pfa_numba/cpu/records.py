@@ -26,9 +26,10 @@ Inputs = namedtuple("Inputs", ["q", "k", "v", "kp", "vp", "table", "channel", "k
 #: what finished rows write: the output, softmax_lse, and the rows-computed flags
 Outputs = namedtuple("Outputs", ["out", "lse", "flags"])
 
-#: the score terms a user gives: a bool/int8 mask, a float16 mask, pse_shift, and the softcap
-#: of the scores (one float32; 0: none)
-Extras = namedtuple("Extras", ["mask8", "mask16", "pse", "softcap"])
+#: the score terms a user gives: a bool/int8 mask, a float16 mask, pse_shift, the softcap of
+#: the scores (one float32; 0: none) and the sink logit of each query head (float32; empty:
+#: none)
+Extras = namedtuple("Extras", ["mask8", "mask16", "pse", "softcap", "sinks"])
 
 #: the online softmax's state of an item's rows: running max, running sum, acc rescale factor
 RowState = namedtuple("RowState", ["m", "l", "alpha"])

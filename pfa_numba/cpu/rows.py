@@ -207,12 +207,13 @@ def row_place(geo, item, rr):
 @njit(**LEAF_INLINE)
 def row_end(geo, item, rr, m, l, computed):
     """What becomes of row rr of a finished work item (contract 'Empty rows'): its output and
-    softmax_lse places (:func:`row_place`: output offset, element stride, lse offset) and
+    softmax_lse places (:func:`row_place`: query head, output offset, element stride, lse
+    offset) and
     numerics.band.row_outcome's (outcome, band lo, hi, divisor) of its running max and sum
     in m, l (computed False: the item visited no kv column)."""
-    i, _, o_off, osd, l_off = row_place(geo, item, rr)
+    i, n, o_off, osd, l_off = row_place(geo, item, rr)
     kl, pre_e, next_e = band_of(geo.lens, item[0])
-    return (o_off, osd, l_off), row_outcome(True, m[rr] if computed else F32_NEG_INF, l[rr],
+    return (n, o_off, osd, l_off), row_outcome(True, m[rr] if computed else F32_NEG_INF, l[rr],
                                             geo.params[P_IP], i, pre_e, next_e, kl)
 
 

@@ -55,6 +55,9 @@ class Problem:
     # scores become softcap * tanh(score / softcap) before pse and masks (0: not); an
     # extension the SDPA drop-in takes (Gemma 2's logit softcapping), not Ascend's
     softcap: float = 0.0
+    # one logit a query head (N,) in every row's softmax denominator, without a value row (or
+    # None); an extension the SDPA drop-in takes (gpt-oss's attention sinks)
+    sinks: Optional[np.ndarray] = None
 
     @property
     def packed(self):

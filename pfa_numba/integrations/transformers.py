@@ -44,12 +44,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     query (batch, heads, q, head_dim), key / value (batch, kv_heads, kv, head_dim);
     attention_mask the bool mask of ``sdpa_mask`` or a float mask added to the scores, or None.
     Returns (output (batch, q, heads, head_dim), None): no attention weights are formed.
-    ``softcap`` (Gemma 2's attention logit softcapping) caps the scaled scores. A keyword
-    outside :data:`NEUTRAL_KEYWORDS` that asks for something (not None or False: attention
-    sinks ``s_aux``, attention weights ``output_attentions``,
+    ``softcap`` (Gemma 2's attention logit softcapping) caps the scaled scores; ``s_aux``
+    (gpt-oss's attention sinks, a logit a head) joins the softmax denominators. A keyword
+    outside :data:`NEUTRAL_KEYWORDS` that asks for something (not None or False: other sinks,
+    attention weights ``output_attentions``,
     ``position_bias``, ...), and a nonzero dropout, are refused with a ValueError naming them:
     the result would otherwise be computed without them."""
     softcap = kwargs.pop("softcap", None)
+    sinks = kwargs.pop("s_aux", None)
     _refuse_unsupported(dropout, kwargs)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_length = query.shape[2]
@@ -57,7 +59,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         query, key, value, attention_mask, scale=scaling,
         # a single query row attends to the whole cache; a mask already holds the band
         is_causal=bool(is_causal and q_length > 1 and attention_mask is None),
-        enable_gqa=query.shape[1] != key.shape[1], softcap=softcap)
+        enable_gqa=query.shape[1] != key.shape[1], softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 

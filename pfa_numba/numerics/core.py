@@ -458,6 +458,14 @@ def running_sum(l, alpha, tile_sum):
 
 
 @jit
+def sink_sum(m, l, sink, post_e):
+    """The softmax denominator of a finished row (running max m, sum l) with a sink logit in
+    it (an attention sink: a score without a value row): l + exp(sink - m * 2^post_e); +inf
+    where that term overflows (the row's weights are then 0)."""
+    return np.float32(l) + np.exp(np.float32(sink) - times_pow2(np.float32(m), post_e))
+
+
+@jit
 def lse_value(m, l, post_e):
     """softmax_lse of a finished row: m * 2^post_e + log(l), -inf when nothing was kept
     (contract 'softmax_lse and merging')."""

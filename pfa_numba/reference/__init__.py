@@ -277,6 +277,15 @@ def _softmax_over_kept(s, kept):
     return m, e, e.sum(axis=1)
 
 
+def _with_sink(m, e, l, sink):
+    """(m, e, l) of :func:`_softmax_over_kept` with a sink logit in every row's softmax:
+    the max over the kept scores and the sink, e rescaled to it, the sink's term in l."""
+    m_new = np.maximum(m, sink)
+    with np.errstate(invalid="ignore"):
+        old = np.where(m == -np.inf, 0.0, np.exp(m - m_new))
+    return m_new, e * old[:, None], l * old + np.exp(sink - m_new)
+
+
 def _log_sum_exp(m, l, nothing_kept):
     """softmax_lse of contract 'softmax_lse and merging': ``m + log(l)``, -inf where nothing is
     kept."""
@@ -311,7 +320,7 @@ def _band_mean_of_v(band, v, rows):
 
 
 def _attend_float(q, k, v, scale_value, bias, keep, band, inner_precise, compute_dtype,
-                  softcap=None):
+                  softcap=None, sink=None):
     """Attention of one (batch, head) with floating inputs, all float64.
 
     q (Sq, D), k and v (Skv, D); ``bias`` (Sq, Skv) is pse plus the additive fp16 mask term (or
@@ -320,7 +329,9 @@ def _attend_float(q, k, v, scale_value, bias, keep, band, inner_precise, compute
     With ``compute_dtype``, q, k, v, the scores, the probabilities and the output are rounded to
     it (the reference run "in the input dtype", used to size tolerances). ``softcap`` (an
     extension, not Ascend's): the scaled scores become softcap * tanh(score / softcap) before
-    pse and masks.
+    pse and masks. ``sink`` (an extension: gpt-oss's attention sink of this head): a logit that
+    joins the softmax denominator (and the lse) of every row that keeps a score, without a
+    value row; a row that keeps nothing stays as contract 'Empty rows' makes it.
     """
     rnd = (lambda x: x) if compute_dtype is None else (lambda x: _round_to(x, compute_dtype))
     q, k, v = rnd(q), rnd(k), rnd(v)
@@ -338,6 +349,8 @@ def _attend_float(q, k, v, scale_value, bias, keep, band, inner_precise, compute
 
     m, e, l = _softmax_over_kept(s, kept)
     nothing_kept = ~kept.any(axis=1)
+    if sink is not None:
+        m, e, l = _with_sink(m, e, l, sink)
     with np.errstate(invalid="ignore", divide="ignore"):
         p = np.where(kept, e / np.where(nothing_kept, 1.0, l)[:, None], 0.0)
     p = rnd(p)
@@ -414,7 +427,8 @@ def _attend_int8(q, k, v, deq1, quant_scale1, deq2, scale_value, pse, keep, band
 
 def _attention_bnsd(q, k, v, attn_mask, q_lens, kv_lens, pse_shift, deq_scale1, quant_scale1,
                     deq_scale2, quant_scale2, quant_offset2, scale_value, pre_tokens,
-                    next_tokens, sparse_mode, inner_precise, compute_dtype, softcap=None):
+                    next_tokens, sparse_mode, inner_precise, compute_dtype, softcap=None,
+                    sinks=None):
     """The computation on (B, N, Sq, D) / (B, Nkv, Skv, D) arrays; returns float64 (out, lse)."""
     B, N, Sq, D = q.shape
     Nkv, Skv = k.shape[1], k.shape[2]
@@ -475,7 +489,7 @@ def _attention_bnsd(q, k, v, attn_mask, q_lens, kv_lens, pse_shift, deq_scale1, 
                     bias = mask_bias if bias is None else bias + mask_bias
                 o, l, zero_rows = _attend_float(q[b, n], k[b, n], v[b, n], float(scale_value),
                                                 bias, keep, band, inner_precise, compute_dtype,
-                                                softcap)
+                                                softcap, None if sinks is None else sinks[n])
             if int8_out:
                 o = _quantize_output(o, zero_rows, scale2[n], offset2[n])
             out[b, n] = o
@@ -508,7 +522,7 @@ def prompt_flash_attention(
         sparse_mode=0,                                   # §4.1
         inner_precise=1,                                 # §5: rows that keep nothing
         *, return_softmax_lse=False,                     # §9
-        compute_dtype=None, softcap=None):
+        compute_dtype=None, softcap=None, sinks=None):
     """Reference ``prompt_flash_attention`` (docs/contract.md), in float64 NumPy.
 
     Arguments are those of contract 'Signature' (NumPy arrays of float16, ml_dtypes.bfloat16,
@@ -532,7 +546,9 @@ def prompt_flash_attention(
 
     ``softcap`` (an extension for the SDPA drop-in, not Ascend's; floating paths only): the
     scaled scores become ``softcap * tanh(score / softcap)`` before pse and masks (Gemma 2's
-    attention logit softcapping).
+    attention logit softcapping). ``sinks`` (an extension, floating paths only): one logit a
+    query head (N,) that joins each row's softmax denominator and its lse without a value row
+    (gpt-oss's attention sinks).
     """
     if input_layout not in _LAYOUTS:
         raise ValueError(f"input_layout must be one of {_LAYOUTS}, got {input_layout!r}")
@@ -543,7 +559,8 @@ def prompt_flash_attention(
                   quant_scale2=quant_scale2, quant_offset2=quant_offset2,
                   scale_value=scale_value, pre_tokens=pre_tokens, next_tokens=next_tokens,
                   sparse_mode=sparse_mode, inner_precise=inner_precise,
-                  compute_dtype=compute_dtype, softcap=softcap)
+                  compute_dtype=compute_dtype, softcap=softcap,
+                  sinks=None if sinks is None else np.asarray(sinks, np.float64))
 
     if input_layout == "TND":
         out, lse = _prompt_flash_attention_tnd(query, key, value, attn_mask,
