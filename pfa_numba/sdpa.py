@@ -19,7 +19,6 @@ kv tiles outside it (a causal, padded or sliding-window mask costs what its band
 """
 import dataclasses
 import math
-import numbers
 
 import numpy as np
 
@@ -90,16 +89,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 def _softcap(value):
-    """The softcap as a float, 0.0 for None; a finite real number > 0 (TypeError for other
-    types, ValueError for other values)."""
+    """The softcap as a float, 0.0 for None; a finite real number (as scale_value's check
+    takes it) > 0."""
     if value is None:
         return 0.0
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"softcap must be None or a real number, got "
-                        f"{type(value).__name__}: {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"softcap must be a finite number > 0, got {value!r}")
-    return float(value)
+    value = checks.check_scale_value(value, "softcap")
+    if value <= 0:
+        raise ValueError(f"softcap must be > 0, got {value!r}")
+    return value
 
 
 def _sinks(value, heads):

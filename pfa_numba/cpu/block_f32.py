@@ -434,7 +434,8 @@ def attention(ins, outs, extras, geo, tuning, work, scales, parts, runs):
                     row = work[y]
                     i1, computed = block(ins, extras, geo, tuning, scales, (b, row[W_G], i0),
                                          (row[W_JLO], row[W_JHI]), bufs, state, blas)
-                    _done(outs, ins, extras, geo, parts, row, i1, bufs.acc, ldv, state, tb, computed)
+                    _done(outs, ins, extras, geo, parts, row, i1, bufs.acc, ldv, state, tb,
+                          computed)
             x = take_next(taken)
 
 

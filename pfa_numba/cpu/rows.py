@@ -206,9 +206,8 @@ def row_place(geo, item, rr):
 
 @njit(**LEAF_INLINE)
 def row_end(geo, item, rr, m, l, computed):
-    """What becomes of row rr of a finished work item (contract 'Empty rows'): its output and
-    softmax_lse places (:func:`row_place`: query head, output offset, element stride, lse
-    offset) and
+    """What becomes of row rr of a finished work item (contract 'Empty rows'): its places
+    (:func:`row_place`: query head, output offset, element stride, lse offset) and
     numerics.band.row_outcome's (outcome, band lo, hi, divisor) of its running max and sum
     in m, l (computed False: the item visited no kv column)."""
     i, n, o_off, osd, l_off = row_place(geo, item, rr)

@@ -55,8 +55,8 @@ from . import fragments as F
 from . import ptx as X
 from .kernels import array_function, device_function, kv_places, kv_value
 from .tc_kernel import (FULL, HEAD_DIMS, KV_SOURCES, LOG2E, SIGNS, SIMULATOR, band32, banded,
-                        make_mma_pair, make_online_step, make_row_masks, reads_mask_or_pse, rows_reason,
-                        scale_reason, stage_walked, start_rows)
+                        make_mma_pair, make_online_step, make_row_masks, reads_mask_or_pse,
+                        rows_reason, scale_reason, stage_walked, start_rows)
 from .dequant import make_dequant, row_tokens
 from .guard import antiquant_reason
 

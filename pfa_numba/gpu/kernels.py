@@ -20,10 +20,10 @@ from numba import cuda, float32, int64, njit, uint16
 from .. import config
 from ..numerics.band import ROW_MEAN, ROW_ZERO, block_kv_range, row_band, row_outcome
 from ..numerics.core import (CODE_BF16, CODE_F16, CODE_F32, CODE_I8, F16_MASK_SCALE, F32_NAN,
-                             F32_NEG_INF, F32_ONE, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, antiquant, f16_to_f32,
-                             f32_to_bf16, f32_to_f16, int8_out_f16, int8_score, int8_score_pse,
-                             int8_weight, lse_value, max_nan, online_update, quantize_output,
-                             running_sum, softmax_weight, times_pow2, widen)
+                             F32_NEG_INF, F32_ONE, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, antiquant,
+                             f16_to_f32, f32_to_bf16, f32_to_f16, int8_out_f16, int8_score,
+                             int8_score_pse, int8_weight, lse_value, max_nan, online_update,
+                             quantize_output, running_sum, softmax_weight, times_pow2, widen)
 from ..numerics.kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE, F_SCALE16, F_SCALE2, L_KLEN,
                                     L_NEXT, L_PRE, L_QLEN, L_ROWS, P_BLOCK, P_CODE, P_D, P_DEQUANT,
                                     P_G, P_IP, P_KTOK, P_KVCODE, P_LSE, P_MASK, P_OCODE, P_PREFIX,
