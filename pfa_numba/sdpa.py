@@ -18,6 +18,7 @@ every True of the mask becomes sparse_mode 0's pre/next tokens, so the kernels n
 kv tiles outside it (a causal, padded or sliding-window mask costs what its band costs).
 """
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -33,16 +34,74 @@ from .frontend.problem import plan
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, *, scale=None, enable_gqa=False,
                                  softcap=None, sinks=None):
-    """torch.nn.functional.scaled_dot_product_attention on NumPy arrays or torch CPU tensors
-    (forward only), returning the query's kind and dtype (float32, float16, bfloat16).
+    """torch.nn.functional.scaled_dot_product_attention on NumPy arrays or torch CPU tensors,
+    returning the query's kind and dtype (float32, float16, bfloat16).
 
     Limits the kernels keep raise RuntimeError: head dim E <= 512, value's head dim equal to
     E, Hq a multiple of Hkv (with ``enable_gqa``; equal head counts without it). ``dropout_p``
     other than 0 is refused (no dropout in inference), and so is a mask with ``is_causal``
     (as torch does). ``softcap`` (None, or a finite number > 0): the scaled scores become
     ``softcap * tanh(score / softcap)`` before the mask. ``sinks`` (None, or Hq real numbers):
-    each query head's sink logit joins its rows' softmax denominators."""
-    tensor_out = torch_tensors.is_tensor(query)
+    each query head's sink logit joins its rows' softmax denominators.
+
+    Where a torch tensor argument (query, key, value, a float attn_mask, sinks) requires grad
+    in grad mode, the result carries an autograd node whose backward is the CPU kernels'
+    (:mod:`pfa_numba.cpu.backward`): the gradients of those arguments."""
+    options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                   enable_gqa=enable_gqa, softcap=softcap)
+    args = (query, key, value, attn_mask, sinks)
+    if any(torch_tensors.requires_grad(x) for x in args):
+        from .interop import torch_autograd
+        return torch_autograd.attention(functools.partial(_forward, options), _backward, *args)
+    problem = attention_problem(*args, **options)
+    out, _ = dispatch.choose(problem, "cpu").run(problem)
+    out = out.reshape(np.shape(query))
+    return torch_tensors.as_tensor(out) if torch_tensors.is_tensor(query) else out
+
+
+def _forward(options, query, key, value, attn_mask, sinks):
+    """The result (the query's shape) and what :func:`_backward` needs of the call."""
+    problem = attention_problem(query, key, value, attn_mask, sinks, **options, want_lse=True)
+    out, lse = dispatch.choose(problem, "cpu").run(problem)
+    scores = np.shape(query)[:-1] + np.shape(key)[-2:-1]
+    return out.reshape(np.shape(query)), (problem, out, lse, scores)
+
+
+def _backward(state, dout, want_dbias):
+    """(dq, dk, dv, dbias in the scores' shape or None, dsinks or None) as float32 arrays, from
+    :func:`_forward`'s state and the output's gradient ``dout``."""
+    from .cpu.backward import attention_gradients      # the CPU kernels, as a call needs them
+    p, out, lse, scores = state
+    dq, dk, dv, dbias, dsinks = attention_gradients(p, out, dout.reshape(out.shape), lse,
+                                                    want_dbias)
+    return dq, dk, dv, (None if dbias is None else dbias.reshape(scores)), dsinks
+
+
+def attention_with_weights(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                           *, scale=None, enable_gqa=False, softcap=None, sinks=None):
+    """(:func:`scaled_dot_product_attention`'s result, its softmax weights): the weights
+    (..., Hq, L, S) in the query's dtype and kind, the probabilities each output row is the
+    weighted sum of V rows by (zeros where a row keeps nothing; a sink's weight is not among
+    them). A slow path for inspection (transformers' ``output_attentions``): a second pass over
+    the tiles forms them from the forward's softmax_lse (:func:`pfa_numba.cpu.backward.
+    attention_weights`), as large as the score matrix, and they carry no gradient."""
+    options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                   enable_gqa=enable_gqa, softcap=softcap)
+    out = scaled_dot_product_attention(query, key, value, attn_mask, sinks=sinks, **options)
+    data = [x.detach() if torch_tensors.is_tensor(x) else x
+            for x in (query, key, value, attn_mask, sinks)]
+    problem = attention_problem(*data, **options, want_lse=True)
+    _, lse = dispatch.choose(problem, "cpu").run(problem)
+    from .cpu.backward import attention_weights       # the CPU kernels, as a call needs them
+    weights = attention_weights(problem, lse).astype(problem.dtype)
+    weights = weights.reshape(np.shape(query)[:-1] + np.shape(key)[-2:-1])
+    return out, torch_tensors.as_tensor(weights) if torch_tensors.is_tensor(query) else weights
+
+
+def attention_problem(query, key, value, attn_mask, sinks, *, dropout_p, is_causal, scale,
+                      enable_gqa, softcap, want_lse=False):
+    """The planned BNSD problem of a :func:`scaled_dot_product_attention` call (its checks
+    raise here); with softmax_lse where ``want_lse``."""
     q, k, v, mask = (torch_tensors.as_numpy(name, x) if torch_tensors.is_cpu_tensor(x) else x
                      for name, x in (("query", query), ("key", key), ("value", value),
                                      ("attn_mask", attn_mask)))
@@ -74,18 +133,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         pse, discard = _mask(mask, q, k)
         band = _mask_band(mask, q.shape[-2], k.shape[-2]) if mask.dtype == np.bool_ else None
     call = PV.Call(q4, k4, v4, attn_mask=discard, pse_shift=pse, num_heads=hq,
-                  num_key_value_heads=hkv, scale_value=scale, input_layout="BNSD",
-                  sparse_mode=0 if discard is None else 1, inner_precise=2)
+                   num_key_value_heads=hkv, scale_value=scale, input_layout="BNSD",
+                   sparse_mode=0 if discard is None else 1, inner_precise=2,
+                   return_softmax_lse=want_lse)
     valid = PV.validate(call)
     if is_causal:
         valid = dataclasses.replace(valid, sparse_mode=2, has_mask=True)   # the band j <= i
     elif band is not None:
         valid = dataclasses.replace(valid, sparse_mode=0, has_mask=True, pre_tokens=band[0],
                                     next_tokens=band[1])
-    problem = dataclasses.replace(plan(valid), softcap=softcap, sinks=sinks)
-    out, _ = dispatch.choose(problem, "cpu").run(problem)
-    out = out.reshape(q.shape)
-    return torch_tensors.as_tensor(out) if tensor_out else out
+    return dataclasses.replace(plan(valid), softcap=softcap, sinks=sinks)
 
 
 def _softcap(value):
@@ -119,7 +176,7 @@ def _bnsd(x):
     """(..., H, L, E) as (B, H, L, E), B the product of the leading dims ((L, E): B = H = 1)."""
     if x.ndim == 2:
         return x[None, None]
-    return x.reshape((-1,) + x.shape[-3:]) if x.ndim > 3 else x[None]
+    return x.reshape((math.prod(x.shape[:-3]),) + x.shape[-3:]) if x.ndim > 3 else x[None]
 
 
 def _mask(mask, q, k):

@@ -86,6 +86,15 @@ def test_transformers_benchmark_runs_and_reports_both(tmp_path):
     assert len(rows) == 2 + 2 + 4 and not any("nan" in r for r in rows)
 
 
+def test_training_benchmark_runs_and_reports_both(tmp_path):
+    """The training benchmark's smoke run: forward + backward of both dtypes, and the four
+    feature rows, every one timed on both sides."""
+    pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
+    rows = _smoke_run("sdpa_training.py", tmp_path, "| ")
+    data = [r for r in rows if not r.startswith(("| dtype", "| call", "|---"))]
+    assert len(data) == 2 + 4 and not any("nan" in r for r in data)
+
+
 def test_decode_benchmark_runs(tmp_path):
     """The decode benchmark's smoke run: contiguous and paged in BNSD and BSH, both BNSD
     caches through a plan, int8, torch and the streaming floor; then the prefill table's

@@ -16,14 +16,14 @@ silently ignored.
 What a model then gets is what ``attn_implementation="sdpa"`` gives: causal prefill, left and
 right padding, KV-cache decoding in ``generate()``, grouped-query attention (the kv heads are
 read once per group, never repeated) and sliding windows (the band of the mask; the kernels
-skip the kv tiles outside it), in float32, float16 and bfloat16, forward only (call the model
-under ``torch.no_grad()`` or ``torch.inference_mode()``, as ``generate()`` does).
+skip the kv tiles outside it), in float32, float16 and bfloat16; in grad mode too (training
+and fine-tuning on the CPU: the backward is pfa_numba's, :mod:`pfa_numba.cpu.backward`).
 """
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..sdpa import scaled_dot_product_attention
+from ..sdpa import attention_with_weights, scaled_dot_product_attention
 
 #: the name :func:`register` uses unless told another
 NAME = "pfa_numba"
@@ -43,24 +43,28 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
     query (batch, heads, q, head_dim), key / value (batch, kv_heads, kv, head_dim);
     attention_mask the bool mask of ``sdpa_mask`` or a float mask added to the scores, or None.
-    Returns (output (batch, q, heads, head_dim), None): no attention weights are formed.
-    ``softcap`` (Gemma 2's attention logit softcapping) caps the scaled scores; ``s_aux``
-    (gpt-oss's attention sinks, a logit a head) joins the softmax denominators. A keyword
-    outside :data:`NEUTRAL_KEYWORDS` that asks for something (not None or False: other sinks,
-    attention weights ``output_attentions``,
-    ``position_bias``, ...), and a nonzero dropout, are refused with a ValueError naming them:
-    the result would otherwise be computed without them."""
+    Returns (output (batch, q, heads, head_dim), None), or with ``output_attentions`` (output,
+    attention weights (batch, heads, q, kv)), the weights by a slow second pass
+    (:func:`pfa_numba.sdpa.attention_with_weights`). ``softcap`` (Gemma 2's attention logit
+    softcapping) caps the scaled scores; ``s_aux`` (gpt-oss's attention sinks, a logit a head)
+    joins the softmax denominators. A keyword outside :data:`NEUTRAL_KEYWORDS` that asks for
+    something (not None or False: other sinks, ``position_bias``, ...), and a nonzero dropout,
+    are refused with a ValueError naming them: the result would otherwise be computed without
+    them."""
     softcap = kwargs.pop("softcap", None)
     sinks = kwargs.pop("s_aux", None)
+    with_weights = bool(kwargs.pop("output_attentions", False))
     _refuse_unsupported(dropout, kwargs)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_length = query.shape[2]
-    out = scaled_dot_product_attention(
+    attend = attention_with_weights if with_weights else scaled_dot_product_attention
+    result = attend(
         query, key, value, attention_mask, scale=scaling,
         # a single query row attends to the whole cache; a mask already holds the band
         is_causal=bool(is_causal and q_length > 1 and attention_mask is None),
         enable_gqa=query.shape[1] != key.shape[1], softcap=softcap, sinks=sinks)
-    return out.transpose(1, 2).contiguous(), None
+    out, weights = result if with_weights else (result, None)
+    return out.transpose(1, 2).contiguous(), weights
 
 
 #: the keywords models pass to an attention function that change nothing here: the mask holds

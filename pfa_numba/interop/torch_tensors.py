@@ -2,9 +2,9 @@
 memory (bfloat16 by its bits), results come back as tensors over the NumPy results' memory.
 
 torch is never imported here unless a torch tensor arrives (whoever made one has imported it).
-pfa_numba computes forward only, like Ascend's inference interface: a tensor that requires grad
-while grad mode is on is refused (gradients are never dropped silently); under
-``torch.no_grad()`` or ``torch.inference_mode()`` it is read as data.
+A tensor that requires grad while grad mode is on is never read here (its gradient would be
+dropped silently): :func:`as_numpy` refuses it, and the SDPA drop-in hands such calls to
+:mod:`.torch_autograd`, which reads the tensors with grad mode off.
 """
 import numpy as np
 
@@ -22,6 +22,14 @@ def is_cpu_tensor(x):
     return is_tensor(x) and not x.is_cuda
 
 
+def requires_grad(x):
+    """Whether ``x`` is a torch tensor whose gradient grad mode would record."""
+    if not is_tensor(x) or not x.requires_grad:
+        return False
+    import torch
+    return torch.is_grad_enabled()
+
+
 def as_numpy(name, t):
     """The NumPy array over the memory of CPU tensor ``t`` (argument ``name``), no copy; a
     tensor on another device than the CPU (CUDA tensors go elsewhere) is a RuntimeError."""
@@ -31,8 +39,9 @@ def as_numpy(name, t):
                            f"of shape {tuple(t.shape)}): pfa_numba reads CPU and CUDA tensors")
     if t.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(f"{name} requires grad ({t.dtype} tensor of shape {tuple(t.shape)}): "
-                           f"pfa_numba computes the forward pass only; call it under "
-                           f"torch.no_grad() or torch.inference_mode()")
+                           f"this pfa_numba operator computes the forward pass only (the SDPA "
+                           f"drop-in has a backward); call it under torch.no_grad() or "
+                           f"torch.inference_mode()")
     t = t.detach().resolve_conj().resolve_neg()
     if t.dtype == torch.bfloat16:
         import ml_dtypes

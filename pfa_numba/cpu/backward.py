@@ -1,0 +1,310 @@
+"""The backward of floating-point attention on the CPU: dQ, dK, dV (and the gradient of the
+scores' additive terms) from the forward's output and softmax_lse, as FlashAttention-2's
+backward computes them, one (query tile, kv tile) at a time, never holding a whole score
+matrix.
+
+For each tile the scores are formed again (scaled, softcapped, pse added, the band and the
+user mask applied, as the forward took them), and with the row's lse::
+
+    P  = exp(S - lse)                 (0 where the forward kept nothing)
+    dP = dO V^T
+    dS = P * (dP - delta),  delta = rowsum(dO * O)
+    dV = P^T dO,  dK = scale * dS'^T Q,  dQ = scale * dS' K
+
+where dS' is dS through the softcap (times 1 - tanh^2). A sink logit has no value row: it
+enters only through lse, and its gradient, -sum over rows of exp(sink - lse) * delta, is the
+host's (:func:`attention_gradients`).
+
+Two parallel passes, neither writing where another thread writes: one over kv tiles (each
+item owns its dK, dV rows and the dS tiles it writes for the pse gradient), one over query
+tiles (each owns its dQ rows). Both recompute the tile's P and dS; the products are SciPy's
+BLAS sgemm (:mod:`._blas`), in float32 whatever the inputs' dtype.
+"""
+import numpy as np
+from numba import njit, prange
+
+from ..numerics.band import block_kv_range, row_band
+from ..numerics.core import F32_NEG_INF, F32_ONE, F32_ZERO
+from ..numerics.core import MASK_DISCARD
+from ._blas import gemm_rm, scratch, sgemm_address
+from ._jit import FASTMATH, LEAF
+from .driver import parallel_region
+
+#: query rows and kv columns of one tile
+TILE_Q = 64
+TILE_K = 64
+
+
+@njit(**LEAF)
+def _tile_weights(s, slope, nq, nk, i0, j0, b, h, p, lse):
+    """The tile's softmax weights P = exp(S - lse) into ``s`` (which holds Q K^T), 0 where the
+    forward kept nothing, with S the scores as the forward formed them; into ``slope`` each
+    score's derivative by its Q K^T product (the scale, times 1 - tanh^2 under a softcap).
+    ``p`` is the problem record of :func:`_problem_record`."""
+    bias, mask, lens, scale, cap = p
+    ql, kl, pre, nxt = lens[0, b], lens[1, b], lens[2, b], lens[3, b]
+    bb = b if bias.shape[0] > 1 else 0
+    bm = b if mask.shape[0] > 1 else 0
+    for r in range(nq):
+        i = i0 + r
+        row_lse = lse[b, h, i]
+        lo, hi = row_band(i, pre, nxt, kl)
+        live = i < ql and row_lse != F32_NEG_INF
+        for c in range(nk):
+            j = j0 + c
+            x = s[r * TILE_K + c] * scale
+            dx = scale
+            if cap != F32_ZERO:
+                t = np.tanh(x / cap)
+                x = cap * t
+                dx = scale * (F32_ONE - t * t)
+            if bias.shape[1]:
+                x += bias[bb, h, i, j]
+            kept = live and lo <= j and j <= hi and x != F32_NEG_INF
+            if mask.shape[1] and mask[bm, i, j]:
+                kept = False
+            s[r * TILE_K + c] = np.exp(x - row_lse) if kept else F32_ZERO
+            slope[r * TILE_K + c] = dx
+
+
+@njit(**LEAF)
+def _tile_score_gradients(s, slope, dp, nq, nk, i0, j0, b, h, grads, want_dbias):
+    """``dp`` (which holds dO V^T) becomes the gradient of the Q K^T products, slope * dS with
+    dS = P * (dP - delta) (P in ``s``); dS itself into grads' dbias where ``want_dbias``
+    (``grads``: (delta, dbias))."""
+    delta, dbias = grads
+    for r in range(nq):
+        row_delta = delta[b, h, i0 + r]
+        for c in range(nk):
+            at = r * TILE_K + c
+            ds = s[at] * (dp[at] - row_delta)
+            if want_dbias:
+                dbias[b, h, i0 + r, j0 + c] = ds
+            dp[at] = ds * slope[at]
+
+
+@njit(inline="always")
+def _tile_buffers(n):
+    """``n`` float32 tile buffers of TILE_Q x TILE_K (empty arrays for the rest of four)."""
+    size = TILE_Q * TILE_K
+    return (np.empty(size, np.float32), np.empty(size, np.float32),
+            np.empty(size if n > 2 else 0, np.float32), np.empty(size if n > 3 else 0, np.float32))
+
+
+@njit(**LEAF)
+def _transpose(dst, src, nq, nk):
+    """dst (nk, TILE_Q) = src (nq, TILE_K)^T, row-major flat buffers."""
+    for r in range(nq):
+        for c in range(nk):
+            dst[c * TILE_Q + r] = src[r * TILE_K + c]
+
+
+@njit(**LEAF)
+def _in_band(lens, tile):
+    """Whether any active row of the tile (b, h, i0, nq, j0, nk) may keep one of its
+    columns."""
+    b, _, i0, nq, j0, nk = tile
+    i1 = min(i0 + nq, lens[0, b])
+    if i1 <= i0:
+        return False
+    jstart, jend = block_kv_range(i0, i1, lens[2, b], lens[3, b], lens[1, b])
+    return j0 < jend and j0 + nk > jstart
+
+
+@njit(**LEAF)
+def _offsets(dims, tile):
+    """Flat offsets of the tile's first query (and dO) row and first key (and value) row."""
+    _, N, Nkv, Sq, Skv, D = dims
+    b, h, i0, _, j0, _ = tile
+    return ((b * N + h) * Sq + i0) * D, ((b * Nkv + h // (N // Nkv)) * Skv + j0) * D
+
+
+@njit(**LEAF)
+def _query_tile(item, dims):
+    """(b, h, i0, nq) of work item ``item`` of a pass over query tiles."""
+    _, N, _, Sq, _, _ = dims
+    tiles = (Sq + TILE_Q - 1) // TILE_Q
+    i0 = item % tiles * TILE_Q
+    return item // (N * tiles), item // tiles % N, i0, min(TILE_Q, Sq - i0)
+
+
+@njit(**LEAF)
+def _probabilities(blas, bufs, qkv, dims, tile, p, lse):
+    """The tile's P into bufs[0] and its slopes into bufs[1] (:func:`_tile_weights`)."""
+    b, h, i0, nq, j0, nk = tile
+    q_off, k_off = _offsets(dims, tile)
+    D = dims[5]
+    gemm_rm(blas, nq, nk, D, qkv[0], q_off, D, True, qkv[1], k_off, D, bufs[0], 0, TILE_K,
+            F32_ZERO)
+    _tile_weights(bufs[0], bufs[1], nq, nk, i0, j0, b, h, p, lse)
+
+
+@njit(**LEAF)
+def _score_gradients(blas, bufs, qkv, dims, tile, grads, want_dbias):
+    """After :func:`_probabilities`: the gradient of the tile's Q K^T products into bufs[2]
+    (:func:`_tile_score_gradients`)."""
+    b, h, i0, nq, j0, nk = tile
+    q_off, k_off = _offsets(dims, tile)
+    D = dims[5]
+    gemm_rm(blas, nq, nk, D, qkv[3], q_off, D, True, qkv[2], k_off, D, bufs[2], 0, TILE_K,
+            F32_ZERO)
+    _tile_score_gradients(bufs[0], bufs[1], bufs[2], nq, nk, i0, j0, b, h, grads, want_dbias)
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def _kv_pass(qkv, dims, p, lse, grads, address, dk, dv, want_dbias):
+    """dK and dV, one item a (batch, kv head, kv tile); the pse gradient's dS tiles."""
+    q, k, v, do = qkv
+    B, N, Nkv, Sq, Skv, D = dims
+    G = N // Nkv
+    tiles = (Skv + TILE_K - 1) // TILE_K
+    for item in prange(B * Nkv * tiles):
+        b, hk, j0 = item // (Nkv * tiles), item // tiles % Nkv, item % tiles * TILE_K
+        nk = min(TILE_K, Skv - j0)
+        blas = scratch(address)
+        bufs = _tile_buffers(4)
+        dk_rows = np.zeros(nk * D, np.float32)
+        dv_rows = np.zeros(nk * D, np.float32)
+        for h in range(hk * G, hk * G + G):
+            for i0 in range(0, Sq, TILE_Q):
+                tile = (b, h, i0, min(TILE_Q, Sq - i0), j0, nk)
+                if not _in_band(p[2], tile):
+                    continue
+                _probabilities(blas, bufs, qkv, dims, tile, p, lse)
+                _score_gradients(blas, bufs, qkv, dims, tile, grads, want_dbias)
+                q_off = _offsets(dims, tile)[0]
+                tr = bufs[3]
+                _transpose(tr, bufs[0], tile[3], nk)
+                gemm_rm(blas, nk, D, tile[3], tr, 0, TILE_Q, False, do, q_off, D, dv_rows, 0, D,
+                        F32_ONE)
+                _transpose(tr, bufs[2], tile[3], nk)
+                gemm_rm(blas, nk, D, tile[3], tr, 0, TILE_Q, False, q, q_off, D, dk_rows, 0, D,
+                        F32_ONE)
+        k_off = ((b * Nkv + hk) * Skv + j0) * D
+        _store_rows(dk, dk_rows, k_off, nk * D)
+        _store_rows(dv, dv_rows, k_off, nk * D)
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def _query_pass(qkv, dims, p, lse, grads, address, dq):
+    """dQ, one item a (batch, query head, query tile)."""
+    B, N, Nkv, Sq, Skv, D = dims
+    for item in prange(B * N * ((Sq + TILE_Q - 1) // TILE_Q)):
+        b, h, i0, nq = _query_tile(item, dims)
+        blas = scratch(address)
+        bufs = _tile_buffers(3)
+        dq_rows = np.zeros(nq * D, np.float32)
+        for j0 in range(0, Skv, TILE_K):
+            tile = (b, h, i0, nq, j0, min(TILE_K, Skv - j0))
+            if not _in_band(p[2], tile):
+                continue
+            _probabilities(blas, bufs, qkv, dims, tile, p, lse)
+            _score_gradients(blas, bufs, qkv, dims, tile, grads, False)
+            k_off = _offsets(dims, tile)[1]
+            gemm_rm(blas, nq, D, tile[5], bufs[2], 0, TILE_K, False, qkv[1], k_off, D, dq_rows,
+                    0, D, F32_ONE)
+        _store_rows(dq, dq_rows, _offsets(dims, (b, h, i0, nq, 0, 0))[0], nq * D)
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def _weights_pass(qkv, dims, p, lse, address, weights):
+    """The softmax weights P (B, N, Sq, Skv), one item a (batch, query head, query tile);
+    ``weights`` holds zeros, which the tiles outside the band keep."""
+    B, N, Nkv, Sq, Skv, D = dims
+    for item in prange(B * N * ((Sq + TILE_Q - 1) // TILE_Q)):
+        b, h, i0, nq = _query_tile(item, dims)
+        blas = scratch(address)
+        bufs = _tile_buffers(2)
+        for j0 in range(0, Skv, TILE_K):
+            tile = (b, h, i0, nq, j0, min(TILE_K, Skv - j0))
+            if not _in_band(p[2], tile):
+                continue
+            _probabilities(blas, bufs, qkv, dims, tile, p, lse)
+            for r in range(nq):
+                for c in range(tile[5]):
+                    weights[b, h, i0 + r, j0 + c] = bufs[0][r * TILE_K + c]
+
+
+@njit(**LEAF)
+def _store_rows(dst, rows, off, n):
+    """dst's flat elements [off, off + n) = rows[:n]."""
+    for x in range(n):
+        dst[off + x] = rows[x]
+
+
+def _float32(x):
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _problem_record(p):
+    """What the kernels read of planned problem ``p`` beside the arrays: (bias (Bp, N, Sq,
+    Skv) float32, discard mask (Bm, Sq, Skv) bool, lens (4, B) int64 of (qL, kL, preE,
+    nextE), scale, softcap), an empty bias / mask where there is none."""
+    if p.layout != "BNSD" or p.cache is not None or p.quant is not None or \
+            (p.mask is not None and p.mask_kind != MASK_DISCARD):
+        raise NotImplementedError(
+            "the CPU backward takes floating-point BNSD problems with a discard mask (what "
+            f"scaled_dot_product_attention plans), got layout {p.layout}"
+            + (", a kv cache" if p.cache is not None else "")
+            + (", quantization" if p.quant is not None else "")
+            + (", an additive float16 attn_mask" if p.mask is not None
+               and p.mask_kind != MASK_DISCARD else ""))
+    bias = _float32(p.pse) if p.pse is not None else np.zeros((1, 0, 0, 0), np.float32)
+    mask = np.ascontiguousarray(p.mask != 0) if p.mask is not None \
+        else np.zeros((1, 0, 0), np.bool_)
+    lens = np.ascontiguousarray(np.stack([p.qlen, p.klen, p.pre_e, p.next_e]).astype(np.int64))
+    return bias, mask, lens, np.float32(p.scale), np.float32(p.softcap)
+
+
+def attention_gradients(p, out, dout, lse, want_dbias=False):
+    """The gradients of planned problem ``p`` (BNSD, floating point) given its output ``out``
+    and softmax_lse ``lse`` ((B, N, Sq) or (B, N, Sq, 1)) from the forward and the output's
+    gradient ``dout`` (B, N, Sq, D): (dq, dk, dv, dbias, dsinks) as float32 arrays in the
+    shapes of p.q, p.k, p.v, (B, N, Sq, Skv) (None unless ``want_dbias``: the gradient of the
+    scores' additive terms, per batch) and (N,) (None without sinks)."""
+    record = _problem_record(p)
+    q, k, v, dout = (_float32(x) for x in (p.q, p.k, p.v, dout))
+    delta = np.einsum("bnsd,bnsd->bns", dout, _float32(out), dtype=np.float64)
+    delta = delta.astype(np.float32)
+    lse = _float32(lse).reshape(p.B, p.N, p.Sq)
+    dbias = np.zeros((p.B, p.N, p.Sq, p.Skv) if want_dbias else (1, 1, 1, 1), np.float32)
+    dq, dk, dv = (np.zeros(x.shape, np.float32) for x in (q, k, v))
+    if p.Sq and p.Skv and p.D:
+        qkv = tuple(x.reshape(-1) for x in (q, k, v, dout))
+        grads = (delta, dbias)
+        with parallel_region(blas=True):
+            _kv_pass(qkv, _dims(p), record, lse, grads, sgemm_address(), dk.reshape(-1),
+                     dv.reshape(-1), want_dbias)
+            _query_pass(qkv, _dims(p), record, lse, grads, sgemm_address(), dq.reshape(-1))
+    return dq, dk, dv, (dbias if want_dbias else None), _sink_gradient(p, lse, delta)
+
+
+def attention_weights(p, lse):
+    """The softmax weights (B, N, Sq, Skv) float32 of planned problem ``p`` (BNSD, floating
+    point) from its softmax_lse ``lse``: what each row's output is the weighted sum of V by
+    (zeros where the forward kept nothing)."""
+    record = _problem_record(p)
+    weights = np.zeros((p.B, p.N, p.Sq, p.Skv), np.float32)
+    if p.Sq and p.Skv and p.D:
+        q, k = (_float32(x).reshape(-1) for x in (p.q, p.k))
+        nothing = np.empty(0, np.float32)
+        with parallel_region(blas=True):
+            _weights_pass((q, k, nothing, nothing), _dims(p), record, _float32(lse).reshape(p.B, p.N, p.Sq),
+                          sgemm_address(), weights)
+    return weights
+
+
+def _dims(p):
+    return p.B, p.N, p.Nkv, p.Sq, p.Skv, p.D
+
+
+def _sink_gradient(p, lse, delta):
+    """d loss / d sink of each head: -sum over the rows that kept a score of the sink's
+    softmax weight exp(sink - lse) times the row's delta."""
+    if p.sinks is None:
+        return None
+    sinks = np.asarray(p.sinks, np.float64)[None, :, None]
+    live = lse != -np.inf
+    with np.errstate(over="ignore", invalid="ignore"):
+        weight = np.where(live, np.exp(sinks - np.where(live, lse, 0.0)), 0.0)
+    return -(weight * delta).sum(axis=(0, 2)).astype(np.float32)

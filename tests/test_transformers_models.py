@@ -1,0 +1,181 @@
+"""The decoder families of transformers on pfa_numba against their own "eager" attention: tiny
+random configs built with transformers' classes (nothing is downloaded), sliding windows shorter
+than the prompts, prefill logits with and without padding, in float32 and bfloat16, with grad
+mode off and on, greedy generation with the KV cache, and a fine-tuning step's gradients.
+
+Tolerances: float32 results within 32 float32 ulps of the eager result's largest magnitude;
+bfloat16 logits within twice the error of eager's own bfloat16 run (both against eager in
+float32)."""
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch comes with the [transformers] extra")
+transformers = pytest.importorskip("transformers",
+                                   reason="transformers comes with the [transformers] extra")
+
+import pfa_numba.integrations.transformers as pfa_hf   # noqa: E402
+from test_transformers import VOCAB, _batch as padded_batch   # noqa: E402
+
+NAME = pfa_hf.register()
+WINDOW = 8                          # shorter than every prompt below
+LAYERS = ["sliding_attention", "full_attention"]
+F32_TOL = 32 * torch.finfo(torch.float32).eps
+
+
+def _configs():
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  pad_token_id=0)
+    return {
+        "llama": lambda: transformers.LlamaConfig(head_dim=16, **common),
+        "mistral": lambda: transformers.MistralConfig(head_dim=16, sliding_window=WINDOW,
+                                                      **common),
+        "qwen2": lambda: transformers.Qwen2Config(use_sliding_window=True, layer_types=LAYERS,
+                                                  sliding_window=WINDOW, **common),
+        "gemma2": lambda: transformers.Gemma2Config(head_dim=16, sliding_window=WINDOW,
+                                                    layer_types=LAYERS,
+                                                    attn_logit_softcapping=2.0, **common),
+        "gemma3": lambda: transformers.Gemma3TextConfig(head_dim=16, sliding_window=WINDOW,
+                                                        layer_types=LAYERS, **common),
+        "phi3": lambda: transformers.Phi3Config(sliding_window=WINDOW, **common),
+        "gpt_oss": lambda: transformers.GptOssConfig(head_dim=16, sliding_window=WINDOW,
+                                                     layer_types=LAYERS, num_local_experts=4,
+                                                     num_experts_per_tok=2, **common),
+    }
+
+
+CONFIGS = _configs()
+FAMILIES = list(CONFIGS)
+_MODELS = {}
+
+
+def _model(family, dtype=torch.float32):
+    """The family's model with the same random weights for every dtype; gemma2's cap and
+    gpt-oss's sinks at the scores' size, so that they shape the results."""
+    if family not in _MODELS:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](),
+                                                              attn_implementation="eager")
+        with torch.no_grad():
+            for layer in model.model.layers:
+                if hasattr(layer.self_attn, "sinks"):
+                    layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4))
+        _MODELS[family] = model.eval()
+    base = _MODELS[family]
+    model = type(base)(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    return model.to(dtype)
+
+
+def _batch(padding, length=21):
+    """Three rows of ``length`` tokens with ``padding`` ('left', 'right' or 'none'): row 1
+    loses 6, row 2 loses 2."""
+    return padded_batch(padding, length, pads=((1, 6), (2, 2)))
+
+
+def _logits(model, attn, ids, mask, grad):
+    model.set_attn_implementation(attn)
+    with torch.set_grad_enabled(grad):
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    assert logits.requires_grad == grad
+    return logits.detach().float()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_logits_match_eager(family, padding, grad):
+    model = _model(family)
+    ids, mask = _batch(padding)
+    real = mask.bool()                # padded positions' logits are not defined by either
+    want = _logits(model, "eager", ids, mask, grad)[real]
+    got = _logits(model, NAME, ids, mask, grad)[real]
+    assert (got - want).abs().max() <= F32_TOL * want.abs().max()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_logits_within_twice_eagers_own_error(family, grad):
+    ids, mask = _batch("left")
+    real = mask.bool()
+    exact = _logits(_model(family), "eager", ids, mask, False)[real]
+    model = _model(family, torch.bfloat16)
+    eager_error = (_logits(model, "eager", ids, mask, grad)[real] - exact).abs().max()
+    ours_error = (_logits(model, NAME, ids, mask, grad)[real] - exact).abs().max()
+    assert 0 < ours_error <= 2 * eager_error
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_matches_eager(family):
+    """Prefill, then decode steps against the KV cache (query length 1), the prompt longer
+    than the sliding window."""
+    model = _model(family)
+    ids, mask = _batch("left", length=13)
+    runs = {}
+    for attn in ("eager", NAME):
+        model.set_attn_implementation(attn)
+        with torch.no_grad():
+            runs[attn] = model.generate(ids, attention_mask=mask, max_new_tokens=10,
+                                        do_sample=False, pad_token_id=0)
+    assert runs[NAME].shape == (ids.shape[0], ids.shape[1] + 10)
+    assert torch.equal(runs[NAME], runs["eager"])
+
+
+def _labels(ids, mask):
+    """The next-token labels of a left-padded batch, -100 where the input or the position
+    predicting it is padding (padded rows' outputs are not defined by either attention)."""
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)
+    return labels
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_fine_tuning_step_has_eagers_gradients(family):
+    model = _model(family).train()
+    ids, mask = _batch("left")
+    losses, grads = {}, {}
+    for attn in ("eager", NAME):
+        model.set_attn_implementation(attn)
+        model.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=_labels(ids, mask)).loss
+        loss.backward()
+        losses[attn] = loss.item()
+        grads[attn] = {n: p.grad.clone() for n, p in model.named_parameters()
+                       if p.grad is not None}
+    assert abs(losses[NAME] - losses["eager"]) <= F32_TOL * abs(losses["eager"])
+    assert grads[NAME].keys() == grads["eager"].keys()
+    attention_params = [n for n in grads["eager"] if "self_attn" in n]
+    assert attention_params
+    for name, want in grads["eager"].items():
+        err = (grads[NAME][name] - want).abs().max()
+        assert err <= F32_TOL * want.abs().max(), name
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.step()                  # and the tuned model still runs on it
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids, attention_mask=mask).logits).all()
+
+
+def test_gpt_oss_sinks_get_gradients():
+    model = _model("gpt_oss").train()
+    model.set_attn_implementation(NAME)
+    ids, mask = _batch("none")
+    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    sinks = [layer.self_attn.sinks.grad for layer in model.model.layers]
+    assert all(g is not None and g.abs().max() > 0 for g in sinks)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
+def test_output_attentions_match_eagers_weights(family):
+    model = _model(family)
+    ids, mask = _batch("left")
+    runs = {}
+    for attn in ("eager", NAME):
+        model.set_attn_implementation(attn)
+        with torch.no_grad():
+            runs[attn] = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert len(runs[NAME].attentions) == len(runs["eager"].attentions) == 2
+    real = mask.bool()
+    for got, want in zip(runs[NAME].attentions, runs["eager"].attentions):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        rows = real[:, None, :, None].expand_as(want)          # the real query rows
+        assert (got - want)[rows].abs().max() <= F32_TOL
+    assert torch.equal(runs[NAME].logits.float(), _logits(model, NAME, ids, mask, False))
