@@ -10,6 +10,10 @@ return_softmax_lse=True)`` returns for the same queries and one slice of the key
 A part whose lse is -inf (it kept nothing for that row) weighs exactly 0, even where its output
 is NaN; a row that is -inf in every part comes out 0 with lse -inf. The merge equals the single
 call over the whole kv range (up to the output dtype's rounding) for every row with kept mass.
+
+Attention sinks (``sinks``, one logit a query head) count once: parts computed without them
+merge, and each head's sink joins the merged denominator and lse of every row some part kept,
+as the single call with ``sinks`` gives.
 """
 import numpy as np
 from numba import njit
@@ -17,17 +21,20 @@ from numba import njit
 from .cpu.records import RowState
 from .cpu.split_kv import merge_rows
 from .frontend import checks
+from .frontend.checks import sink_logits
 from .interop import torch_tensors
-from .numerics.core import F32_NEG_INF, F32_ONE, lse_value
+from .numerics.core import F32_NEG_INF, F32_ONE, row_total
 from .numerics.dtypes import dtype_name
 
 
 @njit(cache=True)
-def _merge(outs, lses):
+def _merge(outs, lses, sinks, heads):
     """The merged rows of the parts' rows ``outs`` (P, R, D) and ``lses`` (P, R), float32:
     each part's row taken as a piece of online-softmax state (acc = out, m = lse, l = 1) and
     merged by the rule split-kv merges its pieces by (``cpu.split_kv.merge_rows``), then
-    finished as a row is: divided by l, lse = m + log(l); 0 and -inf where no part kept it."""
+    finished as a kernel's row is (``numerics.core.row_total``: row r's denominator with the
+    sink of query head heads[r] where ``sinks`` is not empty); 0 and -inf where no part kept
+    it."""
     P, R, D = outs.shape
     pml = np.empty((P, R, 2), np.float32)
     pml[:, :, 0] = lses
@@ -39,10 +46,19 @@ def _merge(outs, lses):
     out = np.zeros((R, D), np.float32)
     lse = np.empty(R, np.float32)
     for r in range(R):
-        lse[r] = lse_value(state.m[r], state.l[r], 0)
+        lse[r] = F32_NEG_INF
         if state.m[r] != F32_NEG_INF:
-            out[r] = acc[r * D:(r + 1) * D] / state.l[r]
+            total, lse[r] = row_total(state.m[r], state.l[r], sinks, heads[r], 0)
+            out[r] = acc[r * D:(r + 1) * D] / total
     return out, lse
+
+
+def _row_heads(shape, layout):
+    """The query head of each row of (B, N, Sq) rows ((T, N) for TND), flattened."""
+    heads = np.arange(shape[1], dtype=np.int64)
+    if layout == "TND":
+        return np.broadcast_to(heads[None, :], shape).reshape(-1).copy()
+    return np.broadcast_to(heads[None, :, None], shape).reshape(-1).copy()
 
 
 def _heads_first(out, layout, heads):
@@ -69,15 +85,17 @@ def _lse_shape(shape, layout, heads):
     return (shape[0], heads, shape[1], 1)
 
 
-def merge_attention(parts, input_layout="BSH"):
+def merge_attention(parts, input_layout="BSH", *, sinks=None):
     """Merge ``[(out_1, lse_1), (out_2, lse_2), ...]`` over disjoint kv ranges.
 
     ``input_layout`` is the layout the parts were computed with (it fixes the output layout:
     BSH, BNSD, BSND, BNSD_BSND or TND). Outputs are float16, bfloat16 or float32 NumPy arrays
     of one shape and dtype; the lse arrays float32 (B, N, Sq, 1) or, for TND, (T, N, 1).
     The rows merge in float32 by the rule split-kv merges its pieces by (one online-softmax
-    rule for both). Returns ``(out, lse)`` in the parts' dtype and layout, rounded once; torch
-    CPU tensor parts give torch tensors.
+    rule for both). ``sinks`` (an extension, as scaled_dot_product_attention's: None, or one
+    real number a query head) joins the merged rows once, for parts computed without them.
+    Returns ``(out, lse)`` in the parts' dtype and layout, rounded once; torch CPU tensor parts
+    give torch tensors.
     """
     layout = checks.check_layout(input_layout)
     parts = list(parts)
@@ -112,9 +130,11 @@ def merge_attention(parts, input_layout="BSH"):
                          f"is not that of out {checks.shape_str(shape)} in layout {layout}")
     rows = [_heads_first(o, layout, heads) for o in outs]
     d = rows[0].shape[-1]
+    sinks = np.empty(0, np.float32) if sinks is None else sink_logits(sinks, heads)
     merged, lse = _merge(np.stack([np.ascontiguousarray(x, np.float32).reshape(-1, d)
                                    for x in rows]),
-                         np.stack([l.reshape(-1).astype(np.float32) for l in lses]))
+                         np.stack([l.reshape(-1).astype(np.float32) for l in lses]), sinks,
+                         _row_heads(rows[0].shape[:-1], layout))
     with np.errstate(over="ignore", under="ignore"):  # rounding to the output dtype, as a call does
         out = _in_layout(merged.reshape(rows[0].shape), layout, shape).astype(dtype)
     lse = lse.reshape(lse_shape)

@@ -26,7 +26,7 @@ import numpy as np
 from .interop import torch_tensors
 from .frontend import checks
 from .frontend import pfa as PV
-from .numerics.dtypes import dtype_name, is_bf16
+from .numerics.dtypes import dtype_name
 from . import dispatch
 from .frontend.problem import plan
 
@@ -122,7 +122,7 @@ def attention_problem(query, key, value, attn_mask, sinks, *, dropout_p, is_caus
                            f"({q.shape[-1]}): the kernels compute P V with one head dim")
     q4, k4, v4 = (_bnsd(x) for x in (q, k, v))
     hq, hkv = q4.shape[1], k4.shape[1]
-    sinks = _sinks(sinks, hq)
+    sinks = None if sinks is None else checks.sink_logits(sinks, hq)
     if hq != hkv and not enable_gqa:
         raise RuntimeError(f"query has {hq} heads and key {hkv}: pass enable_gqa=True for "
                            f"grouped-query attention")
@@ -154,22 +154,6 @@ def _softcap(value):
     if value <= 0:
         raise ValueError(f"softcap must be > 0, got {value!r}")
     return value
-
-
-def _sinks(value, heads):
-    """The sink logits as float32 (heads,), or None; an array (NumPy or a torch CPU tensor) of
-    real numbers (TypeError) with one value a query head (ValueError)."""
-    if value is None:
-        return None
-    if torch_tensors.is_cpu_tensor(value):
-        value = torch_tensors.as_numpy("sinks", value)
-    arr = checks.check_array("sinks", value)
-    if arr.dtype.kind not in "fiu" and not is_bf16(arr.dtype):
-        raise TypeError(f"sinks must hold real numbers, got dtype {dtype_name(arr.dtype)}")
-    if arr.shape != (heads,):
-        raise ValueError(f"sinks must have one value a query head, shape ({heads},), got shape "
-                         f"{checks.shape_str(arr.shape)}")
-    return arr.astype(np.float32)
 
 
 def _bnsd(x):

@@ -112,3 +112,38 @@ def test_bad_parts():
         merge_attention([(o, l), (o[..., :2], l)], input_layout="BNSD")
     with pytest.raises(ValueError, match="input_layout"):
         merge_attention([(o, l)], input_layout="XYZ")
+
+
+@pytest.mark.parametrize("layout", ["BSH", "BNSD"])
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_sinks_count_once_in_a_merge(dt, layout):
+    """Parts computed without sinks, merged with them: the single call with sinks (the
+    reference's), rows that keep nothing anywhere staying 0 with lse -inf."""
+    from pfa_numba import reference
+    rng = np.random.default_rng(5)
+    dtype = DTYPES[dt]
+    b, n, nkv, sq, skv, d = 2, 4, 2, 13, 29, 16
+    q, kk, v = qkv(rng, layout, dtype, b, n, nkv, sq, skv, d)
+    mask = rng.random((sq, skv)) < 0.4
+    mask[3] = True
+    sinks = np.array([-1.0, 0.5, 2.0, 6.0], np.float32)
+    kw = dict(num_heads=n, num_key_value_heads=nkv, input_layout=layout, scale_value=0.3,
+              inner_precise=2, return_softmax_lse=True, sparse_mode=1)
+    parts = [prompt_flash_attention(q, _kv_slice(kk, layout, a, e), _kv_slice(v, layout, a, e),
+                                    mask[:, a:e], **kw) for a, e in _cuts(skv, 3, rng)]
+    out, lse = merge_attention(parts, input_layout=layout, sinks=sinks)
+    want, want_lse = reference.prompt_flash_attention(q, kk, v, mask, sinks=sinks, **kw)
+    assert out.dtype == dtype and np.array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=1e-5, atol=1e-5)
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    assert np.abs(out.astype(np.float64) - want).max() <= 4 * eps * max(1.0, np.abs(want).max())
+    plain, _ = merge_attention(parts, input_layout=layout)
+    assert np.abs(plain.astype(np.float64) - out.astype(np.float64)).max() > 0.05
+
+
+def test_merge_refuses_sinks_of_the_wrong_shape():
+    o = np.zeros((1, 2, 3, 8), np.float32)
+    lse = np.zeros((1, 2, 3, 1), np.float32)
+    with pytest.raises(ValueError, match=r"one value a query head, shape \(2,\)"):
+        merge_attention([(o, lse)], input_layout="BNSD", sinks=np.zeros(3, np.float32))

@@ -3,8 +3,8 @@ the softmax of ``rows``, the deferred division and contract 'Empty rows' in the 
 import numpy as np
 from numba import njit, prange
 from ..numerics.band import ROW_MEAN, ROW_SOFTMAX
-from ..numerics.core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_POS_INF, F32_ZERO,
-                             antiquant, lse_value, order_key, sink_sum, store, widen)
+from ..numerics.core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO,
+                             antiquant, order_key, row_total, store, widen)
 from ..numerics.kernel_args import (F_SCALE, F_SCALE2, P_CODE, P_COLS, P_D, P_DEQUANT, P_FLAGS, P_G,
                                     P_KVCODE, P_LSE, P_OCODE, P_ROWS, P_SCALE_EXP)
 from ._blas import gemm_rm, scratch
@@ -337,11 +337,10 @@ def finish(outs, ins, extras, geo, item, i1, acc, ld, state, tb, computed):
         (n, o_off, osd, l_off), (outcome, lo, hi, divisor) = row_end(geo, item, rr, m, l,
                                                                      computed)
         if outcome == ROW_SOFTMAX:
-            total = l[rr] if sinks.size == 0 else sink_sum(m[rr], l[rr], sinks[n], post_e)
+            total, row_lse = row_total(m[rr], l[rr], sinks, n, post_e)
             store_row(out, o_off, osd, acc, rr * ld, total, D, ocode)
-            if want_lse:          # a sink that outweighs the row by e^88: its own logit
-                lse[l_off] = lse_value(m[rr], total, post_e) if total < F32_POS_INF \
-                    else sinks[n]
+            if want_lse:
+                lse[l_off] = row_lse
             if want_flags:
                 flags[l_off] = 1
         elif outcome == ROW_MEAN:

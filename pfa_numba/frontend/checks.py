@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..interop import torch_tensors
 from ..interop.torch_tensors import is_tensor
 from ..numerics.dtypes import F16, F32, I8, dtype_name, is_bf16
 from ..numerics.band import TOKENS_INF, tokens_to_band
@@ -195,6 +196,20 @@ def is_cuda_array(x):
         return hasattr(x, "__cuda_array_interface__")
     except Exception:
         return False
+
+
+def sink_logits(value, heads):
+    """Attention sinks as float32 (heads,): an array (NumPy or a torch CPU tensor) of real
+    numbers (TypeError) with one value a query head (ValueError)."""
+    if torch_tensors.is_cpu_tensor(value):
+        value = torch_tensors.as_numpy("sinks", value)
+    arr = check_array("sinks", value)
+    if arr.dtype.kind not in "fiu" and not is_bf16(arr.dtype):
+        raise TypeError(f"sinks must hold real numbers, got dtype {dtype_name(arr.dtype)}")
+    if arr.shape != (heads,):
+        raise ValueError(f"sinks must have one value a query head, shape ({heads},), got shape "
+                         f"{shape_str(arr.shape)}")
+    return arr.astype(np.float32)
 
 
 def check_array(name, x):

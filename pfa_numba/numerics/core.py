@@ -458,14 +458,6 @@ def running_sum(l, alpha, tile_sum):
 
 
 @jit
-def sink_sum(m, l, sink, post_e):
-    """The softmax denominator of a finished row (running max m, sum l) with a sink logit in
-    it (an attention sink: a score without a value row): l + exp(sink - m * 2^post_e); +inf
-    where that term overflows (the row's weights are then 0)."""
-    return np.float32(l) + np.exp(np.float32(sink) - times_pow2(np.float32(m), post_e))
-
-
-@jit
 def lse_value(m, l, post_e):
     """softmax_lse of a finished row: m * 2^post_e + log(l), -inf when nothing was kept
     (contract 'softmax_lse and merging')."""
@@ -474,6 +466,20 @@ def lse_value(m, l, post_e):
     if m == F32_NEG_INF:
         return F32_NEG_INF
     return times_pow2(m, post_e) + np.float32(math.log(l))
+
+
+@jit
+def row_total(m, l, sinks, n, post_e):
+    """(denominator, softmax_lse) of a finished row that kept a score (running max m, sum l):
+    l, or with sink logits (``sinks`` not empty: one a query head) l plus the term of head
+    ``n``'s sink, exp(sink - m * 2^post_e), a score without a value row. The lse is that of
+    the denominator, or the sink's own logit where its term overflows (a sink that outweighs
+    the row by e^88; the row's weights are then 0)."""
+    if sinks.size == 0:
+        return np.float32(l), lse_value(m, l, post_e)
+    sink = np.float32(sinks[n])
+    total = np.float32(l) + np.exp(sink - times_pow2(np.float32(m), post_e))
+    return total, (lse_value(m, total, post_e) if total < F32_POS_INF else sink)
 
 
 _LN2_F32 = np.float32(0.6931471805599453)
