@@ -225,3 +225,11 @@ def test_numpy_arguments_beside_tensors_that_require_grad_are_refused():
     q = torch.randn(1, 1, 4, 8, requires_grad=True)
     with pytest.raises(TypeError, match="query as a torch tensor"):
         scaled_dot_product_attention(q.detach().numpy(), q, q.detach())
+
+
+def test_tensors_off_the_cpu_that_require_grad_are_not_implemented():
+    """No backward kernel off the CPU (a CUDA tensor on a GPU machine; a meta tensor here):
+    NotImplementedError naming the argument and its device."""
+    q = torch.randn(1, 1, 4, 8, device="meta", requires_grad=True)
+    with pytest.raises(NotImplementedError, match="query requires grad on device 'meta'.*CPU"):
+        scaled_dot_product_attention(q, q.detach(), q.detach())
