@@ -18,7 +18,6 @@ every True of the mask becomes sparse_mode 0's pre/next tokens, so the kernels n
 kv tiles outside it (a causal, padded or sliding-window mask costs what its band costs).
 """
 import dataclasses
-import functools
 import math
 
 import numpy as np
@@ -44,36 +43,70 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``softcap * tanh(score / softcap)`` before the mask. ``sinks`` (None, or Hq real numbers):
     each query head's sink logit joins its rows' softmax denominators.
 
-    Where a torch tensor argument (query, key, value, a float attn_mask, sinks) requires grad
-    in grad mode, the result carries an autograd node whose backward is the CPU kernels'
-    (:mod:`pfa_numba.cpu.backward`): the gradients of those arguments."""
+    torch tensors run through the operator ``torch.ops.pfa_numba.sdpa``
+    (:mod:`pfa_numba.interop.torch_ops`): ``torch.compile`` traces through it, and where a
+    tensor argument (query, key, value, a float attn_mask, sinks) requires grad in grad mode the
+    result carries its autograd node, whose backward is the CPU kernels'
+    (:mod:`pfa_numba.cpu.backward`)."""
+    args = (query, key, value, attn_mask, sinks)
+    if all(torch_tensors.is_tensor(x) for x in (query, key, value)) and \
+            all(x is None or torch_tensors.is_tensor(x) for x in (attn_mask, sinks)):
+        return _through_operator(args, dropout_p, is_causal, scale, enable_gqa, softcap)
+    if any(torch_tensors.requires_grad(x) for x in args):
+        raise TypeError("a call with tensors that require grad takes query, key and value (and "
+                        "attn_mask and sinks where given) as torch tensors, got "
+                        + ", ".join(f"{n} {type(x).__name__}" for n, x in zip(ARGUMENTS, args)
+                                    if x is not None))
     options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                    enable_gqa=enable_gqa, softcap=softcap)
-    args = (query, key, value, attn_mask, sinks)
-    if any(torch_tensors.requires_grad(x) for x in args):
-        from .interop import torch_autograd
-        return torch_autograd.attention(functools.partial(_forward, options), _backward, *args)
     problem = attention_problem(*args, **options)
     out, _ = dispatch.choose(problem, "cpu").run(problem)
     out = out.reshape(np.shape(query))
     return torch_tensors.as_tensor(out) if torch_tensors.is_tensor(query) else out
 
 
-def _forward(options, query, key, value, attn_mask, sinks):
-    """The result (the query's shape) and what :func:`_backward` needs of the call."""
-    problem = attention_problem(query, key, value, attn_mask, sinks, **options, want_lse=True)
+#: the tensor arguments, in order
+ARGUMENTS = ("query", "key", "value", "attn_mask", "sinks")
+
+
+def _through_operator(args, dropout_p, is_causal, scale, enable_gqa, softcap):
+    """The call on torch tensors, as ``torch.ops.pfa_numba.sdpa``: the arguments that are not
+    tensors are checked here (the operator's schema takes plain floats and bools), the
+    tensors inside it, where they are read."""
+    for name, x in zip(ARGUMENTS, args):
+        if x is not None and x.device.type != "cpu":
+            raise NotImplementedError(
+                f"{name} is on device '{x.device}' ({x.dtype} tensor of shape "
+                f"{tuple(x.shape)}): pfa_numba's scaled_dot_product_attention and its backward "
+                f"run on CPU tensors")
+    _check_dropout(dropout_p)
+    scale = None if scale is None else checks.check_scale_value(scale, "scale")
+    softcap = _softcap(softcap) or None
+    from .interop import torch_ops          # registers the operator (imports torch)
+    out, _ = torch_ops.sdpa(*args, scale, bool(is_causal), bool(enable_gqa), softcap)
+    return out
+
+
+def _operator_forward(query, key, value, attn_mask, sinks, options):
+    """The operator's forward on NumPy arrays: (output, softmax_lse) in the query's shape (the
+    lse without the head dim)."""
+    problem = attention_problem(query, key, value, attn_mask, sinks, dropout_p=0.0, **options,
+                                want_lse=True)
     out, lse = dispatch.choose(problem, "cpu").run(problem)
-    scores = np.shape(query)[:-1] + np.shape(key)[-2:-1]
-    return out.reshape(np.shape(query)), (problem, out, lse, scores)
+    return out.reshape(query.shape), lse.reshape(query.shape[:-1])
 
 
-def _backward(state, dout, want_dbias):
-    """(dq, dk, dv, dbias in the scores' shape or None, dsinks or None) as float32 arrays, from
-    :func:`_forward`'s state and the output's gradient ``dout``."""
+def _operator_backward(state, dout, want_dbias):
+    """The operator's backward on NumPy arrays: (dq, dk, dv, dbias in the scores' shape or
+    None, dsinks or None), float32, from the call's arguments, its output and lse (``state``)
+    and the output's gradient ``dout``."""
     from .cpu.backward import attention_gradients      # the CPU kernels, as a call needs them
-    p, out, lse, scores = state
-    dq, dk, dv, dbias, dsinks = attention_gradients(p, out, dout.reshape(out.shape), lse,
-                                                    want_dbias)
+    query, key, value, attn_mask, sinks, out, lse, options = state
+    p = attention_problem(query, key, value, attn_mask, sinks, dropout_p=0.0, **options)
+    bnsd = (p.B, p.N, p.Sq, p.D)
+    dq, dk, dv, dbias, dsinks = attention_gradients(p, out.reshape(bnsd), dout.reshape(bnsd),
+                                                    lse.reshape(bnsd[:3]), want_dbias)
+    scores = query.shape[:-1] + key.shape[-2:-1]
     return dq, dk, dv, (None if dbias is None else dbias.reshape(scores)), dsinks
 
 
@@ -111,9 +144,7 @@ def attention_problem(query, key, value, attn_mask, sinks, *, dropout_p, is_caus
             raise ValueError(f"{name} must have at least 2 dimensions (..., L, E), got shape "
                              f"{checks.shape_str(x.shape)}")
     softcap = _softcap(softcap)
-    if dropout_p != 0.0:
-        raise RuntimeError(f"dropout_p must be 0.0 (pfa_numba computes inference attention), "
-                           f"got {dropout_p!r}")
+    _check_dropout(dropout_p)
     if is_causal and mask is not None:
         raise RuntimeError("is_causal=True takes no attn_mask (as torch), got an attn_mask of "
                            f"shape {checks.shape_str(np.shape(mask))}")
@@ -143,6 +174,12 @@ def attention_problem(query, key, value, attn_mask, sinks, *, dropout_p, is_caus
         valid = dataclasses.replace(valid, sparse_mode=0, has_mask=True, pre_tokens=band[0],
                                     next_tokens=band[1])
     return dataclasses.replace(plan(valid), softcap=softcap, sinks=sinks)
+
+
+def _check_dropout(dropout_p):
+    if dropout_p != 0.0:
+        raise RuntimeError(f"dropout_p must be 0.0 (pfa_numba computes inference attention), "
+                           f"got {dropout_p!r}")
 
 
 def _softcap(value):
@@ -202,3 +239,7 @@ def _mask_band(mask, sq, skv):
 
 def _heads(x):
     return x.shape[-3] if x.ndim >= 3 else 1
+
+
+torch_tensors.OPERATORS.update({"sdpa.forward": _operator_forward,
+                                "sdpa.backward": _operator_backward})

@@ -179,3 +179,18 @@ def test_output_attentions_match_eagers_weights(family):
         rows = real[:, None, :, None].expand_as(want)          # the real query rows
         assert (got - want)[rows].abs().max() <= F32_TOL
     assert torch.equal(runs[NAME].logits.float(), _logits(model, NAME, ids, mask, False))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_a_compiled_model_runs_on_it_without_graph_breaks(family):
+    """torch.compile(fullgraph=True) of a model's forward (transformers' own compile tests
+    do this with "sdpa"): the attention is one opaque operator to the compiler."""
+    model = _model(family)
+    ids, mask = _batch("left")
+    real = mask.bool()
+    want = _logits(model, "eager", ids, mask, False)[real]
+    model.set_attn_implementation(NAME)
+    compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got = compiled(input_ids=ids, attention_mask=mask).logits.float()[real]
+    assert (got - want).abs().max() <= F32_TOL * want.abs().max()

@@ -24,8 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..numerics.band import block_kv_range, row_band
-from ..numerics.core import F32_NEG_INF, F32_ONE, F32_ZERO
-from ..numerics.core import MASK_DISCARD
+from ..numerics.core import F32_NEG_INF, F32_ONE, F32_ZERO, MASK_DISCARD
 from ._blas import gemm_rm, scratch, sgemm_address
 from ._jit import FASTMATH, LEAF
 from .driver import parallel_region
@@ -288,9 +287,10 @@ def attention_weights(p, lse):
     if p.Sq and p.Skv and p.D:
         q, k = (_float32(x).reshape(-1) for x in (p.q, p.k))
         nothing = np.empty(0, np.float32)
+        lse = _float32(lse).reshape(p.B, p.N, p.Sq)
         with parallel_region(blas=True):
-            _weights_pass((q, k, nothing, nothing), _dims(p), record, _float32(lse).reshape(p.B, p.N, p.Sq),
-                          sgemm_address(), weights)
+            _weights_pass((q, k, nothing, nothing), _dims(p), record, lse, sgemm_address(),
+                          weights)
     return weights
 
 

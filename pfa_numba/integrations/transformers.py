@@ -23,6 +23,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..interop import torch_ops  # noqa: F401  (the operator, registered before any compile)
 from ..sdpa import attention_with_weights, scaled_dot_product_attention
 
 #: the name :func:`register` uses unless told another

@@ -3,17 +3,25 @@ memory (bfloat16 by its bits), results come back as tensors over the NumPy resul
 
 torch is never imported here unless a torch tensor arrives (whoever made one has imported it).
 A tensor that requires grad while grad mode is on is never read here (its gradient would be
-dropped silently): :func:`as_numpy` refuses it, and the SDPA drop-in hands such calls to
-:mod:`.torch_autograd`, which reads the tensors with grad mode off.
+dropped silently): :func:`as_numpy` refuses it, and the SDPA drop-in runs torch tensors
+through the operator of :mod:`.torch_ops`, whose backward is registered with autograd.
 """
+import sys
+
 import numpy as np
 
 from ..numerics.dtypes import is_bf16
 
 
+#: the NumPy implementations of :mod:`.torch_ops`' operators, by name ("sdpa.forward",
+#: "sdpa.backward"), put here at import by the module that defines them (a higher layer)
+OPERATORS = {}
+
+
 def is_tensor(x):
     """Whether ``x`` is a torch tensor (of any device)."""
-    return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "is_cuda")
+    torch = sys.modules.get("torch")         # none was made where torch is not imported
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def is_cpu_tensor(x):
