@@ -102,10 +102,17 @@ def test_a_declaration_rules_out_what_it_does_not_take():
                        "an int8 kv cache (it reads contiguous key / value)"]
 
 
+def _as_if_the_machine_had_amx(monkeypatch):
+    """The reasons a test is about, on any machine (no call runs here: none is chosen)."""
+    from pfa_numba.cpu import _amx
+    monkeypatch.setattr(_amx, "available", lambda: True)
+
+
 def test_no_kernel_raises_every_reason(monkeypatch):
     monkeypatch.setattr(dispatch, "KERNELS", tuple(k for k in dispatch.KERNELS
                                                    if k.name != "float32-tiles"))
     monkeypatch.setattr(config, "CPU_AMX", False)
+    _as_if_the_machine_had_amx(monkeypatch)
     args, kw = _call("float32-tiles")
     with pytest.raises(RuntimeError) as err:
         prompt_flash_attention(*args, **kw)
@@ -121,8 +128,9 @@ def test_explain_raises_the_calls_errors():
         explain(*args, bogus=1)
 
 
-def test_explain_fia_over_an_int8_cache():
+def test_explain_fia_over_an_int8_cache(monkeypatch):
     """An int8 cache: AMX (which dequantizes nothing) is ruled out by its declaration."""
+    _as_if_the_machine_had_amx(monkeypatch)
     q, k, v = _arrays(np.float16, 1, 4, 2, 40, 64, 64)
     i8 = k.astype(np.int8)
     text = explain_fia(q, i8, i8, antiquant_scale=np.ones(2, np.float16), num_heads=4,
