@@ -179,3 +179,27 @@ def test_matches_sdpa_attention_forward_directly():
         want, _ = sdpa_attention_forward(module, q, k, v, attention_mask, scaling=0.3)
         assert got.shape == want.shape == (1, 5, 4, 16)
         assert (got - want).abs().max() <= 2e-6
+
+
+def test_the_plugin_for_transformers_own_tests_routes_sdpa_here():
+    """scripts/transformers_as_sdpa.py, in a process of its own (it changes transformers'
+    global mapping): a model on "sdpa" then calls pfa_numba's attention."""
+    import pathlib
+    import subprocess
+    import sys
+    scripts = pathlib.Path(__file__).resolve().parent.parent / "scripts"
+    program = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import transformers_as_sdpa\n"
+        "import torch, transformers, pfa_numba.sdpa as s\n"
+        "calls = []\n"
+        "real = s.scaled_dot_product_attention\n"
+        "import pfa_numba.integrations.transformers as h\n"
+        "h.scaled_dot_product_attention = lambda *a, **k: calls.append(1) or real(*a, **k)\n"
+        "c = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,\n"
+        "    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)\n"
+        "m = transformers.AutoModelForCausalLM.from_config(c, attn_implementation='sdpa')\n"
+        "with torch.no_grad(): m(input_ids=torch.ones(1, 5, dtype=torch.long))\n"
+        "assert len(calls) == 2, calls\n")
+    res = subprocess.run([sys.executable, "-c", program, str(scripts)], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
