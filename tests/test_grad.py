@@ -297,3 +297,18 @@ def test_torch_compile_traces_through_the_operator(backend):
         runs.append((out, *grads))
     for got, want in zip(*runs):
         assert torch.equal(got, want)
+
+
+def test_one_pass_and_two_pass_plans_give_the_same_bits(monkeypatch):
+    """The gradients do not depend on the threads: a call with fewer (batch, kv head)s than
+    threads takes two passes, else one, and every dQ row sums its kv tiles in one order."""
+    from pfa_numba.cpu import backward
+    inputs = _inputs(torch.float32, dict(q=(2, 4, 130, 32), k=(2, 2, 150, 32),
+                                         v=(2, 2, 150, 32), sinks=(4,)), ["q", "k", "v", "sinks"])
+    runs = []
+    for whole in (True, False):
+        monkeypatch.setattr(backward, "_owns_whole_heads", lambda p, whole=whole: whole)
+        out = scaled_dot_product_attention(inputs["q"], inputs["k"], inputs["v"],
+                                           enable_gqa=True, softcap=4.0, sinks=inputs["sinks"])
+        runs.append(torch.autograd.grad(out.square().sum(), list(inputs.values())))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

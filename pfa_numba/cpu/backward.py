@@ -15,11 +15,13 @@ where dS' is dS through the softcap (times 1 - tanh^2). A sink logit has no valu
 enters only through lse, and its gradient, -sum over rows of exp(sink - lse) * delta, is the
 host's (:func:`attention_gradients`).
 
-Two parallel passes, neither writing where another thread writes: one over kv tiles (each
-item owns its dK, dV rows and the dS tiles it writes for the pse gradient), one over query
-tiles (each owns its dQ rows). Both recompute the tile's P and dS; the products are SciPy's
+No two threads write to one place: where a call has as many (batch, kv head)s as threads,
+one pass over them, each item owning its kv head's dK, dV rows and its query heads' dQ rows
+(and the dS tiles it writes for the pse gradient); else two passes, one over kv tiles (dK,
+dV) and one over query tiles (dQ), both forming the tile's P and dS. The products are SciPy's
 BLAS sgemm (:mod:`._blas`), in float32 whatever the inputs' dtype.
 """
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -151,37 +153,46 @@ def _score_gradients(blas, bufs, qkv, dims, tile, grads, want_dbias):
 
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
-def _kv_pass(qkv, dims, p, lse, grads, address, dk, dv, want_dbias):
-    """dK and dV, one item a (batch, kv head, kv tile); the pse gradient's dS tiles."""
+def _kv_pass(qkv, dims, p, lse, grads, address, dk, dv, dq, want_dbias):
+    """dK and dV, one item a (batch, kv head, kv tile), or with ``dq`` not empty one item a
+    (batch, kv head), which then owns its query heads' dQ rows too and adds into them; the pse
+    gradient's dS tiles."""
+    B, N, Nkv, Sq, Skv, D = dims
+    tiles = (Skv + TILE_K - 1) // TILE_K
+    per_item = tiles if dq.size else 1
+    for item in prange(B * Nkv * tiles // per_item):
+        blas = scratch(address)
+        bufs = _tile_buffers(4)
+        for jt in range(item * per_item, item * per_item + per_item):
+            b, hk, j0 = jt // (Nkv * tiles), jt // tiles % Nkv, jt % tiles * TILE_K
+            _kv_tile(qkv, dims, p, lse, grads, blas, bufs, dk, dv, dq, want_dbias, b, hk, j0)
+
+
+@njit(**LEAF)
+def _kv_tile(qkv, dims, p, lse, grads, blas, bufs, dk, dv, dq, want_dbias, b, hk, j0):
+    """dK and dV rows of kv tile j0.. of kv head hk in batch b, from every query tile of its
+    group's heads (adding into dQ where ``dq`` is not empty)."""
     q, k, v, do = qkv
     B, N, Nkv, Sq, Skv, D = dims
     G = N // Nkv
-    tiles = (Skv + TILE_K - 1) // TILE_K
-    for item in prange(B * Nkv * tiles):
-        b, hk, j0 = item // (Nkv * tiles), item // tiles % Nkv, item % tiles * TILE_K
-        nk = min(TILE_K, Skv - j0)
-        blas = scratch(address)
-        bufs = _tile_buffers(4)
-        dk_rows = np.zeros(nk * D, np.float32)
-        dv_rows = np.zeros(nk * D, np.float32)
-        for h in range(hk * G, hk * G + G):
-            for i0 in range(0, Sq, TILE_Q):
-                tile = (b, h, i0, min(TILE_Q, Sq - i0), j0, nk)
-                if not _in_band(p[2], tile):
-                    continue
-                _probabilities(blas, bufs, qkv, dims, tile, p, lse)
-                _score_gradients(blas, bufs, qkv, dims, tile, grads, want_dbias)
-                q_off = _offsets(dims, tile)[0]
-                tr = bufs[3]
-                _transpose(tr, bufs[0], tile[3], nk)
-                gemm_rm(blas, nk, D, tile[3], tr, 0, TILE_Q, False, do, q_off, D, dv_rows, 0, D,
+    nk = min(TILE_K, Skv - j0)
+    k_off = ((b * Nkv + hk) * Skv + j0) * D
+    tr = bufs[3]
+    for h in range(hk * G, hk * G + G):
+        for i0 in range(0, Sq, TILE_Q):
+            tile = (b, h, i0, min(TILE_Q, Sq - i0), j0, nk)
+            if not _in_band(p[2], tile):
+                continue
+            _probabilities(blas, bufs, qkv, dims, tile, p, lse)
+            _score_gradients(blas, bufs, qkv, dims, tile, grads, want_dbias)
+            q_off, nq = _offsets(dims, tile)[0], tile[3]
+            _transpose(tr, bufs[0], nq, nk)
+            gemm_rm(blas, nk, D, nq, tr, 0, TILE_Q, False, do, q_off, D, dv, k_off, D, F32_ONE)
+            _transpose(tr, bufs[2], nq, nk)
+            gemm_rm(blas, nk, D, nq, tr, 0, TILE_Q, False, q, q_off, D, dk, k_off, D, F32_ONE)
+            if dq.size:
+                gemm_rm(blas, nq, D, nk, bufs[2], 0, TILE_K, False, k, k_off, D, dq, q_off, D,
                         F32_ONE)
-                _transpose(tr, bufs[2], tile[3], nk)
-                gemm_rm(blas, nk, D, tile[3], tr, 0, TILE_Q, False, q, q_off, D, dk_rows, 0, D,
-                        F32_ONE)
-        k_off = ((b * Nkv + hk) * Skv + j0) * D
-        _store_rows(dk, dk_rows, k_off, nk * D)
-        _store_rows(dv, dv_rows, k_off, nk * D)
 
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
@@ -271,10 +282,14 @@ def attention_gradients(p, out, dout, lse, want_dbias=False):
     if p.Sq and p.Skv and p.D:
         qkv = tuple(x.reshape(-1) for x in (q, k, v, dout))
         grads = (delta, dbias)
+        whole_heads = _owns_whole_heads(p)
         with parallel_region(blas=True):
             _kv_pass(qkv, _dims(p), record, lse, grads, sgemm_address(), dk.reshape(-1),
-                     dv.reshape(-1), want_dbias)
-            _query_pass(qkv, _dims(p), record, lse, grads, sgemm_address(), dq.reshape(-1))
+                     dv.reshape(-1), dq.reshape(-1) if whole_heads else np.empty(0, np.float32),
+                     want_dbias)
+            if not whole_heads:
+                _query_pass(qkv, _dims(p), record, lse, grads, sgemm_address(),
+                            dq.reshape(-1))
     return dq, dk, dv, (dbias if want_dbias else None), _sink_gradient(p, lse, delta)
 
 
@@ -292,6 +307,14 @@ def attention_weights(p, lse):
             _weights_pass((q, k, nothing, nothing), _dims(p), record, lse, sgemm_address(),
                           weights)
     return weights
+
+
+def _owns_whole_heads(p):
+    """Whether the kv pass's items are whole (batch, kv head)s, each adding into its query
+    heads' dQ rows too (five tile products a tile, not seven): where there are as many as the
+    threads. Either way each dQ row sums its kv tiles in the same order, so the gradients are
+    the same bits."""
+    return p.B * p.Nkv >= numba.get_num_threads()
 
 
 def _dims(p):
