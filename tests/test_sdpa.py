@@ -133,3 +133,43 @@ def test_mask_band_is_the_narrowest_band_holding_every_true():
             continue
         assert band == ((i - j).max(), (j - i).max())
         assert band[0] + band[1] >= 0
+
+
+def _weights64(q, k, keep, scale, softcap, sinks):
+    """softmax over the kept (capped, scaled) scores and a sink, float64; rows keeping nothing
+    are zeros."""
+    k = np.repeat(k.astype(np.float64), q.shape[1] // k.shape[1], axis=1)
+    s = scale * (q.astype(np.float64) @ k.transpose(0, 1, 3, 2))
+    s = softcap * np.tanh(s / softcap)
+    s = np.where(keep, s, -np.inf)
+    m = np.maximum(s.max(-1, keepdims=True), sinks[None, :, None, None])
+    e = np.where(keep, np.exp(s - m), 0.0)
+    total = e.sum(-1, keepdims=True) + np.exp(sinks[None, :, None, None] - m)
+    return np.where(keep.any(-1, keepdims=True), e / total, 0.0)
+
+
+def test_attention_with_weights_gives_the_softmax_weights():
+    """The slow path of output_attentions: the output equals the plain call's, the weights are
+    the softmax of the capped, masked scores with the sink in the denominator (its own weight
+    left out), zeros for a row that keeps nothing; in grad mode only the output has a
+    gradient."""
+    from pfa_numba.sdpa import attention_with_weights
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 4, 70, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 90, 16)).astype(np.float32) for _ in range(2))
+    keep = rng.random((2, 1, 70, 90)) < 0.5
+    keep[:, :, 3] = False
+    sinks = np.array([0.0, 1.0, -2.0, 3.0], np.float32)
+    kw = dict(enable_gqa=True, softcap=2.0, sinks=sinks)
+    out, weights = attention_with_weights(q, k, v, keep, **kw)
+    assert np.array_equal(out, scaled_dot_product_attention(q, k, v, keep, **kw))
+    want = _weights64(q, k, keep, 0.25, 2.0, sinks.astype(np.float64))
+    assert weights.dtype == np.float32 and weights.shape == (2, 4, 70, 90)
+    assert np.abs(weights - want).max() <= 8 * np.finfo(np.float32).eps
+    assert np.all(weights[:, :, 3] == 0)
+    qt = torch.tensor(q, requires_grad=True)
+    out_t, weights_t = attention_with_weights(qt, torch.tensor(k), torch.tensor(v),
+                                              torch.tensor(keep),
+                                              **dict(kw, sinks=torch.tensor(sinks)))
+    assert out_t.requires_grad and not weights_t.requires_grad
+    assert torch.equal(weights_t, torch.from_numpy(weights))
