@@ -38,7 +38,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Limits the kernels keep raise RuntimeError: head dim E <= 512, value's head dim equal to
     E, Hq a multiple of Hkv (with ``enable_gqa``; equal head counts without it). ``dropout_p``
-    other than 0 is refused (no dropout in inference), and so is a mask with ``is_causal``
+    other than 0 is refused (pfa_numba has no dropout), and so is a mask with ``is_causal``
     (as torch does). ``softcap`` (None, or a finite number > 0): the scaled scores become
     ``softcap * tanh(score / softcap)`` before the mask. ``sinks`` (None, or Hq real numbers):
     each query head's sink logit joins its rows' softmax denominators.
@@ -178,7 +178,7 @@ def attention_problem(query, key, value, attn_mask, sinks, *, dropout_p, is_caus
 
 def _check_dropout(dropout_p):
     if dropout_p != 0.0:
-        raise RuntimeError(f"dropout_p must be 0.0 (pfa_numba computes inference attention), "
+        raise RuntimeError(f"dropout_p must be 0.0 (pfa_numba's attention has no dropout), "
                            f"got {dropout_p!r}")
 
 
@@ -215,12 +215,12 @@ def _mask(mask, q, k):
         if mask.dtype != q.dtype:
             raise TypeError(f"a float attn_mask must have the query's dtype "
                             f"({dtype_name(q.dtype)}), got {dtype_name(mask.dtype)}")
-        return full.reshape(-1, _heads(q), sq, skv), None
+        return full.reshape(math.prod(scores[:-3]), _heads(q), sq, skv), None
     if mask.ndim >= 3 and mask.shape[-3] != 1 and q.ndim >= 3:     # differs between heads
         bias = np.where(full, np.zeros((), q.dtype), np.array(-np.inf, q.dtype))
-        return bias.reshape(-1, _heads(q), sq, skv), None
+        return bias.reshape(math.prod(scores[:-3]), _heads(q), sq, skv), None
     one_head = np.broadcast_to(mask, scores[:-3] + (1, sq, skv) if q.ndim >= 3 else scores)
-    return None, ~one_head.reshape(-1, sq, skv)
+    return None, ~one_head.reshape(math.prod(scores[:-3]), sq, skv)
 
 
 def _mask_band(mask, sq, skv):

@@ -312,3 +312,46 @@ def test_one_pass_and_two_pass_plans_give_the_same_bits(monkeypatch):
                                            enable_gqa=True, softcap=4.0, sinks=inputs["sinks"])
         runs.append(torch.autograd.grad(out.square().sum(), list(inputs.values())))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_a_compiled_training_step_on_transposed_inputs():
+    """What every transformers model passes: q, k, v as transposed views. The inductor-compiled
+    backward checks the gradients' layout against the fake implementation's."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 30, 4 * 16, generator=g, requires_grad=True)
+    proj = torch.randn(4 * 16, 8 * 16, generator=g) * 0.1
+
+    def step(x):
+        q, kv = (x @ proj).split([4 * 16, 4 * 16], dim=-1)
+        q = q.view(2, 30, 4, 16).transpose(1, 2)
+        k, v = (t.reshape(2, 30, 2, 16).transpose(1, 2) for t in kv.split(32, dim=-1))
+        out = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.square().sum()
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    (want,) = torch.autograd.grad(step(x), [x])
+    (got,) = torch.autograd.grad(compiled(x), [x])
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("mask", ["none", "bool", "float"])
+def test_the_operators_pass_torchs_opcheck(mask):
+    """torch.library.opcheck: schema, fake implementations (shapes, dtypes, strides) and
+    autograd registration, on transposed inputs."""
+    import pfa_numba.interop.torch_ops  # noqa: F401  (registers the operators)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 9, 4, 16, generator=g).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(2, 11, 2, 16, generator=g).transpose(1, 2).requires_grad_()
+            for _ in range(2))
+    attn_mask = {"none": None, "bool": torch.rand(9, 11, generator=g) < 0.7,
+                 "float": torch.randn(1, 4, 9, 11, generator=g).requires_grad_()}[mask]
+    sinks = torch.zeros(4, requires_grad=True)
+    options = (None, False, True, 3.0)
+    torch.library.opcheck(torch.ops.pfa_numba.sdpa.default, (q, k, v, attn_mask, sinks, *options))
+    out, lse = torch.ops.pfa_numba.sdpa(q, k, v, attn_mask, sinks, *options)
+    dout = torch.randn(out.shape, generator=g)
+    data = [None if x is None else x.detach() for x in (q, k, v, attn_mask, sinks, out, lse)]
+    for want_dmask in {False, mask == "float"}:      # the backward has no backward of its own
+        torch.library.opcheck(torch.ops.pfa_numba.sdpa_backward.default,
+                              (dout, *data, *options, want_dmask),
+                              test_utils=("test_schema", "test_faketensor",
+                                          "test_aot_dispatch_static"))

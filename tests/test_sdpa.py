@@ -173,3 +173,17 @@ def test_attention_with_weights_gives_the_softmax_weights():
                                               **dict(kw, sinks=torch.tensor(sinks)))
     assert out_t.requires_grad and not weights_t.requires_grad
     assert torch.equal(weights_t, torch.from_numpy(weights))
+
+
+@pytest.mark.parametrize("lengths", [(0, 5), (3, 0), (0, 0)])
+@pytest.mark.parametrize("kind", ["float", "bool", "bool per head"])
+def test_empty_lengths_with_a_mask(lengths, kind):
+    """No query rows or no kv rows, with a mask of each kind: an empty result, or zeros (as
+    rows that keep nothing are)."""
+    sq, skv = lengths
+    q = torch.randn(2, 2, sq, 16)
+    k = v = torch.randn(2, 2, skv, 16)
+    mask = {"float": torch.randn(2, 1, sq, skv), "bool": torch.ones(1, 1, sq, skv, dtype=bool),
+            "bool per head": torch.ones(2, 2, sq, skv, dtype=bool)}[kind]
+    out = scaled_dot_product_attention(q, k, v, mask)
+    assert out.shape == (2, 2, sq, 16) and torch.all(out == 0)

@@ -194,3 +194,18 @@ def test_a_compiled_model_runs_on_it_without_graph_breaks(family):
     with torch.no_grad():
         got = compiled(input_ids=ids, attention_mask=mask).logits.float()[real]
     assert (got - want).abs().max() <= F32_TOL * want.abs().max()
+
+
+def test_output_attentions_under_torch_compile():
+    """The weights' slow pass runs outside the compiled graph (no crash, eager's weights)."""
+    model = _model("llama")
+    ids, mask = _batch("left")
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    model.set_attn_implementation(NAME)
+    compiled = torch.compile(model.forward, backend="aot_eager")
+    with torch.no_grad():
+        got = compiled(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    rows = mask.bool()[:, None, :, None].expand_as(want[0])
+    assert all((a - b)[rows].abs().max() <= F32_TOL for a, b in zip(got, want))

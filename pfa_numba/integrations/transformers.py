@@ -46,7 +46,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     attention_mask the bool mask of ``sdpa_mask`` or a float mask added to the scores, or None.
     Returns (output (batch, q, heads, head_dim), None), or with ``output_attentions`` (output,
     attention weights (batch, heads, q, kv)), the weights by a slow second pass
-    (:func:`pfa_numba.sdpa.attention_with_weights`). ``softcap`` (Gemma 2's attention logit
+    (:func:`pfa_numba.sdpa.attention_with_weights`; they carry no gradient, the output does). ``softcap`` (Gemma 2's attention logit
     softcapping) caps the scaled scores; ``s_aux`` (gpt-oss's attention sinks, a logit a head)
     joins the softmax denominators. A keyword outside :data:`NEUTRAL_KEYWORDS` that asks for
     something (not None or False: other sinks, ``position_bias``, ...), and a nonzero dropout,
@@ -58,7 +58,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     _refuse_unsupported(dropout, kwargs)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_length = query.shape[2]
-    attend = attention_with_weights if with_weights else scaled_dot_product_attention
+    # the weights' second pass is NumPy work outside the operator: torch.compile runs it eagerly
+    attend = torch.compiler.disable(attention_with_weights) if with_weights \
+        else scaled_dot_product_attention
     result = attend(
         query, key, value, attention_mask, scale=scaling,
         # a single query row attends to the whole cache; a mask already holds the band

@@ -61,21 +61,22 @@ def sdpa_backward(dout: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor]:
     """The gradients (dq, dk, dv, dmask, dsinks) of :func:`sdpa` given the output's gradient
-    ``dout``; where an argument is None, an empty tensor in its place."""
+    ``dout``, contiguous; an empty tensor in place of dmask unless ``want_dmask``, and of
+    dsinks without sinks."""
     arrays = _arrays(query, key, value, attn_mask, sinks, out, lse)
     state = (*arrays, _options(scale, is_causal, enable_gqa, softcap))
     dout = np.ascontiguousarray(as_numpy("dout", dout.detach().float()))
     dq, dk, dv, dbias, dsinks = _implementation("sdpa.backward")(state, dout, want_dmask)
     dmask = _sum_to_shape(dbias, attn_mask.shape) if want_dmask else None
-    return tuple(_gradient(g, like, query) for g, like in zip(
+    return tuple(query.new_empty(0) if g is None else _gradient(g, like) for g, like in zip(
         (dq, dk, dv, dmask, dsinks), (query, key, value, attn_mask, sinks)))
 
 
 @sdpa_backward.register_fake
 def _(dout, query, key, value, attn_mask, sinks, out, lse, scale, is_causal, enable_gqa,
       softcap, want_dmask):
-    return tuple(torch.empty_like(x) if x is not None else query.new_empty(0)
-                 for x in (query, key, value, attn_mask, sinks))
+    formed = (query, key, value, attn_mask if want_dmask else None, sinks)
+    return tuple(query.new_empty(0) if x is None else x.new_empty(x.shape) for x in formed)
 
 
 def _setup_context(ctx, inputs, output):
@@ -107,14 +108,9 @@ def _options(scale, is_causal, enable_gqa, softcap):
     return dict(scale=scale, is_causal=is_causal, enable_gqa=enable_gqa, softcap=softcap)
 
 
-def _gradient(g, like, query):
-    """A float32 gradient array as a tensor of ``like``'s dtype and shape; where none was
-    formed, an unset tensor like ``like`` (an empty one of the query's kind where ``like`` is
-    None): the shapes the fake implementation gives."""
-    if like is None:
-        return query.new_empty(0)
-    if g is None:
-        return torch.empty_like(like)
+def _gradient(g, like):
+    """A float32 gradient array as a contiguous tensor of ``like``'s dtype and shape (what the
+    fake implementation gives)."""
     return torch.from_numpy(np.ascontiguousarray(g, np.float32).reshape(like.shape)) \
         .to(like.dtype)
 
