@@ -46,9 +46,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     attention_mask the bool mask of ``sdpa_mask`` or a float mask added to the scores, or None.
     Returns (output (batch, q, heads, head_dim), None), or with ``output_attentions`` (output,
     attention weights (batch, heads, q, kv)), the weights by a slow second pass
-    (:func:`pfa_numba.sdpa.attention_with_weights`; they carry no gradient, the output does). ``softcap`` (Gemma 2's attention logit
-    softcapping) caps the scaled scores; ``s_aux`` (gpt-oss's attention sinks, a logit a head)
-    joins the softmax denominators. A keyword outside :data:`NEUTRAL_KEYWORDS` that asks for
+    (:func:`pfa_numba.sdpa.attention_with_weights`; they carry no gradient, the output does).
+    ``softcap`` (Gemma 2's attention logit softcapping) caps the scaled scores; ``s_aux``
+    (gpt-oss's attention sinks, a logit a head) joins the softmax denominators. A keyword outside :data:`NEUTRAL_KEYWORDS` that asks for
     something (not None or False: other sinks, ``position_bias``, ...), and a nonzero dropout,
     are refused with a ValueError naming them: the result would otherwise be computed without
     them."""
