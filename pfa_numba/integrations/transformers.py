@@ -48,10 +48,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     attention weights (batch, heads, q, kv)), the weights by a slow second pass
     (:func:`pfa_numba.sdpa.attention_with_weights`; they carry no gradient, the output does).
     ``softcap`` (Gemma 2's attention logit softcapping) caps the scaled scores; ``s_aux``
-    (gpt-oss's attention sinks, a logit a head) joins the softmax denominators. A keyword outside :data:`NEUTRAL_KEYWORDS` that asks for
-    something (not None or False: other sinks, ``position_bias``, ...), and a nonzero dropout,
-    are refused with a ValueError naming them: the result would otherwise be computed without
-    them."""
+    (gpt-oss's attention sinks, a logit a head) joins the softmax denominators. A keyword
+    outside :data:`NEUTRAL_KEYWORDS` that asks for something (not None or False: other sinks,
+    ``position_bias``, ...), and a nonzero dropout, are refused with a ValueError naming them:
+    the result would otherwise be computed without them."""
     softcap = kwargs.pop("softcap", None)
     sinks = kwargs.pop("s_aux", None)
     with_weights = bool(kwargs.pop("output_attentions", False))
