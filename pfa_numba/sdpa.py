@@ -25,7 +25,7 @@ import numpy as np
 from .interop import torch_tensors
 from .frontend import checks
 from .frontend import pfa as PV
-from .numerics.dtypes import dtype_name
+from .numerics.dtypes import dtype_name, is_bf16
 from . import dispatch
 from .frontend.problem import plan
 
@@ -143,6 +143,9 @@ def attention_problem(query, key, value, attn_mask, sinks, *, dropout_p, is_caus
         if x.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dimensions (..., L, E), got shape "
                              f"{checks.shape_str(x.shape)}")
+        if x.dtype.kind != "f" and not is_bf16(x.dtype):
+            raise TypeError(f"{name} must be float32, float16 or bfloat16 (the SDPA drop-in "
+                            f"has no quantized inputs), got {dtype_name(x.dtype)}")
     softcap = _softcap(softcap)
     _check_dropout(dropout_p)
     if is_causal and mask is not None:
@@ -157,7 +160,10 @@ def attention_problem(query, key, value, attn_mask, sinks, *, dropout_p, is_caus
     if hq != hkv and not enable_gqa:
         raise RuntimeError(f"query has {hq} heads and key {hkv}: pass enable_gqa=True for "
                            f"grouped-query attention")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if scale is not None:
+        scale = checks.check_scale_value(scale, "scale")
+    else:                                   # head dim 0 is refused by the checks below
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
     pse = discard = band = None
     if mask is not None:
         mask = checks.check_array("attn_mask", mask)

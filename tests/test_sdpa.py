@@ -83,13 +83,23 @@ def test_numpy_in_numpy_out_matches_the_reference():
     (dict(kv_heads=2), RuntimeError, "enable_gqa=True"),
     (dict(attn_mask="float64"), TypeError, "float attn_mask must have the query's dtype"),
     (dict(attn_mask="wrong shape"), RuntimeError, "does not broadcast"),
+    (dict(scale="0.5"), TypeError, "scale must be a real number"),
+    (dict(scale=float("inf")), ValueError, "scale must be finite"),
+    (dict(head_dim=0), RuntimeError, "D"),
+    (dict(dtype=torch.int8), TypeError, "query must be float32, float16 or bfloat16"),
 ])
-def test_refusals(bad, error, match):
-    q = torch.randn(1, 4, 8, 32)
-    k = torch.randn(1, bad.pop("kv_heads", 4), 8, 32)
-    v = torch.randn(1, k.shape[1], 8, bad.pop("value_dim", 32))
+@pytest.mark.parametrize("kind", ["tensor", "ndarray"])
+def test_refusals(bad, error, match, kind):
+    bad = dict(bad)                   # the parameter's dict serves both kinds
+    e = bad.pop("head_dim", 32)
+    q = torch.randn(1, 4, 8, e).to(bad.pop("dtype", torch.float32))
+    k = torch.randn(1, bad.pop("kv_heads", 4), 8, e).to(q.dtype)
+    v = torch.randn(1, k.shape[1], 8, bad.pop("value_dim", e)).to(q.dtype)
     mask = {"mask": torch.ones(8, 8, dtype=torch.bool), "float64": torch.zeros(8, 8).double(),
             "wrong shape": torch.ones(3, 8, 8, dtype=torch.bool)}.get(bad.pop("attn_mask", None))
+    if kind == "ndarray":
+        q, k, v = (x.numpy() for x in (q, k, v))
+        mask = None if mask is None else mask.numpy()
     with pytest.raises(error, match=match):
         scaled_dot_product_attention(q, k, v, mask, **bad)
 
