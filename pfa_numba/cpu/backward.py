@@ -130,13 +130,20 @@ def _query_tile(item, dims):
 
 
 @njit(**LEAF)
+def _row_products(blas, rows, cols, dims, tile, dst):
+    """dst (the tile, row-major, TILE_K apart) = the tile's query rows of ``rows`` (Q or dO)
+    times its kv rows of ``cols`` (K or V), transposed."""
+    q_off, k_off = _offsets(dims, tile)
+    D = dims[5]
+    gemm_rm(blas, tile[3], tile[5], D, rows, q_off, D, True, cols, k_off, D, dst, 0, TILE_K,
+            F32_ZERO)
+
+
+@njit(**LEAF)
 def _probabilities(blas, bufs, qkv, dims, tile, p, lse):
     """The tile's P into bufs[0] and its slopes into bufs[1] (:func:`_tile_weights`)."""
     b, h, i0, nq, j0, nk = tile
-    q_off, k_off = _offsets(dims, tile)
-    D = dims[5]
-    gemm_rm(blas, nq, nk, D, qkv[0], q_off, D, True, qkv[1], k_off, D, bufs[0], 0, TILE_K,
-            F32_ZERO)
+    _row_products(blas, qkv[0], qkv[1], dims, tile, bufs[0])
     _tile_weights(bufs[0], bufs[1], nq, nk, i0, j0, b, h, p, lse)
 
 
@@ -145,10 +152,7 @@ def _score_gradients(blas, bufs, qkv, dims, tile, grads, want_dbias):
     """After :func:`_probabilities`: the gradient of the tile's Q K^T products into bufs[2]
     (:func:`_tile_score_gradients`)."""
     b, h, i0, nq, j0, nk = tile
-    q_off, k_off = _offsets(dims, tile)
-    D = dims[5]
-    gemm_rm(blas, nq, nk, D, qkv[3], q_off, D, True, qkv[2], k_off, D, bufs[2], 0, TILE_K,
-            F32_ZERO)
+    _row_products(blas, qkv[3], qkv[2], dims, tile, bufs[2])
     _tile_score_gradients(bufs[0], bufs[1], bufs[2], nq, nk, i0, j0, b, h, grads, want_dbias)
 
 
@@ -172,7 +176,7 @@ def _kv_pass(qkv, dims, p, lse, grads, address, dk, dv, dq, want_dbias):
 def _kv_tile(qkv, dims, p, lse, grads, blas, bufs, dk, dv, dq, want_dbias, b, hk, j0):
     """dK and dV rows of kv tile j0.. of kv head hk in batch b, from every query tile of its
     group's heads (adding into dQ where ``dq`` is not empty)."""
-    q, k, v, do = qkv
+    q, do = qkv[0], qkv[3]
     B, N, Nkv, Sq, Skv, D = dims
     G = N // Nkv
     nk = min(TILE_K, Skv - j0)
@@ -191,8 +195,7 @@ def _kv_tile(qkv, dims, p, lse, grads, blas, bufs, dk, dv, dq, want_dbias, b, hk
             _transpose(tr, bufs[2], nq, nk)
             gemm_rm(blas, nk, D, nq, tr, 0, TILE_Q, False, q, q_off, D, dk, k_off, D, F32_ONE)
             if dq.size:
-                gemm_rm(blas, nq, D, nk, bufs[2], 0, TILE_K, False, k, k_off, D, dq, q_off, D,
-                        F32_ONE)
+                _add_query_gradient(blas, bufs, qkv, dims, tile, dq)
 
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
@@ -203,17 +206,13 @@ def _query_pass(qkv, dims, p, lse, grads, address, dq):
         b, h, i0, nq = _query_tile(item, dims)
         blas = scratch(address)
         bufs = _tile_buffers(3)
-        dq_rows = np.zeros(nq * D, np.float32)
         for j0 in range(0, Skv, TILE_K):
             tile = (b, h, i0, nq, j0, min(TILE_K, Skv - j0))
             if not _in_band(p[2], tile):
                 continue
             _probabilities(blas, bufs, qkv, dims, tile, p, lse)
             _score_gradients(blas, bufs, qkv, dims, tile, grads, False)
-            k_off = _offsets(dims, tile)[1]
-            gemm_rm(blas, nq, D, tile[5], bufs[2], 0, TILE_K, False, qkv[1], k_off, D, dq_rows,
-                    0, D, F32_ONE)
-        _store_rows(dq, dq_rows, _offsets(dims, (b, h, i0, nq, 0, 0))[0], nq * D)
+            _add_query_gradient(blas, bufs, qkv, dims, tile, dq)
 
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
@@ -236,10 +235,13 @@ def _weights_pass(qkv, dims, p, lse, address, weights):
 
 
 @njit(**LEAF)
-def _store_rows(dst, rows, off, n):
-    """dst's flat elements [off, off + n) = rows[:n]."""
-    for x in range(n):
-        dst[off + x] = rows[x]
+def _add_query_gradient(blas, bufs, qkv, dims, tile, dq):
+    """dQ of the tile's query rows += its Q K^T products' gradient (bufs[2]) times its K rows
+    (``dq`` flat, zeros before the first tile)."""
+    q_off, k_off = _offsets(dims, tile)
+    D = dims[5]
+    gemm_rm(blas, tile[3], D, tile[5], bufs[2], 0, TILE_K, False, qkv[1], k_off, D, dq, q_off,
+            D, F32_ONE)
 
 
 def _float32(x):
