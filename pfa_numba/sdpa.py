@@ -48,21 +48,27 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     tensor argument (query, key, value, a float attn_mask, sinks) requires grad in grad mode the
     result carries its autograd node, whose backward is the CPU kernels'
     (:mod:`pfa_numba.cpu.backward`)."""
-    args = (query, key, value, attn_mask, sinks)
+    options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                   enable_gqa=enable_gqa, softcap=softcap)
+    return _attend((query, key, value, attn_mask, sinks), options, want_lse=False)[0]
+
+
+def _attend(args, options, want_lse):
+    """(result, softmax_lse) of a call: torch tensors through the operator (which gives the
+    lse too), NumPy arrays on the kernels (the lse where ``want_lse``, else None)."""
+    query, key, value, attn_mask, sinks = args
     if all(torch_tensors.is_tensor(x) for x in (query, key, value)) and \
             all(x is None or torch_tensors.is_tensor(x) for x in (attn_mask, sinks)):
-        return _through_operator(args, dropout_p, is_causal, scale, enable_gqa, softcap)
+        return _through_operator(args, **options)
     if any(torch_tensors.requires_grad(x) for x in args):
         raise TypeError("a call with tensors that require grad takes query, key and value (and "
                         "attn_mask and sinks where given) as torch tensors, got "
                         + ", ".join(f"{n} {type(x).__name__}" for n, x in zip(ARGUMENTS, args)
                                     if x is not None))
-    options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                   enable_gqa=enable_gqa, softcap=softcap)
-    problem = attention_problem(*args, **options)
-    out, _ = dispatch.choose(problem, "cpu").run(problem)
+    problem = attention_problem(*args, **options, want_lse=want_lse)
+    out, lse = dispatch.choose(problem, "cpu").run(problem)
     out = out.reshape(np.shape(query))
-    return torch_tensors.as_tensor(out) if torch_tensors.is_tensor(query) else out
+    return (torch_tensors.as_tensor(out) if torch_tensors.is_tensor(query) else out), lse
 
 
 #: the tensor arguments, in order
@@ -70,9 +76,9 @@ ARGUMENTS = ("query", "key", "value", "attn_mask", "sinks")
 
 
 def _through_operator(args, dropout_p, is_causal, scale, enable_gqa, softcap):
-    """The call on torch tensors, as ``torch.ops.pfa_numba.sdpa``: the arguments that are not
-    tensors are checked here (the operator's schema takes plain floats and bools), the
-    tensors inside it, where they are read."""
+    """The call on torch tensors, as ``torch.ops.pfa_numba.sdpa``: (result, softmax_lse). The
+    arguments that are not tensors are checked here (the operator's schema takes plain floats
+    and bools), the tensors inside it, where they are read."""
     for name, x in zip(ARGUMENTS, args):
         if x is not None and x.device.type != "cpu":
             raise NotImplementedError(
@@ -83,8 +89,7 @@ def _through_operator(args, dropout_p, is_causal, scale, enable_gqa, softcap):
     scale = None if scale is None else checks.check_scale_value(scale, "scale")
     softcap = _softcap(softcap) or None
     from .interop import torch_ops          # registers the operator (imports torch)
-    out, _ = torch_ops.sdpa(*args, scale, bool(is_causal), bool(enable_gqa), softcap)
-    return out
+    return torch_ops.sdpa(*args, scale, bool(is_causal), bool(enable_gqa), softcap)
 
 
 def _operator_forward(query, key, value, attn_mask, sinks, options):
@@ -120,11 +125,11 @@ def attention_with_weights(query, key, value, attn_mask=None, dropout_p=0.0, is_
     attention_weights`), as large as the score matrix, and they carry no gradient."""
     options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                    enable_gqa=enable_gqa, softcap=softcap)
-    out = scaled_dot_product_attention(query, key, value, attn_mask, sinks=sinks, **options)
-    data = [x.detach() if torch_tensors.is_tensor(x) else x
-            for x in (query, key, value, attn_mask, sinks)]
-    problem = attention_problem(*data, **options, want_lse=True)
-    _, lse = dispatch.choose(problem, "cpu").run(problem)
+    args = (query, key, value, attn_mask, sinks)
+    out, lse = _attend(args, options, want_lse=True)
+    data = [x.detach() if torch_tensors.is_tensor(x) else x for x in (*args, lse)]
+    problem = attention_problem(*data[:5], **options)         # the weights' geometry
+    lse = data[5].numpy() if torch_tensors.is_tensor(data[5]) else data[5]
     from .cpu.backward import attention_weights       # the CPU kernels, as a call needs them
     weights = attention_weights(problem, lse).astype(problem.dtype)
     weights = weights.reshape(np.shape(query)[:-1] + np.shape(key)[-2:-1])
