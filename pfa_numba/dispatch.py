@@ -27,6 +27,9 @@ CACHE_FORMS = {"paged": "a paged kv cache", "prefix": "a shared prefix",
                "int8": "an int8 kv cache"}
 #: the CUDA feature the mma.bf16 and cp.async instructions need
 SM80 = "compute capability 8.0"
+#: the score terms the SDPA drop-in adds to the operators' (extensions, in a problem's
+#: ``softcap`` and ``sinks``)
+EXTENSIONS = {"softcap": "softcapped scores", "sinks": "attention sinks"}
 
 
 def cache_forms(problem):
@@ -37,6 +40,12 @@ def cache_forms(problem):
     present = {"paged": c.block_table is not None, "prefix": c.P > 0,
                "int8": c.antiquant is not None}
     return tuple(form for form in CACHE_FORMS if present[form])
+
+
+def extensions(problem):
+    """The :data:`EXTENSIONS` planned problem ``problem`` takes."""
+    present = {"softcap": problem.softcap != 0, "sinks": problem.sinks is not None}
+    return tuple(x for x in EXTENSIONS if present[x])
 
 
 def _from(module, function):
@@ -59,6 +68,7 @@ class Kernel:
     layouts: tuple = checks.LAYOUTS
     caches: tuple = tuple(CACHE_FORMS)
     features: tuple = ()                      # of the machine (Target.features)
+    extensions: tuple = tuple(EXTENSIONS)     # of the SDPA drop-in's score terms it computes
     switch: str = ""                          # the config attribute that turns it off
     conditions: Optional[Callable] = None     # (problem, situation) -> [reasons]
 
@@ -81,6 +91,8 @@ class Kernel:
             reasons.append(f"layout {problem.layout} (it takes {', '.join(self.layouts)})")
         reasons += [f"{CACHE_FORMS[form]} (it reads contiguous key / value)"
                     for form in cache_forms(problem) if form not in self.caches]
+        reasons += [f"{EXTENSIONS[x]} (it does not compute them)"
+                    for x in extensions(problem) if x not in self.extensions]
         if not reasons and self.conditions is not None:
             reasons += self.conditions(problem, situation)
         return reasons
@@ -89,7 +101,7 @@ class Kernel:
 #: every kernel, each device's in its order of preference
 KERNELS = (
     Kernel("int8", "cpu", "int8 query, key and value: int8 products on BLAS, the softmax "
-           "quantized against its row max", dtypes=("int8",), caches=()),
+           "quantized against its row max", dtypes=("int8",), caches=(), extensions=()),
     Kernel("split-kv", "cpu", "the float32 tiles over pieces of the kv range, run side by side "
            "and merged by the online-softmax rule: calls with fewer rows than threads",
            dtypes=FLOATS, conditions=_from(".cpu.driver", "split_kv_reasons")),
@@ -104,11 +116,11 @@ KERNELS = (
     Kernel("decode", "cuda", "split-kv decode on tensor cores: one block a kv head's G x Sq "
            "<= 16 rows, its kv range split across the multiprocessors", dtypes=HALVES,
            head_dims=CUDA_MMA_HEAD_DIMS, layouts=tuple(x for x in checks.LAYOUTS if x != "TND"),
-           features=(SM80,), switch="CUDA_TENSOR_CORES",
+           features=(SM80,), switch="CUDA_TENSOR_CORES", extensions=(),
            conditions=_from(".gpu.launch", "decode_reasons")),
     Kernel("tensor-core", "cuda", "mma.sync m16n8k16 tiles of 64 query rows x 64 keys, K / V "
            "through a cp.async pipeline", dtypes=HALVES, head_dims=CUDA_MMA_HEAD_DIMS,
-           features=(SM80,), switch="CUDA_TENSOR_CORES",
+           features=(SM80,), switch="CUDA_TENSOR_CORES", extensions=(),
            conditions=_from(".gpu.launch", "tensor_core_reasons")),
     Kernel("portable", "cuda", "one thread a query row, every dtype and feature"),
 )

@@ -23,7 +23,7 @@ from .cpu.split_kv import merge_rows
 from .frontend import checks
 from .frontend.checks import sink_logits
 from .interop import torch_tensors
-from .numerics.core import F32_NEG_INF, F32_ONE, row_total
+from .numerics.core import F32_NEG_INF, F32_ONE, row_total, sink_of
 from .numerics.dtypes import dtype_name
 
 
@@ -48,7 +48,7 @@ def _merge(outs, lses, sinks, heads):
     for r in range(R):
         lse[r] = F32_NEG_INF
         if state.m[r] != F32_NEG_INF:
-            total, lse[r] = row_total(state.m[r], state.l[r], sinks, heads[r], 0)
+            total, lse[r] = row_total(state.m[r], state.l[r], sink_of(sinks, heads[r]), 0)
             out[r] = acc[r * D:(r + 1) * D] / total
     return out, lse
 

@@ -32,7 +32,7 @@ from .frontend.problem import plan
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, *, scale=None, enable_gqa=False,
-                                 softcap=None, sinks=None):
+                                 softcap=None, sinks=None, device=None):
     """torch.nn.functional.scaled_dot_product_attention on NumPy arrays or torch CPU tensors,
     returning the query's kind and dtype (float32, float16, bfloat16).
 
@@ -41,7 +41,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     other than 0 is refused (pfa_numba has no dropout), and so is a mask with ``is_causal``
     (as torch does). ``softcap`` (None, or a finite number > 0): the scaled scores become
     ``softcap * tanh(score / softcap)`` before the mask. ``sinks`` (None, or Hq real numbers):
-    each query head's sink logit joins its rows' softmax denominators.
+    each query head's sink logit joins its rows' softmax denominators. ``device`` (an extension,
+    as prompt_flash_attention's: None or 'cpu', or 'cuda'): where NumPy arrays are computed
+    ('cuda': copied to the GPU and back, on the portable CUDA kernel where softcap or sinks are
+    given); torch tensors run on the CPU.
 
     torch tensors run through the operator ``torch.ops.pfa_numba.sdpa``
     (:mod:`pfa_numba.interop.torch_ops`): ``torch.compile`` traces through it, and where a
@@ -50,15 +53,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     (:mod:`pfa_numba.cpu.backward`)."""
     options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                    enable_gqa=enable_gqa, softcap=softcap)
-    return _attend((query, key, value, attn_mask, sinks), options, want_lse=False)[0]
+    return _attend((query, key, value, attn_mask, sinks), options, want_lse=False,
+                   device=checks.check_device(device) or "cpu")[0]
 
 
-def _attend(args, options, want_lse):
+def _attend(args, options, want_lse, device="cpu"):
     """(result, softmax_lse) of a call: torch tensors through the operator (which gives the
-    lse too), NumPy arrays on the kernels (the lse where ``want_lse``, else None)."""
+    lse too), NumPy arrays on ``device``'s kernels (the lse where ``want_lse``, else None)."""
     query, key, value, attn_mask, sinks = args
     if all(torch_tensors.is_tensor(x) for x in (query, key, value)) and \
             all(x is None or torch_tensors.is_tensor(x) for x in (attn_mask, sinks)):
+        if device != "cpu":
+            raise NotImplementedError(f"device={device!r} takes NumPy arrays: torch tensors run "
+                                      f"on the CPU, where they live")
         return _through_operator(args, **options)
     if any(torch_tensors.requires_grad(x) for x in args):
         raise TypeError("a call with tensors that require grad takes query, key and value (and "
@@ -66,7 +73,7 @@ def _attend(args, options, want_lse):
                         + ", ".join(f"{n} {type(x).__name__}" for n, x in zip(ARGUMENTS, args)
                                     if x is not None))
     problem = attention_problem(*args, **options, want_lse=want_lse)
-    out, lse = dispatch.choose(problem, "cpu").run(problem)
+    out, lse = dispatch.choose(problem, device).run(problem)
     out = out.reshape(np.shape(query))
     return (torch_tensors.as_tensor(out) if torch_tensors.is_tensor(query) else out), lse
 

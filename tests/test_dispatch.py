@@ -90,16 +90,18 @@ def test_switches_and_features_rule_kernels_out(monkeypatch):
 def test_a_declaration_rules_out_what_it_does_not_take():
     kernel = dispatch.Kernel("narrow", "cpu", "a test kernel", dtypes=("float16",),
                              head_dims=(64,), layouts=("BNSD",), caches=("paged",),
-                             features=("AMX",), switch="CPU_AMX")
+                             features=("AMX",), switch="CPU_AMX", extensions=("sinks",))
 
     class P:                       # what a declaration reads of a planned problem
         dtype, D, layout = np.dtype(np.float32), 96, "TND"
         cache = type("C", (), dict(block_table=None, P=3, antiquant=(1, 1)))()
+        softcap, sinks = 30.0, np.zeros(2, np.float32)
     reasons = kernel.not_supported_reasons(P, None, features=set())
     assert reasons == ["needs AMX, which this machine lacks", "float32 inputs (it takes float16)",
                        "head dim 96 (it takes 64)", "layout TND (it takes BNSD)",
                        "a shared prefix (it reads contiguous key / value)",
-                       "an int8 kv cache (it reads contiguous key / value)"]
+                       "an int8 kv cache (it reads contiguous key / value)",
+                       "softcapped scores (it does not compute them)"]
 
 
 def _as_if_the_machine_had_amx(monkeypatch):

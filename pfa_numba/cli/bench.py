@@ -6,6 +6,7 @@ counted), peak extra memory (RSS sampled during the call). Results go to a markd
 PNG plot. ``python -m pfa_numba bench`` runs it; ``benchmarks/run.py`` is the same entry point.
 """
 import dataclasses
+import functools
 import os
 import platform
 import subprocess
@@ -216,6 +217,28 @@ class PeakRSS:
         return (self.peak - self.base) / 2 ** 20
 
 
+def interleaved_times(calls, repeats, untimed_rounds=1, before=None):
+    """{name: [seconds of each timed call]} of the zero-argument ``calls``, {name: call}, run
+    in turn: ``untimed_rounds`` rounds first, then ``repeats`` timed ones (interleaved, so that
+    a machine whose speed drifts moves them alike); ``before(call)``, where given, runs untimed
+    before each call."""
+    times = {name: [] for name in calls}
+    for r in range(untimed_rounds + repeats):
+        for name, call in calls.items():
+            if before is not None:
+                before(call)
+            t0 = time.perf_counter()
+            call()
+            if r >= untimed_rounds:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _quiet_then_warm(call):
+    time.sleep(QUIET_S)
+    call()
+
+
 def sgemm_peak(repeats=7, n=2048):
     """float32 GEMM throughput of this machine (NumPy's BLAS, all threads), TFLOP/s: the best
     of ``repeats`` (a peak; this machine's speed drifts over minutes, see docs/tuning.md)."""
@@ -260,14 +283,7 @@ def run(cases, repeats=5, progress=True, gemm_n=2048):
             with PeakRSS() as pr:   # a warm call: loading compiled kernels is not counted
                 f()
             mem[name] = pr.extra_mib
-        times = {name: [] for name in impls}
-        for _ in range(repeats):              # interleaved repeats
-            for name, f in impls.items():
-                time.sleep(QUIET_S)
-                f()
-                t0 = time.perf_counter()
-                f()
-                times[name].append(time.perf_counter() - t0)
+        times = interleaved_times(impls, repeats, untimed_rounds=0, before=_quiet_then_warm)
         med = {name: float(np.median(t)) for name, t in times.items()}
         # ratio to pfa_numba: median over the repeats of (time / pfa_numba time in the same
         # repeat), so a machine that speeds up or slows down between repeats shifts both
@@ -326,13 +342,10 @@ def first_call(repeats=5):
         programs = {"pfa_numba": FIRST_CALL_PFA,
                     "numba": FIRST_CALL_NUMBA.format(folder=folder)}
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-        times = {name: [] for name in programs}
-        for i in range(repeats + 1):
-            for name, code in programs.items():
-                t0 = time.perf_counter()
-                subprocess.run([sys.executable, "-c", code], check=True, env=env)
-                if i:
-                    times[name].append(time.perf_counter() - t0)
+        runs = {name: functools.partial(subprocess.run, [sys.executable, "-c", code],
+                                        check=True, env=env)
+                for name, code in programs.items()}
+        times = interleaved_times(runs, repeats)
     return times["pfa_numba"], times["numba"]
 
 

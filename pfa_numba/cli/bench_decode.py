@@ -36,7 +36,7 @@ import numpy as np
 from numba import njit, prange
 
 from .. import FiaPlan, config, fused_infer_attention_score
-from .bench import environment
+from .bench import environment, interleaved_times
 from ..cpu.driver import parallel_region
 
 N, NKV, D, BLOCK = 32, 8, 128, 128
@@ -189,13 +189,7 @@ def run_prefill(cases, dtypes, repeats):
             bnsd, bsh, table = _case(1, S, dtype, rng, sq)
             calls = _called(_layouts(bnsd, bsh, table, actual_seq_lengths=[sq],
                                      next_tokens=S - sq))
-            times = {name: [] for name in calls}
-            for r in range(repeats + 1):
-                for name, call in calls.items():
-                    t0 = time.perf_counter()
-                    call()
-                    if r:
-                        times[name].append(time.perf_counter() - t0)
+            times = interleaved_times(calls, repeats)
             rows.append((np.dtype(dtype).name, sq, S,
                          {name: statistics.median(t) for name, t in times.items()}))
     return rows

@@ -90,18 +90,6 @@ def _tile_release(typingctx):
     return types.none(), codegen
 
 
-@intrinsic
-def _tile_zero(typingctx, tile):
-    if not _literals(tile):
-        return None
-
-    def codegen(context, builder, sig, args):
-        builder.call(_declare(builder, "llvm.x86.tilezero", [_I8]),
-                     [ir.Constant(_I8, sig.args[0].literal_value)])
-        return context.get_dummy_value()
-    return types.none(tile), codegen
-
-
 def _memory_op(name):
     @intrinsic
     def op(typingctx, tile, arr, idx, stride_bytes):
@@ -119,7 +107,45 @@ def _memory_op(name):
 
 
 _tile_load = _memory_op("llvm.x86.tileloadd64")
-_tile_store = _memory_op("llvm.x86.tilestored64")
+
+#: C tiles 0-3 as the 32 x 32 float32 block they hold: (tile, rows down, columns right)
+_C_TILES = ((0, 0, 0), (1, 0, 16), (2, 16, 0), (3, 16, 16))
+
+
+def _c_block_op(name):
+    """An intrinsic ``(c, c0, ldc)``: the tile memory operation ``name`` on C tiles 0-3 and the
+    32 x 32 float32 block of the row-major array c (ldc elements a row) from element c0."""
+    @intrinsic
+    def op(typingctx, arr, c0, ldc):
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            c0_, ldc_ = (context.cast(builder, x, t, types.int64)
+                         for x, t in zip(args[1:], sig.args[1:]))
+            fn = _declare(builder, name, [_I8, _VOIDP, _I64])
+            for tile, down, right in _C_TILES:
+                idx = builder.add(builder.add(c0_, builder.mul(ldc_, ir.Constant(_I64, down))),
+                                  ir.Constant(_I64, right))
+                ptr = builder.bitcast(builder.gep(ary.data, [idx]), _VOIDP)
+                builder.call(fn, [ir.Constant(_I8, tile), ptr,
+                                  builder.mul(ldc_, ir.Constant(_I64, 4))])
+            return context.get_dummy_value()
+        return types.none(arr, c0, ldc), codegen
+    return op
+
+
+_load_c = _c_block_op("llvm.x86.tileloadd64")
+_store_c = _c_block_op("llvm.x86.tilestored64")
+
+
+@intrinsic
+def _zero_c(typingctx):
+    """C tiles 0-3 = 0."""
+    def codegen(context, builder, sig, args):
+        fn = _declare(builder, "llvm.x86.tilezero", [_I8])
+        for tile, _, _ in _C_TILES:
+            builder.call(fn, [ir.Constant(_I8, tile)])
+        return context.get_dummy_value()
+    return types.none(), codegen
 
 
 @intrinsic
@@ -177,20 +203,13 @@ def gemm_bf16(cfg, a, a2_off, lda, b, b2_off, ldb, c, ldc, m, n, k, accumulate):
     _tile_config(cfg)
     lda_b = lda * 2
     ldb_b = ldb * 2
-    ldc_b = ldc * 4
     for i in range(0, m, BLOCK):
         for j in range(0, n, BLOCK):
             c0 = i * ldc + j
             if accumulate:
-                _tile_load(0, c, c0, ldc_b)
-                _tile_load(1, c, c0 + 16, ldc_b)
-                _tile_load(2, c, c0 + 16 * ldc, ldc_b)
-                _tile_load(3, c, c0 + 16 * ldc + 16, ldc_b)
+                _load_c(c, c0, ldc)
             else:
-                _tile_zero(0)
-                _tile_zero(1)
-                _tile_zero(2)
-                _tile_zero(3)
+                _zero_c()
             for kk in range(0, k, BLOCK):
                 b0 = (kk // 2) * ldb + 2 * j
                 _tile_load(6, b, b0, ldb_b)
@@ -202,10 +221,7 @@ def gemm_bf16(cfg, a, a2_off, lda, b, b2_off, ldb, c, ldc, m, n, k, accumulate):
                     _tile_load(6, b, b2_off + b0, ldb_b)
                     _tile_load(7, b, b2_off + b0 + 32, ldb_b)
                     _dots()
-            _tile_store(0, c, c0, ldc_b)
-            _tile_store(1, c, c0 + 16, ldc_b)
-            _tile_store(2, c, c0 + 16 * ldc, ldc_b)
-            _tile_store(3, c, c0 + 16 * ldc + 16, ldc_b)
+            _store_c(c, c0, ldc)
     _tile_release()
 
 

@@ -21,6 +21,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from ..numerics.core import float32_intrinsic
+
 _ATTRIBUTES = ('"prefer-vector-width"="512"', '"min-legal-vector-width"="512"')
 
 
@@ -167,16 +169,10 @@ def host_is_zen():
 def _rounding_to_16_bits(narrow, doc):
     """Intrinsic float32 -> the 16 bits of LLVM type ``narrow`` by fptrunc (round to nearest
     even), which LLVM vectorises to the CPU's conversion instruction."""
-    @intrinsic
-    def convert(typingctx, x):
-        if x != types.float32:
-            return None
-
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(builder.fptrunc(args[0], narrow), ir.IntType(16))
-        return types.uint16(x), codegen
+    def convert(builder, x):
+        return builder.bitcast(builder.fptrunc(x, narrow), ir.IntType(16))
     convert.__doc__ = doc
-    return convert
+    return float32_intrinsic(convert, types.uint16)
 
 
 bf16_bits_hw = _rounding_to_16_bits(_BFloat(), """float32 -> bfloat16 bits (round to nearest

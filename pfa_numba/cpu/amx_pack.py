@@ -53,34 +53,35 @@ def amx_pack_rows(dst, lo, ld, src, base, row_stride, sd, n_rows, D, Dp, code):
     key, ex = NOTHING_SCANNED
     for r in range(n_rows):
         drow = dst[r * ld:r * ld + Dp]
+        lrow = dst[lo + r * ld:lo + r * ld + Dp]
         off = base + r * row_stride
-        if code == CODE_F16:
-            lrow = dst[lo + r * ld:lo + r * ld + Dp]
-            if sd == 1:
-                seg = src[off:off + D]
-                for d in range(D):
-                    u = seg[d]
-                    ex = max(ex, _f16_exp(u))
-                    drow[d], lrow[d] = _split_f16(u)
-            else:
-                for d in range(D):
-                    u = src[off + d * sd]
-                    ex = max(ex, _f16_exp(u))
-                    drow[d], lrow[d] = _split_f16(u)
-            lrow[D:] = 0
-        elif sd == 1:
-            seg = src[off:off + D]
-            for d in range(D):
-                u = seg[d]
-                drow[d] = u
-                key = min(key, _subnormal_key(u))
+        if sd == 1:        # a contiguous row: its own specialisation, which vectorises
+            row_key, row_ex = _pack_row(drow, lrow, src[off:off + D], D, code)
         else:
-            for d in range(D):
-                u = src[off + d * sd]
-                drow[d] = u
-                key = min(key, _subnormal_key(u))
-        drow[D:] = 0
+            row_key, row_ex = _pack_row(drow, lrow, src[off:off + D * sd:sd], D, code)
+        key, ex = min(key, row_key), max(ex, row_ex)
     return key >= SUBNORMAL_LIMIT and ex != F16_EXP
+
+
+@njit(**LEAF)
+def _pack_row(drow, lrow, row, D, code):
+    """drow[:D] = row[:D] as bf16 bits, or for float16 their bf16 hi parts, with the lo parts
+    in lrow; columns D.. of each part zero. Returns (smallest subnormal key, largest float16
+    exponent field) as :func:`bf16_scan` does."""
+    key, ex = NOTHING_SCANNED
+    if code == CODE_F16:
+        for d in range(D):
+            u = row[d]
+            ex = max(ex, _f16_exp(u))
+            drow[d], lrow[d] = _split_f16(u)
+        lrow[D:] = 0
+    else:
+        for d in range(D):
+            u = row[d]
+            drow[d] = u
+            key = min(key, _subnormal_key(u))
+    drow[D:] = 0
+    return key, ex
 
 
 @njit(**LEAF)

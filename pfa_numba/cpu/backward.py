@@ -34,6 +34,8 @@ from .driver import parallel_region
 #: query rows and kv columns of one tile
 TILE_Q = 64
 TILE_K = 64
+#: the weights argument of a query pass that computes dQ
+_NO_WEIGHTS = np.zeros((0, 0, 0, 0), np.float32)
 
 
 @njit(**LEAF)
@@ -199,8 +201,10 @@ def _kv_tile(qkv, dims, p, lse, grads, blas, bufs, dk, dv, dq, want_dbias, b, hk
 
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
-def _query_pass(qkv, dims, p, lse, grads, address, dq):
-    """dQ, one item a (batch, query head, query tile)."""
+def _query_pass(qkv, dims, p, lse, grads, address, dq, weights):
+    """One item a (batch, query head, query tile): with ``weights`` not empty, the softmax
+    weights P (B, N, Sq, Skv) into it (it holds zeros, which the tiles outside the band keep);
+    else dQ."""
     B, N, Nkv, Sq, Skv, D = dims
     for item in prange(B * N * ((Sq + TILE_Q - 1) // TILE_Q)):
         b, h, i0, nq = _query_tile(item, dims)
@@ -211,27 +215,20 @@ def _query_pass(qkv, dims, p, lse, grads, address, dq):
             if not _in_band(p[2], tile):
                 continue
             _probabilities(blas, bufs, qkv, dims, tile, p, lse)
-            _score_gradients(blas, bufs, qkv, dims, tile, grads, False)
-            _add_query_gradient(blas, bufs, qkv, dims, tile, dq)
+            if weights.size:
+                _store_weights(bufs[0], tile, weights)
+            else:
+                _score_gradients(blas, bufs, qkv, dims, tile, grads, False)
+                _add_query_gradient(blas, bufs, qkv, dims, tile, dq)
 
 
-@njit(parallel=True, cache=True, fastmath=FASTMATH)
-def _weights_pass(qkv, dims, p, lse, address, weights):
-    """The softmax weights P (B, N, Sq, Skv), one item a (batch, query head, query tile);
-    ``weights`` holds zeros, which the tiles outside the band keep."""
-    B, N, Nkv, Sq, Skv, D = dims
-    for item in prange(B * N * ((Sq + TILE_Q - 1) // TILE_Q)):
-        b, h, i0, nq = _query_tile(item, dims)
-        blas = scratch(address)
-        bufs = _tile_buffers(2)
-        for j0 in range(0, Skv, TILE_K):
-            tile = (b, h, i0, nq, j0, min(TILE_K, Skv - j0))
-            if not _in_band(p[2], tile):
-                continue
-            _probabilities(blas, bufs, qkv, dims, tile, p, lse)
-            for r in range(nq):
-                for c in range(tile[5]):
-                    weights[b, h, i0 + r, j0 + c] = bufs[0][r * TILE_K + c]
+@njit(**LEAF)
+def _store_weights(probabilities, tile, weights):
+    """weights[b, h] at the tile's rows and columns = its P (row-major, TILE_K apart)."""
+    b, h, i0, nq, j0, nk = tile
+    for r in range(nq):
+        for c in range(nk):
+            weights[b, h, i0 + r, j0 + c] = probabilities[r * TILE_K + c]
 
 
 @njit(**LEAF)
@@ -291,7 +288,7 @@ def attention_gradients(p, out, dout, lse, want_dbias=False):
                      want_dbias)
             if not whole_heads:
                 _query_pass(qkv, _dims(p), record, lse, grads, sgemm_address(),
-                            dq.reshape(-1))
+                            dq.reshape(-1), _NO_WEIGHTS)
     return dq, dk, dv, (dbias if want_dbias else None), _sink_gradient(p, lse, delta)
 
 
@@ -305,9 +302,10 @@ def attention_weights(p, lse):
         q, k = (_float32(x).reshape(-1) for x in (p.q, p.k))
         nothing = np.empty(0, np.float32)
         lse = _float32(lse).reshape(p.B, p.N, p.Sq)
+        grads = (np.zeros((1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.float32))
         with parallel_region(blas=True):
-            _weights_pass((q, k, nothing, nothing), _dims(p), record, lse, sgemm_address(),
-                          weights)
+            _query_pass((q, k, nothing, nothing), _dims(p), record, lse, grads,
+                        sgemm_address(), nothing, weights)
     return weights
 
 

@@ -4,7 +4,7 @@ import numpy as np
 from numba import njit, prange
 from ..numerics.band import ROW_MEAN, ROW_SOFTMAX
 from ..numerics.core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO,
-                             antiquant, order_key, row_total, store, widen)
+                             antiquant, order_key, row_total, sink_of, store, widen)
 from ..numerics.kernel_args import (F_SCALE, F_SCALE2, P_CODE, P_COLS, P_D, P_DEQUANT, P_FLAGS, P_G,
                                     P_KVCODE, P_LSE, P_OCODE, P_ROWS, P_SCALE_EXP)
 from ._blas import gemm_rm, scratch
@@ -337,7 +337,7 @@ def finish(outs, ins, extras, geo, item, i1, acc, ld, state, tb, computed):
         (n, o_off, osd, l_off), (outcome, lo, hi, divisor) = row_end(geo, item, rr, m, l,
                                                                      computed)
         if outcome == ROW_SOFTMAX:
-            total, row_lse = row_total(m[rr], l[rr], sinks, n, post_e)
+            total, row_lse = row_total(m[rr], l[rr], sink_of(sinks, n), post_e)
             store_row(out, o_off, osd, acc, rr * ld, total, D, ocode)
             if want_lse:
                 lse[l_off] = row_lse

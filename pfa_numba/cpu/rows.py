@@ -43,20 +43,20 @@ def load_row(dst, r, src, off, stride, n, code, factor):
     array views (each costs reference counting) and no negative-index checks (which stop
     the vectoriser)."""
     wide_vectors()
-    if stride == 1:
-        base = np.uint64(off)
-        if code == CODE_F16:
-            for d in range(n):
-                dst[r, d] = widen_f16(src[base + np.uint64(d)]) * factor
-        elif code == CODE_BF16:
-            for d in range(n):
-                dst[r, d] = bf16_to_f32(src[base + np.uint64(d)]) * factor
-        else:
-            for d in range(n):
-                dst[r, d] = np.float32(src[base + np.uint64(d)]) * factor
-    else:
+    if stride != 1:
         for d in range(n):
             dst[r, d] = widen(src[off + d * stride], code) * factor
+        return
+    base = np.uint64(off)
+    if code == CODE_F16:
+        for d in range(n):
+            dst[r, d] = widen_f16(src[base + np.uint64(d)]) * factor
+    elif code == CODE_BF16:
+        for d in range(n):
+            dst[r, d] = bf16_to_f32(src[base + np.uint64(d)]) * factor
+    else:
+        for d in range(n):
+            dst[r, d] = np.float32(src[base + np.uint64(d)]) * factor
 
 
 @njit(**LEAF)

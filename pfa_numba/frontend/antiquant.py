@@ -145,7 +145,7 @@ def _separate(call, qdtype, shape):
     _pair_rules("key_antiquant_scale", ks, "key_antiquant_offset", ko)
     _pair_rules("value_antiquant_scale", vs, "value_antiquant_offset", vo)
     if kmode == vmode:
-        checks.check_same_shape("key_antiquant_scale", ks, "value_antiquant_scale", vs)
+        checks.check_same("shape", "key_antiquant_scale", ks, "value_antiquant_scale", vs)
     return [_separate_one(name, mode, s, o, qdtype, shape)
             for name, mode, s, o in (("key", kmode, ks, ko), ("value", vmode, vs, vo))]
 

@@ -148,19 +148,25 @@ def check_range(name, value, lo, hi):
     return value
 
 
+def require(value, error, requirement):
+    """A required argument is given: else ``error`` saying ``requirement``, got None."""
+    if value is None:
+        raise error(f"{requirement}, got None")
+
+
 def check_offset_like(oname, offset, sname, scale):
     """An offset argument has its scale's dtype (TypeError) and shape (RuntimeError)."""
-    if offset.dtype != scale.dtype:
-        raise TypeError(f"{oname} dtype must equal {sname}'s ({dtype_name(scale.dtype)}), got "
-                        f"{dtype_name(offset.dtype)}")
-    check_same_shape(sname, scale, oname, offset)
+    check_same("dtype", sname, scale, oname, offset)
+    check_same("shape", sname, scale, oname, offset)
 
 
-def check_same_shape(a_name, a, b_name, b):
-    """Two arrays that go together have one shape (RuntimeError)."""
-    if a.shape != b.shape:
-        raise RuntimeError(f"{a_name} and {b_name} shapes differ: {shape_str(a.shape)} and "
-                           f"{shape_str(b.shape)}")
+def check_same(attribute, a_name, a, b_name, b):
+    """Two arrays that go together have one ``attribute``: "dtype" (else TypeError) or "shape"
+    (else RuntimeError)."""
+    x, y = getattr(a, attribute), getattr(b, attribute)
+    if x != y:
+        error, show = (TypeError, dtype_name) if attribute == "dtype" else (RuntimeError, shape_str)
+        raise error(f"{a_name} and {b_name} {attribute}s differ: {show(x)} and {show(y)}")
 
 
 def check_band_signs(pre_tokens, next_tokens, where, int8_out=False):
@@ -272,9 +278,8 @@ def check_seq_lengths(name, value, batch, max_len):
 
 def check_cumulative_ends(name, value, total):
     """TND ends (contract 'Layouts'): required, 1-D, non-decreasing, from >= 0, last == total."""
-    if value is None:
-        raise ValueError(f"{name} is required with input_layout 'TND' (cumulative sequence "
-                         f"ends), got None")
+    require(value, ValueError, f"{name} is required with input_layout 'TND' (cumulative "
+            f"sequence ends)")
     arr = _int_vector(name, value)
     if arr.size and (arr[0] < 0 or np.any(np.diff(arr) < 0)):
         i = 0 if arr[0] < 0 else int(np.argmax(np.diff(arr) < 0)) + 1

@@ -233,7 +233,7 @@ def _gathered(key_list, value_list, layout, batch):
     for i, (k, v) in enumerate(zip(key_list, value_list)):
         for name, x in ((f"key[{i}]", k), (f"value[{i}]", v)):
             _batch_one_like(name, x, "key[0]", first, layout)
-        checks.check_same_shape(f"key[{i}]", k, f"value[{i}]", v)
+        checks.check_same("shape", f"key[{i}]", k, f"value[{i}]", v)
     lens = [k.shape[axis] for k in key_list]
     shape = list(first.shape)
     shape[0], shape[axis] = batch, max(lens)
@@ -353,7 +353,7 @@ def _prefix(call, layout, key, prefix_k, prefix_v):
                            f"only {given}")
     for name, x in (("key_shared_prefix", prefix_k), ("value_shared_prefix", prefix_v)):
         _batch_one_like(name, x, "key", key, layout)
-    checks.check_same_shape("key_shared_prefix", prefix_k, "value_shared_prefix", prefix_v)
+    checks.check_same("shape", "key_shared_prefix", prefix_k, "value_shared_prefix", prefix_v)
     sp = prefix_k.shape[checks.SEQ_AXIS[layout]]
     if call.actual_shared_prefix_len is None:
         return sp
@@ -370,9 +370,7 @@ def _prefix(call, layout, key, prefix_k, prefix_v):
 def _batch_one_like(name, x, ref_name, ref, layout):
     """A batch-1 tensor of its own length beside ``ref`` (a list element, a shared prefix):
     ref's dtype (TypeError), the layout's rank, ref's heads and head dim (RuntimeError)."""
-    if x.dtype != ref.dtype:
-        raise TypeError(f"{name} dtype must be {ref_name}'s ({dtype_name(ref.dtype)}), got "
-                        f"{dtype_name(x.dtype)}")
+    checks.check_same("dtype", ref_name, ref, name, x)
     checks.check_rank(name, x, layout)
     if x.shape[0] != 1 or not _same_heads(x, ref, checks.SEQ_AXIS[layout]):
         raise RuntimeError(f"{name} must be batch 1 with {ref_name}'s heads and head dim and "
@@ -413,7 +411,7 @@ def _check_pools(query, key, value, table, block_size, layout):
     if table.ndim != 2 or table.shape[0] != B:
         raise RuntimeError(f"block_table must be (B, max_blocks) with B = {B}, got shape "
                            f"{checks.shape_str(table.shape)}")
-    checks.check_same_shape("key pool", key, "value pool", value)
+    checks.check_same("shape", "key pool", key, "value pool", value)
     if key.ndim == 4 and layout not in ("BNSD", "BNSD_BSND"):
         raise RuntimeError(f"a 4-D block pool (num_blocks, Nkv, block_size, D) needs "
                            f"input_layout BNSD or BNSD_BSND, got {layout!r} with pool shape "
@@ -441,8 +439,8 @@ def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
            dequant):
     """Paged KV (pools checked by :func:`_check_pools`): the problem's kv extent is Smax."""
     B = query.shape[0]
-    if call.actual_seq_lengths_kv is None:
-        raise ValueError("paged KV (block_table) needs actual_seq_lengths_kv, got None")
+    checks.require(call.actual_seq_lengths_kv, ValueError,
+                   "paged KV (block_table) needs actual_seq_lengths_kv")
     smax = _kv_extent(key, layout, table, block_size, 0)
     stand = _pool_stand_in(key, layout, B, smax, query, query.dtype if dequant else key.dtype)
     valid = _pfa_checked(pfa_call.with_arrays({"key": stand, "value": stand}))

@@ -4,14 +4,13 @@ import warnings
 
 from ..numerics.core import MASK_ADD_F16, MASK_DISCARD
 from ..numerics.dtypes import F16, I8, dtype_name
-from .checks import BAND_MASK_SIDE, DISCARD_MASK_DTYPES, check_array, shape_str
+from .checks import BAND_MASK_SIDE, DISCARD_MASK_DTYPES, check_array, require, shape_str
 
 
 def check_band_mask(attn_mask, sparse_mode, batch):
     """Modes 2-4: a (2048, 2048)-class mask must be present; it is never read."""
-    if attn_mask is None:
-        raise RuntimeError(f"sparse_mode {sparse_mode} requires attn_mask (a 2048x2048 "
-                           f"triu(ones, 1) mask), got None")
+    require(attn_mask, RuntimeError, f"sparse_mode {sparse_mode} requires attn_mask (a "
+            f"2048x2048 triu(ones, 1) mask)")
     check_array("attn_mask", attn_mask)
     if attn_mask.dtype not in DISCARD_MASK_DTYPES:
         raise TypeError(f"attn_mask dtype must be bool, int8 or uint8 for sparse_mode "
@@ -20,8 +19,7 @@ def check_band_mask(attn_mask, sparse_mode, batch):
     accepted = [(s, s), (1, s, s), (1, 1, s, s), (batch, 1, s, s)]
     if tuple(attn_mask.shape) not in accepted:
         raise RuntimeError(f"attn_mask shape for sparse_mode {sparse_mode} must be one of "
-                           f"(2048, 2048), (1, 2048, 2048), (1, 1, 2048, 2048), (B, 1, 2048, "
-                           f"2048) with B = {batch}, got {shape_str(attn_mask.shape)}")
+                           f"{', '.join(map(str, accepted))}, got {shape_str(attn_mask.shape)}")
 
 
 def user_mask(attn_mask, dtype, batch, sq, skv):

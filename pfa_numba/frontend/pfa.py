@@ -18,7 +18,7 @@ from ..numerics.dtypes import I8, is_bf16
 from .checks import (Arguments, MAX_BATCH, MAX_GROUP, MAX_HEADS, MAX_HEAD_DIM, SEQ_AXIS,
                      check_array, check_band_signs, check_bool, check_cumulative_ends, check_int,
                      check_layout, check_placement, check_qkv_dtypes, check_range, check_rank,
-                     check_scale_value, check_seq_lengths, plain, shape_str)
+                     check_scale_value, check_seq_lengths, plain, require, shape_str)
 from .quant import QuantParams, quant_params
 from .masks import check_band_mask, pse_window, user_mask
 
@@ -129,20 +129,16 @@ def validate(call, stage=None):
             raise RuntimeError(f"input_layout 'TND' supports no quantization, got "
                                f"{', '.join(given)}")
         qparams = quant_params(dtype, quant, n, d)
-    if n > MAX_HEADS:
-        raise RuntimeError(f"num_heads must be <= {MAX_HEADS}, got {n}")
+    _check_limit("num_heads", n, MAX_HEADS)
     if n % nkv:
         raise RuntimeError(f"num_heads ({n}) must be divisible by num_key_value_heads ({nkv})")
     g = n // nkv
-    if g > MAX_GROUP:
-        raise RuntimeError(f"num_heads / num_key_value_heads must be <= {MAX_GROUP}, got "
-                           f"{n} / {nkv} = {g}")
+    _check_limit("num_heads / num_key_value_heads", g, MAX_GROUP, f"{n} / {nkv} = ")
     if d == 0:
         raise RuntimeError(f"head dim D must be > 0, got 0 (query shape "
                            f"{shape_str(query.shape)})")
-    if d > MAX_HEAD_DIM:
-        raise RuntimeError(f"head dim D must be <= {MAX_HEAD_DIM}, got {d} (query shape "
-                           f"{shape_str(query.shape)})")
+    _check_limit("head dim D", d, MAX_HEAD_DIM, "",
+                 f" (query shape {shape_str(query.shape)})")
     if is_bf16(dtype) and d % 16:
         raise RuntimeError(f"bfloat16 needs head dim D % 16 == 0, got D = {d} (query shape "
                            f"{shape_str(query.shape)})")
@@ -166,8 +162,7 @@ def validate(call, stage=None):
             mask_kind, mask = user_mask(attn_mask, dtype, batch, sq, skv)
             check_band_signs(pre_tokens, next_tokens, "sparse_mode 0 with attn_mask")
     elif sparse_mode == 1:
-        if attn_mask is None:
-            raise RuntimeError("sparse_mode 1 (allMask) requires attn_mask, got None")
+        require(attn_mask, RuntimeError, "sparse_mode 1 (allMask) requires attn_mask")
         mask_kind, mask = user_mask(attn_mask, dtype, batch, sq, skv)
     else:
         check_band_mask(attn_mask, sparse_mode, batch)
@@ -203,9 +198,15 @@ def _packed_lengths(call, query, key, value):
     qlen, klen = q_ends - q_start, kv_ends - kv_start
     sq = int(qlen.max()) if batch else 0
     skv = int(klen.max()) if batch else 0
-    if batch > MAX_BATCH:
-        raise RuntimeError(f"batch B must be <= {MAX_BATCH}, got {batch} sequences")
+    _check_limit("batch B", batch, MAX_BATCH, "", " sequences")
     return batch, sq, skv, qlen, klen, q_start, kv_start
+
+
+def _check_limit(what, value, limit, before="", after=""):
+    """A size within its limit (RuntimeError: "<what> must be <= <limit>, got <before><value>
+    <after>")."""
+    if value > limit:
+        raise RuntimeError(f"{what} must be <= {limit}, got {before}{value}{after}")
 
 
 def _padded_lengths(call, layout, query, key, value):
@@ -215,9 +216,7 @@ def _padded_lengths(call, layout, query, key, value):
         if x.shape[0] != batch:
             raise RuntimeError(f"batch B differs between query ({batch}) and {name} "
                                f"({x.shape[0]}); {name} shape {shape_str(x.shape)}")
-    if batch > MAX_BATCH:
-        raise RuntimeError(f"batch B must be <= {MAX_BATCH}, got {batch} (query shape "
-                           f"{shape_str(query.shape)})")
+    _check_limit("batch B", batch, MAX_BATCH, "", f" (query shape {shape_str(query.shape)})")
     axis = SEQ_AXIS[layout]
     sq, skv, skv_v = query.shape[axis], key.shape[axis], value.shape[axis]
     if skv_v != skv:

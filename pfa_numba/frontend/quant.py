@@ -6,7 +6,7 @@ from typing import Optional
 import numpy as np
 
 from ..numerics.dtypes import F16, F32, I8, dtype_name, is_bf16
-from .checks import check_array, check_offset_like, shape_str
+from .checks import check_array, check_offset_like, require, shape_str
 
 
 @dataclass
@@ -54,9 +54,8 @@ def quant_params(dtype, quant, n, d):
                                f"query/key/value), got an array of shape "
                                f"{shape_str(given[name].shape)}")
     for name in required:
-        if name not in given:
-            raise RuntimeError(f"{name} is required for {kind} ({dtype_name(dtype)} "
-                               f"query/key/value), got None")
+        require(given.get(name), RuntimeError, f"{name} is required for {kind} "
+                f"({dtype_name(dtype)} query/key/value)")
 
     deq1 = quant1 = deq2 = 0.0
     if dtype == I8:

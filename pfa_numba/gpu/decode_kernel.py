@@ -53,7 +53,7 @@ from ..numerics.kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_RO
                                     T_V)
 from . import fragments as F
 from . import ptx as X
-from .kernels import array_function, device_function, kv_places, kv_value
+from .kernels import array_function, device_function, kv_places, kv_value, thread_place
 from .tc_kernel import (FULL, HEAD_DIMS, KV_SOURCES, LOG2E, SIGNS, SIMULATOR, band32, banded,
                         make_mma_pair, make_online_step, make_row_masks, reads_mask_or_pse,
                         rows_reason, scale_reason, stage_walked, start_rows)
@@ -318,9 +318,7 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
         pa = cuda.local.array(4, uint32)
         mr = cuda.local.array(2, float32)
         lr = cuda.local.array(2, float32)
-        tid = cuda.threadIdx.x
-        lane, w = tid & 31, tid >> 5
-        g4, t4 = lane >> 2, lane & 3
+        tid, lane, w, g4, t4 = thread_place()
         b = cuda.blockIdx.x // splits
         split = cuda.blockIdx.x - b * splits
         gh = cuda.blockIdx.y

@@ -14,22 +14,24 @@ the online update, exp, the int8 steps and every dtype conversion (``numerics.co
 CPU kernels use; the kernels read the arguments ``numerics.kernel_args`` builds for both targets.
 """
 
+import math
+
 import numba
 from numba import cuda, float32, int64, njit, uint16
 
 from .. import config
-from ..numerics.band import ROW_MEAN, ROW_ZERO, block_kv_range, row_band, row_outcome
+from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, ROW_ZERO, block_kv_range, row_band, row_outcome
 from ..numerics.core import (CODE_BF16, CODE_F16, CODE_F32, CODE_I8, F16_MASK_SCALE, F32_NAN,
                              F32_NEG_INF, F32_ONE, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, antiquant,
                              f16_to_f32, f32_to_bf16, f32_to_f16, int8_out_f16, int8_score,
-                             int8_score_pse, int8_weight, lse_value, max_nan, online_update,
-                             quantize_output, running_sum, softmax_weight, times_pow2, widen)
-from ..numerics.kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE, F_SCALE16, F_SCALE2, L_KLEN,
-                                    L_NEXT, L_PRE, L_QLEN, L_ROWS, P_BLOCK, P_CODE, P_D, P_DEQUANT,
-                                    P_G, P_IP, P_KTOK, P_KVCODE, P_LSE, P_MASK, P_OCODE, P_PREFIX,
-                                    P_PSE, P_SCALE_EXP, P_VTOK, S_BLOCK, S_ELEM, S_HEAD, S_ROW, T_K,
-                                    T_KT, T_L, T_M, T_O, T_P, T_PK, T_PV, T_Q, T_V, T_VT,
-                                    row_offset)
+                             int8_score_pse, int8_weight, max_nan, online_update, quantize_output,
+                             row_total, running_sum, softmax_weight, times_pow2, widen)
+from ..numerics.kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE, F_SCALE16, F_SCALE2,
+                                    F_SINKS, F_SOFTCAP, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS,
+                                    P_BLOCK, P_CODE, P_D, P_DEQUANT, P_G, P_IP, P_KTOK, P_KVCODE,
+                                    P_LSE, P_MASK, P_OCODE, P_PREFIX, P_PSE, P_SCALE_EXP, P_VTOK,
+                                    S_BLOCK, S_ELEM, S_HEAD, S_ROW, T_K, T_KT, T_L, T_M, T_O, T_P,
+                                    T_PK, T_PV, T_Q, T_V, T_VT, row_offset)
 
 
 def _pad_dim(d):
@@ -195,14 +197,15 @@ def runs_here(guard, guard_id):
     return guard_id == 0 or guard[0] == guard_id
 
 
-@njit(inline="always", cache=True)
-def _block_rows(ql, kl, pre_e, next_e, rows_b, i0, i, bq, bkv):
-    """The set-up both kernels share for row i of the block of rows [i0, i0 + bq) of a batch
-    with lengths (qL, kL), band edges (preE, nextE) and rows_b output rows: (kL, preE, nextE,
-    rows_b, whether row i is computed, the kv columns [jstart, jend) any row of the block
-    keeps, their number of tiles, row i's band [lo, hi]). Every thread of the block gets the
-    same tiles, so all reach every syncthreads. (Scalars only: under the CUDA simulator, device
-    arrays cannot enter a compiled function.)"""
+@array_function
+def _block_rows(lens, b, i0, i, bq, bkv):
+    """The set-up both kernels share for row i of the block of rows [i0, i0 + bq) of batch b,
+    from its lengths (qL, kL), band edges (preE, nextE) and output rows rows_b: (kL, preE,
+    nextE, rows_b, whether row i is computed, the kv columns [jstart, jend) any row of the
+    block keeps, their number of tiles, row i's band [lo, hi]). Every thread of the block gets
+    the same tiles, so all reach every syncthreads."""
+    ql, kl, pre_e, next_e = lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b]
+    rows_b = lens[L_ROWS, b]
     jstart, jend = block_kv_range(i0, min(i0 + bq, ql), pre_e, next_e, kl)
     ntiles = (jend - jstart + bkv - 1) // bkv if jend > jstart else 0
     lo, hi = row_band(i, pre_e, next_e, kl)
@@ -235,6 +238,25 @@ def _tile_element(e, D, base, row_stride, sd):
     return c, d, base + c * row_stride + d * sd
 
 
+@cuda.jit(device=True, inline="always")   # a device function under the simulator too
+def thread_place():
+    """(tid, lane, warp, g4, t4) of this thread: its index in the block, its lane and warp, and
+    the lane's group of four in the warp (g4: the mma fragments' rows g4, g4 + 8) and place in
+    that group (t4)."""
+    tid = cuda.threadIdx.x
+    lane = tid & 31
+    return tid, lane, tid >> 5, lane >> 2, lane & 3
+
+
+@cuda.jit(device=True, inline="always")   # a device function under the simulator too
+def _thread_place(params, qtiles, bq):
+    """(thread index, batch, first query row of the block, query head, the thread's row, its kv
+    head): :func:`_block_place` of this thread."""
+    tid = cuda.threadIdx.x
+    return (tid,) + _block_place(cuda.blockIdx.x, cuda.blockIdx.y, tid, qtiles, bq,
+                                 params[P_G])
+
+
 @array_function
 def _row_places(strides, boff, b, n, i):
     """(output offset, output element stride, softmax_lse offset) of query row i of head n in
@@ -244,14 +266,95 @@ def _row_places(strides, boff, b, n, i):
 
 
 @array_function
-def _row_end(state, band, strides, boff, b, n):
+def _row_end(lse, state, band, strides, boff, b, n):
     """What becomes of query row i of head n in batch b at the end (state = (whether it was
-    computed, its m, its l, inner_precise), band = (i, preE, nextE, kL)): row_outcome's
-    (outcome, band columns lo, hi, divisor) and :func:`_row_places`."""
-    active, m, l, inner_precise = state
+    computed, its m, its l, inner_precise, whether softmax_lse is wanted, the scale's post_e,
+    the head's sink logit or -inf), band = (i, preE, nextE, kL)): row_outcome's (outcome, band
+    columns lo, hi, divisor: a kept row's with its sink, numerics.core.row_total) and the
+    output row's (offset, element stride). Writes the row's softmax_lse where wanted."""
+    active, m, l, inner_precise, want_lse, post_e, sink = state
     i, pre_e, next_e, kl = band
-    return (row_outcome(active, m, l, inner_precise, i, pre_e, next_e, kl)
-            + _row_places(strides, boff, b, n, i))
+    o_off, osd, l_off = _row_places(strides, boff, b, n, i)
+    outcome, lo, hi, divisor = row_outcome(active, m, l, inner_precise, i, pre_e, next_e, kl)
+    row_lse = F32_NEG_INF
+    if outcome == ROW_SOFTMAX:
+        divisor, row_lse = row_total(m, l, sink, post_e)
+    if want_lse:
+        lse[l_off] = row_lse
+    return outcome, lo, hi, divisor, o_off, osd
+
+
+@array_function
+def _sink(fparams, n):
+    """Query head n's sink logit, -inf without sinks (numerics.kernel_args: F_SINKS)."""
+    return fparams[F_SINKS + n] if fparams.size > F_SINKS else F32_NEG_INF
+
+
+@array_function
+def _finish_row(out, lse, acc, v, vp, table, strides, boff, params, sources, quant, state,
+                band, b, n, g):
+    """The float kernel's end of query row band[0] of head n (kv head g) in batch b: the output
+    row (not pre-zeroed) from the accumulator, the mean of the band's V rows or zeros (contract
+    'Empty rows'), in the output's storage; its softmax_lse (:func:`_row_end`; sources =
+    (channel, kts, kto, vts, vto) of the kv sequence, quant = (scale2, offset2))."""
+    D, ocode, kv_code, dequant = params[P_D], params[P_OCODE], params[P_KVCODE], \
+        params[P_DEQUANT] != 0
+    channel, kts, kto, vts, vto = sources
+    outcome, mlo, mhi, denom, o_off, osd = _row_end(lse, state, band, strides, boff, b, n)
+    if outcome == ROW_MEAN:
+        for d in range(D):
+            acc[d] = F32_ZERO
+        for j in range(mlo, mhi + 1):
+            in_prefix, off, sd, ts, to = kv_row(strides, boff, table, params, 1, kts, kto, vts,
+                                                vto, b, g, j)
+            for d in range(D):
+                acc[d] += _kv_element(v, vp, in_prefix, off + d * sd, kv_code, dequant, channel,
+                                      1, g * D + d, ts, to)
+    for d in range(D):
+        x = acc[d] / denom if outcome != ROW_ZERO else F32_ZERO
+        # numerics.core.store, spelled out: device arrays cannot enter an njit function under
+        # the CUDA simulator
+        if ocode == CODE_F16:
+            out[o_off + d * osd] = f32_to_f16(x)
+        elif ocode == CODE_BF16:
+            out[o_off + d * osd] = f32_to_bf16(x)
+        elif ocode == CODE_I8:
+            out[o_off + d * osd] = _quantized(x, outcome, quant[0], quant[1], n * D + d)
+        else:
+            out[o_off + d * osd] = x
+
+
+@array_function
+def _finish_row_int8(out, lse, acc, v, v_base, strides, boff, params, fparams, quant, state,
+                     band, b, n, nan_row):
+    """The int8 kernel's end of query row band[0] of head n in batch b (as
+    :func:`_finish_row`; v_base: where the kv head's V rows start; ``nan_row``: a weight of the
+    row quantized to NaN)."""
+    D, ocode = params[P_D], params[P_OCODE]
+    qs1, deq2 = fparams[F_QS1], fparams[F_DEQ2]
+    outcome, mlo, mhi, denom, o_off, osd = _row_end(lse, state, band, strides, boff, b, n)
+    if outcome == ROW_MEAN:
+        # contract 'Empty rows' for int8: every band score equal (E = 1 on the band)
+        p8f = int8_weight(F32_ONE, qs1)
+        nan_row = p8f != p8f                      # quant_scale1 NaN: a NaN row
+        p8 = int64(0) if nan_row else int64(p8f)
+        for d in range(D):
+            acc[d] = 0
+        for j in range(mlo, mhi + 1):
+            off = v_base + j * strides[T_V, 1]
+            for d in range(D):
+                acc[d] += p8 * int64(v[off + d * strides[T_V, 2]])
+    if nan_row:
+        denom = F32_NAN                           # int8_out_f16's NaN-row flag
+    for d in range(D):
+        # deq2 * acc / denom rounded once to float16 (exact), the CPU's procedure; rows with
+        # nothing written are +0 (contract 'Empty rows')
+        h = int8_out_f16(acc[d], deq2, denom) if outcome != ROW_ZERO else uint16(0)
+        if ocode == CODE_I8:       # quantized from the stored float16, as on the CPU
+            out[o_off + d * osd] = _quantized(f16_to_f32(h), outcome, quant[0], quant[1],
+                                              n * D + d)
+        else:
+            out[o_off + d * osd] = h
 
 
 @array_function
@@ -351,9 +454,8 @@ def kernel_source(dpad, bq, bkv):
         qv = cuda.local.array(DP, float32)
         acc = cuda.local.array(DP, float32)
         sc = cuda.local.array(BKV, float32)
-        tid = cuda.threadIdx.x
-        G, D, code, ocode = params[P_G], params[P_D], params[P_CODE], params[P_OCODE]
-        b, i0, n, i, g = _block_place(cuda.blockIdx.x, cuda.blockIdx.y, tid, qtiles, BQ, G)
+        tid, b, i0, n, i, g = _thread_place(params, qtiles, BQ)
+        D, code = params[P_D], params[P_CODE]
         mask_kind, has_pse = params[P_MASK], params[P_PSE] != 0
         inner_precise, want_lse = params[P_IP], params[P_LSE] != 0
         scale = fparams[F_SCALE]
@@ -361,9 +463,9 @@ def kernel_source(dpad, bq, bkv):
         post_e = params[P_SCALE_EXP]     # 0, or the exponent of a scale beyond float32's range
         added_f = times_pow2(F32_ONE, -post_e)          # pse and the fp16 mask at that scale
         mask_scale = F16_MASK_SCALE * added_f
+        cap = fparams[F_SOFTCAP] * added_f              # the softcap at that scale (0: none)
         kl, pre_e, next_e, rows_b, active, jstart, jend, ntiles, lo, hi = _block_rows(
-            lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b], lens[L_ROWS, b],
-            i0, i, BQ, BKV)
+            lens, b, i0, i, BQ, BKV)
         kv_code, dequant = params[P_KVCODE], params[P_DEQUANT] != 0
         m, l = F32_NEG_INF, F32_ZERO                 # the row's running max and sum
         if active:
@@ -395,6 +497,8 @@ def kernel_source(dpad, bq, bkv):
                         s = F32_ZERO
                         for d in range(D):
                             s += qv[d] * ks[c, d]
+                        if cap != F32_ZERO:
+                            s = cap * float32(math.tanh(s / cap))
                         if has_pse:
                             s += widen(pse[p_off + j * strides[T_P, 2]], code) * added_f
                         if mask_kind == MASK_ADD_F16:
@@ -421,33 +525,11 @@ def kernel_source(dpad, bq, bkv):
                     m = m_new
             cuda.syncthreads()   # every row is done with this tile before it is overwritten
 
-        # finalize: every output row of the block is written (the output is not pre-zeroed)
-        if i < rows_b:
-            outcome, mlo, mhi, denom, o_off, osd, l_off = _row_end(
-                (active, m, l, inner_precise), (i, pre_e, next_e, kl), strides, boff, b, n)
-            if outcome == ROW_MEAN:
-                for d in range(D):
-                    acc[d] = F32_ZERO
-                for j in range(mlo, mhi + 1):
-                    in_prefix, off, sd, ts, to = kv_row(strides, boff, table, params, 1, kts,
-                                                        kto, vts, vto, b, g, j)
-                    for d in range(D):
-                        acc[d] += _kv_element(v, vp, in_prefix, off + d * sd, kv_code, dequant,
-                                              channel, 1, g * D + d, ts, to)
-            for d in range(D):
-                x = acc[d] / denom if outcome != ROW_ZERO else F32_ZERO
-                # numerics.core.store, spelled out: device arrays cannot enter an njit function
-                # under the CUDA simulator
-                if ocode == CODE_F16:
-                    out[o_off + d * osd] = f32_to_f16(x)
-                elif ocode == CODE_BF16:
-                    out[o_off + d * osd] = f32_to_bf16(x)
-                elif ocode == CODE_I8:
-                    out[o_off + d * osd] = _quantized(x, outcome, scale2, offset2, n * D + d)
-                else:
-                    out[o_off + d * osd] = x
-            if want_lse:
-                lse[l_off] = lse_value(m, l, post_e) if active else F32_NEG_INF
+        if i < rows_b:     # every output row of the block is written (it is not pre-zeroed)
+            _finish_row(out, lse, acc, v, vp, table, strides, boff, params,
+                        (channel, kts, kto, vts, vto), (scale2, offset2),
+                        (active, m, l, inner_precise, want_lse, post_e, _sink(fparams, n)),
+                        (i, pre_e, next_e, kl), b, n, g)
 
     return attention
 
@@ -467,15 +549,13 @@ def kernel_source_int8(dpad, bq, bkv):
         vs = cuda.shared.array((BKV, DP), float32)
         qv = cuda.local.array(DP, float32)
         acc = cuda.local.array(DP, int64)
-        tid = cuda.threadIdx.x
-        G, D, ocode, inner_precise = params[P_G], params[P_D], params[P_OCODE], params[P_IP]
-        b, i0, n, i, g = _block_place(cuda.blockIdx.x, cuda.blockIdx.y, tid, qtiles, BQ, G)
+        tid, b, i0, n, i, g = _thread_place(params, qtiles, BQ)
+        D, inner_precise = params[P_D], params[P_IP]
         mask_kind, has_pse, want_lse = params[P_MASK], params[P_PSE] != 0, params[P_LSE] != 0
         deq1, scale16 = fparams[F_DEQ1], fparams[F_SCALE16]
-        qs1, deq2 = fparams[F_QS1], fparams[F_DEQ2]
+        qs1 = fparams[F_QS1]
         kl, pre_e, next_e, rows_b, active, jstart, jend, ntiles, lo, hi = _block_rows(
-            lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b], lens[L_ROWS, b],
-            i0, i, BQ, BKV)
+            lens, b, i0, i, BQ, BKV)
         k_base, v_base = boff[T_K, b] + g * strides[T_K, 0], boff[T_V, b] + g * strides[T_V, 0]
         m, l = F32_NEG_INF, F32_ZERO                 # the row's running max and sum
         nan_row = False
@@ -521,32 +601,10 @@ def kernel_source_int8(dpad, bq, bkv):
                 cuda.syncthreads()   # every row is done with this tile before it is overwritten
 
         if i < rows_b:
-            outcome, mlo, mhi, denom, o_off, osd, l_off = _row_end(
-                (active, m, l, inner_precise), (i, pre_e, next_e, kl), strides, boff, b, n)
-            if outcome == ROW_MEAN:
-                # contract 'Empty rows' for int8: every band score equal (E = 1 on the band)
-                p8f = int8_weight(F32_ONE, qs1)
-                nan_row = p8f != p8f                      # quant_scale1 NaN: a NaN row
-                p8 = int64(0) if nan_row else int64(p8f)
-                for d in range(D):
-                    acc[d] = 0
-                for j in range(mlo, mhi + 1):
-                    off = v_base + j * strides[T_V, 1]
-                    for d in range(D):
-                        acc[d] += p8 * int64(v[off + d * strides[T_V, 2]])
-            if nan_row:
-                denom = F32_NAN                           # int8_out_f16's NaN-row flag
-            for d in range(D):
-                # deq2 * acc / denom rounded once to float16 (exact), the CPU's procedure;
-                # rows with nothing written are +0 (contract 'Empty rows')
-                h = int8_out_f16(acc[d], deq2, denom) if outcome != ROW_ZERO else uint16(0)
-                if ocode == CODE_I8:       # quantized from the stored float16, as on the CPU
-                    out[o_off + d * osd] = _quantized(f16_to_f32(h), outcome, scale2, offset2,
-                                                      n * D + d)
-                else:
-                    out[o_off + d * osd] = h
-            if want_lse:
-                lse[l_off] = lse_value(m, l, 0) if active else F32_NEG_INF
+            _finish_row_int8(out, lse, acc, v, v_base, strides, boff, params, fparams,
+                             (scale2, offset2),
+                             (active, m, l, inner_precise, want_lse, 0, F32_NEG_INF),
+                             (i, pre_e, next_e, kl), b, n, nan_row)
 
     return attention_int8
 

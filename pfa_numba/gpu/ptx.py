@@ -107,8 +107,7 @@ def _mma(kind):
     return intrinsic(mma)
 
 
-mma_m16n8k16_f16 = _mma("f16")
-mma_m16n8k16_bf16 = _mma("bf16")
+mma_m16n8k16_f16, mma_m16n8k16_bf16 = _mma("f16"), _mma("bf16")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,49 +150,62 @@ def _ldmatrix(trans):
     return intrinsic(ldmatrix)
 
 
-ldmatrix_x4 = _ldmatrix(False)
-ldmatrix_x4_trans = _ldmatrix(True)
+ldmatrix_x4, ldmatrix_x4_trans = _ldmatrix(False), _ldmatrix(True)
 
 
 # ---------------------------------------------------------------------------------------------
 # float32 pairs -> packed 16-bit registers
 # ---------------------------------------------------------------------------------------------
 
-def _pack(kind):
-    text = f"cvt.rn.{kind}x2.f32 $0, $2, $1;"
-
-    def pack(typingctx, lo, hi):
-        if not (isinstance(lo, (types.Float, types.Integer))
-                and isinstance(hi, (types.Float, types.Integer))):
+def _float32_pair(name, text, result, accepted, doc):
+    """An intrinsic of two scalar arguments of the ``accepted`` types, cast to float32, whose
+    value (``result``: uint32 or float32) is the one PTX instruction ``text`` ($0 the result,
+    $1 and $2 the arguments)."""
+    def pair(typingctx, a, b):
+        if not (isinstance(a, accepted) and isinstance(b, accepted)):
             return None
-        sig = types.uint32(lo, hi)
 
         def codegen(ctx, builder, sig, args):
-            vals = [ctx.cast(builder, a, t, types.float32) for a, t in zip(args, sig.args)]
-            return _call_asm(builder, _I32, [_F32, _F32], text, "=r,f,f", vals, side_effect=False)
+            vals = [ctx.cast(builder, x, t, types.float32) for x, t in zip(args, sig.args)]
+            out, letter = (_I32, "r") if result == types.uint32 else (_F32, "f")
+            return _call_asm(builder, out, [_F32, _F32], text, f"={letter},f,f", vals,
+                             side_effect=False)
 
-        return sig, codegen
+        return result(a, b), codegen
 
-    pack.__name__ = f"pack_{kind}x2"
-    pack.__doc__ = f"""Two float32 rounded to {kind} (to nearest, ties to even; inf and NaN kept)
-    in one uint32: ``lo`` in the low half, ``hi`` in the high half. PTX (its first source goes
-    to the upper half)::
+    pair.__name__, pair.__doc__ = name, doc
+    return intrinsic(pair)
+
+
+def _pack(kind):
+    text = f"cvt.rn.{kind}x2.f32 $0, $2, $1;"
+    return _float32_pair(f"pack_{kind}x2", text, types.uint32, (types.Float, types.Integer), f"""
+    Two float32 rounded to {kind} (to nearest, ties to even; inf and NaN kept) in one uint32:
+    ``lo`` in the low half, ``hi`` in the high half. PTX (its first source goes to the upper
+    half)::
 
         {text}
 
     The A fragment of P for the second product is ``pack(c0, c1)``, ``pack(c2, c3)`` of two S
     accumulator tiles (:func:`.fragments.p_from_s`).
-    """
-    return intrinsic(pack)
+    """)
 
 
-pack_f16x2 = _pack("f16")
-pack_bf16x2 = _pack("bf16")
+pack_f16x2, pack_bf16x2 = _pack("f16"), _pack("bf16")
 
 
 # ---------------------------------------------------------------------------------------------
 # cp.async: global -> shared, 16 bytes, asynchronous
 # ---------------------------------------------------------------------------------------------
+
+def _statement(text):
+    """The codegen of PTX statement ``text``, which takes no operands and orders memory."""
+    def codegen(ctx, builder, sig, args):
+        _call_asm(builder, ir.VoidType(), [], text, "~{memory}", [])
+        return ctx.get_dummy_value()
+
+    return codegen
+
 
 def _cp_async_codegen(text, zfill):
     def codegen(ctx, builder, sig, args):
@@ -250,8 +262,7 @@ def _cp_async(zfill):
     return intrinsic(cp_async)
 
 
-cp_async_16 = _cp_async(False)
-cp_async_16_zfill = _cp_async(True)
+cp_async_16, cp_async_16_zfill = _cp_async(False), _cp_async(True)
 
 
 @intrinsic
@@ -259,12 +270,7 @@ def cp_async_commit(typingctx):
     """Close the group of this thread's cp.async copies issued since the last commit.
     PTX: ``cp.async.commit_group;``"""
     sig = types.void()
-
-    def codegen(ctx, builder, sig, args):
-        _call_asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}", [])
-        return ctx.get_dummy_value()
-
-    return sig, codegen
+    return sig, _statement("cp.async.commit_group;")
 
 
 @intrinsic
@@ -276,12 +282,7 @@ def cp_async_wait(typingctx, n):
         return None
     text = f"cp.async.wait_group {int(n.literal_value)};"
     sig = types.void(n)
-
-    def codegen(ctx, builder, sig, args):
-        _call_asm(builder, ir.VoidType(), [], text, "~{memory}", [])
-        return ctx.get_dummy_value()
-
-    return sig, codegen
+    return sig, _statement(text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,12 +334,7 @@ def syncwarp(typingctx):
     """Every lane of the warp arrives before any goes on, and each then sees the shared-memory
     writes the others made before it. PTX: ``bar.warp.sync -1;``"""
     sig = types.void()
-
-    def codegen(ctx, builder, sig, args):
-        _call_asm(builder, ir.VoidType(), [], "bar.warp.sync -1;", "~{memory}", [])
-        return ctx.get_dummy_value()
-
-    return sig, codegen
+    return sig, _statement("bar.warp.sync -1;")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,8 +369,7 @@ def _exp2(ftz):
     return intrinsic(exp2)
 
 
-exp2_approx = _exp2(False)
-exp2_approx_ftz = _exp2(True)
+exp2_approx, exp2_approx_ftz = _exp2(False), _exp2(True)
 
 
 def _load_if(bits):
@@ -406,8 +401,7 @@ def _load_if(bits):
     return intrinsic(load_if)
 
 
-load_u8_if = _load_if(8)
-load_u16_if = _load_if(16)
+load_u8_if, load_u16_if = _load_if(8), _load_if(16)
 
 
 @intrinsic
@@ -426,20 +420,10 @@ def fma_f32(typingctx, a, b, c):
     return sig, codegen
 
 
-@intrinsic
-def max_nan_f32(typingctx, a, b):
-    """:func:`pfa_numba.numerics.core.max_nan` in one instruction: PTX ``max.NaN.f32`` (sm_80), the
-    larger of two float32, NaN when either is NaN."""
-    if not (isinstance(a, types.Float) and isinstance(b, types.Float)):
-        return None
-    sig = types.float32(a, b)
-
-    def codegen(ctx, builder, sig, args):
-        vals = [ctx.cast(builder, x, t, types.float32) for x, t in zip(args, sig.args)]
-        return _call_asm(builder, _F32, [_F32, _F32], "max.NaN.f32 $0, $1, $2;", "=f,f,f", vals,
-                         side_effect=False)
-
-    return sig, codegen
+max_nan_f32 = _float32_pair("max_nan_f32", "max.NaN.f32 $0, $1, $2;", types.float32, types.Float,
+                             """
+    :func:`pfa_numba.numerics.core.max_nan` in one instruction: PTX ``max.NaN.f32`` (sm_80), the
+    larger of two float32, NaN when either is NaN.""")
 
 
 # ---------------------------------------------------------------------------------------------

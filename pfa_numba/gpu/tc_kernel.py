@@ -74,7 +74,7 @@ from . import ptx as X
 from .guard import antiquant_reason, dequantizes
 from .dequant import make_dequant, row_tokens
 from .kernels import (IN_PREFIX, PAST_END, array_function, device_function, kv_at, kv_block_of,
-                      kv_place_in, kv_places, kv_value)
+                      kv_place_in, kv_places, kv_value, thread_place)
 
 #: query rows per warp / warps per block / rows per block / threads per block / keys per tile
 WARP_ROWS, WARPS = F.MMA_M, 4
@@ -238,6 +238,18 @@ def make_row_masks(ns, code):
     float16 mask and drops the discard mask's columns, read by predicated loads at constant
     offsets from the row's pse and mask at the lane's first key (``p_at``, ``m_at``: their
     columns contiguous). ``ex``: (pse, mask8, mask16, has pse, mask kind, ...)."""
+    def add_terms(s, h, src, at, lo, hi, weight, is_f16):
+        """s of row half h += weight * the 16-bit terms of ``src`` at the lane's columns from
+        ``at`` (read inside the band only)."""
+        for nt in range(ns):
+            for e in range(2):
+                c = np.int32(8 * nt + e)
+                raw = X.load_u16_if(src, at + c, c >= lo and c <= hi)
+                s[4 * nt + 2 * h + e] += weight * (X.cvt_f32_f16(raw) if is_f16
+                                                   else bf16_to_f32(raw))
+
+    terms = _device(add_terms)
+
     def row_masks(s, h, c2, lo, hi, p_at, m_at, ex):
         pse, mask8, mask16, has_pse, mask_kind = ex[0], ex[1], ex[2], ex[3], ex[4]
         for nt in range(ns):
@@ -245,18 +257,9 @@ def make_row_masks(ns, code):
                 x = 4 * nt + 2 * h + e
                 s[x] = banded(s[x] * c2, np.int32(8 * nt + e), lo, hi)
         if has_pse:
-            for nt in range(ns):
-                for e in range(2):
-                    c = np.int32(8 * nt + e)
-                    raw = X.load_u16_if(pse, p_at + c, c >= lo and c <= hi)
-                    bias = X.cvt_f32_f16(raw) if code == CODE_F16 else bf16_to_f32(raw)
-                    s[4 * nt + 2 * h + e] += bias * LOG2E
+            terms(s, h, pse, p_at, lo, hi, LOG2E, code == CODE_F16)
         if mask_kind == MASK_ADD_F16:
-            for nt in range(ns):
-                for e in range(2):
-                    c = np.int32(8 * nt + e)
-                    raw = X.load_u16_if(mask16, m_at + c, c >= lo and c <= hi)
-                    s[4 * nt + 2 * h + e] += BIAS_F16 * X.cvt_f32_f16(raw)
+            terms(s, h, mask16, m_at, lo, hi, BIAS_F16, True)
         elif mask_kind == MASK_DISCARD:
             for nt in range(ns):
                 for e in range(2):
@@ -339,6 +342,16 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
 
     dequantize = _device(dequantize)
 
+    def landed(tile, r, j0, kv, dq):
+        """Wait for this thread's copies of K (r = 0) or V (r = 1) tile j0 (the int8 variant:
+        and dequantize them), then for every thread's."""
+        X.cp_async_wait(0)
+        if INT8:
+            dequantize(tile, r, j0, kv, dq)
+        cuda.syncthreads()
+
+    landed = _device(landed)
+
     def v_value(v, vp, table, strides, boff, params, dq, b, gh, j, col):
         """V[j, col] of kv head gh of batch b as float32: row j of the kv sequence, int8
         dequantized (``kernels.kv_value``) when walking, else of the batch's own rows."""
@@ -378,10 +391,7 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
             crow, jend = kv[7], kv[8]
             qa, o, s, pa, mr, lr = frag
             a_at, b_at, g4, t4, wi = lane_at
-            X.cp_async_wait(0)
-            if INT8:
-                dequantize(ks, 0, j0, kv, dq)
-            cuda.syncthreads()              # K(j0) landed; every warp is done with V(before)
+            landed(ks, 0, j0, kv, dq)      # K(j0) landed; every warp is done with V(before)
             # (a tile inside the band is whole: its rows need no zero-fill test)
             stage_kv(vs, True, j0 + crow, jend - j0 - crow if band else BKV, kv)
             X.cp_async_commit()
@@ -404,10 +414,7 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
                         nt2, x = F.p_from_s(reg)
                         e = 4 * (2 * kk + nt2) + x
                         pa[4 * kk + reg] = pack(s[e], s[e + 1])
-            X.cp_async_wait(0)
-            if INT8:
-                dequantize(vs, 1, j0, kv, dq)
-            cuda.syncthreads()              # V(j0) landed; every warp is done with K(j0)
+            landed(vs, 1, j0, kv, dq)      # V(j0) landed; every warp is done with K(j0)
             if jn >= 0:                     # the next tile's K, during O += P V
                 stage_kv(ks, False, jn + crow, jend - jn - crow, kv)
                 X.cp_async_commit()
@@ -436,9 +443,7 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
         pa = cuda.local.array(PREGS, uint32)        # P as A fragments, 4 per k-step of 16 keys
         mr = cuda.local.array(2, float32)          # running max of the lane's rows g, g + 8
         lr = cuda.local.array(2, float32)          # this lane's part of their sums
-        tid = cuda.threadIdx.x
-        lane, w = tid & 31, tid >> 5
-        g4, t4 = lane >> 2, lane & 3
+        tid, lane, w, g4, t4 = thread_place()
         b = cuda.blockIdx.x // qtiles
         # the last query rows first: under a causal band they have the most tiles, so the
         # longest blocks start in the first wave and the grid ends without a long tail

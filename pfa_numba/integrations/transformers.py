@@ -84,9 +84,9 @@ def _refuse_unsupported(dropout, kwargs):
     named += [name for name, value in kwargs.items()
               if name not in NEUTRAL_KEYWORDS and value is not None and value is not False]
     if named:
+        given = ", ".join(f"{n}={_given(n, dropout, kwargs)}" for n in named)
         raise ValueError(f"pfa_numba attention does not support {', '.join(named)} (given "
-                         f"{', '.join(f'{n}={_given(n, dropout, kwargs)}' for n in named)}): "
-                         f"use attn_implementation='eager' for them")
+                         f"{given}): use attn_implementation='eager' for them")
 
 
 def _given(name, dropout, kwargs):

@@ -30,6 +30,7 @@ The band and the rule of contract 'Empty rows' for rows that keep nothing are in
 import math
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
@@ -55,17 +56,13 @@ MASK_NONE = 0
 MASK_DISCARD = 1  # bool / int8 / uint8: nonzero = discard
 MASK_ADD_F16 = 2  # deprecated float16 mask: s += -10000 * mask
 
-_LOG2E = np.float32(1.44269504088896341)
-_LN2_HI = np.float32(0.693359375)
-_LN2_LO = np.float32(-2.12194440e-4)
-_EXP_HI = np.float32(88.72283)   # above: +inf
-_EXP_LO = np.float32(-87.33654)  # below: 0 (float32 normal range)
-_P0 = np.float32(1.9875691500e-4)
-_P1 = np.float32(1.3981999507e-3)
-_P2 = np.float32(8.3334519073e-3)
-_P3 = np.float32(4.1665795894e-2)
-_P4 = np.float32(1.6666665459e-1)
-_P5 = np.float32(5.0000001201e-1)
+#: Cephes' expf: log2(e), ln(2) split in two for the range reduction, the float32 limits of
+#: exp (above _EXP_HI: +inf; below _EXP_LO: 0, float32's normal range), the coefficients of its
+#: polynomial on [-ln(2) / 2, ln(2) / 2]
+_LOG2E, _LN2_HI, _LN2_LO = np.float32([1.44269504088896341, 0.693359375, -2.12194440e-4])
+_EXP_HI, _EXP_LO = np.float32([88.72283, -87.33654])
+_P0, _P1, _P2, _P3, _P4, _P5 = np.float32([1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3,
+                                           4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1])
 _HALF = np.float32(0.5)
 _EXP_MAGIC = np.float32(12582912.0)                 # 1.5 * 2^23
 _EXP_MAGIC_BITS = np.int32(0x4B400000)              # its bits: + n for |n| < 2^22
@@ -99,39 +96,40 @@ def _bitcast_intrinsic(src, dst):
     return cast
 
 
-@intrinsic
-def pow2_f32(typingctx, n):
+def float32_intrinsic(emit, result=types.float32):
+    """An intrinsic of one float32 argument whose value (of Numba type ``result``)
+    ``emit(builder, x)`` builds in LLVM IR; its docstring is emit's."""
+    @intrinsic
+    def unary(typingctx, x):
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return emit(builder, args[0])
+
+        return result(types.float32), codegen
+
+    unary.__doc__ = emit.__doc__
+    return unary
+
+
+@float32_intrinsic
+def pow2_f32(builder, n):
     """2.0 ** n for a float32 holding an integer in [-126, 127], built from the exponent bits
     with 32-bit integer ops only (so loops stay 8/16 lanes wide)."""
-    if n != types.float32:
-        return None
-    sig = types.float32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        from llvmlite import ir
-        i32 = ir.IntType(32)
-        i = builder.fptosi(args[0], i32)
-        i = builder.add(i, ir.Constant(i32, 127))
-        i = builder.shl(i, ir.Constant(i32, 23))
-        return builder.bitcast(i, ir.FloatType())
-
-    return sig, codegen
+    i32 = ir.IntType(32)
+    i = builder.fptosi(n, i32)
+    i = builder.add(i, ir.Constant(i32, 127))
+    i = builder.shl(i, ir.Constant(i32, 23))
+    return builder.bitcast(i, ir.FloatType())
 
 
-@intrinsic
-def floor_f32(typingctx, x):
+@float32_intrinsic
+def floor_f32(builder, x):
     """floor of a float32 as a float32 (LLVM's llvm.floor.f32: vectorises on the CPU, one
     instruction on CUDA; NumPy's np.floor is not available in CUDA kernels)."""
-    if x != types.float32:
-        return None
-    sig = types.float32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        from llvmlite import ir
-        fn = builder.module.declare_intrinsic("llvm.floor", [ir.FloatType()])
-        return builder.call(fn, [args[0]])
-
-    return sig, codegen
+    fn = builder.module.declare_intrinsic("llvm.floor", [ir.FloatType()])
+    return builder.call(fn, [x])
 
 
 #: float32 -> its IEEE bits as uint32 (and back; int32 variants for signed tricks).
@@ -202,8 +200,7 @@ def f32_to_f16(x):
 @jit
 def f32_to_bf16(x):
     """float32 -> bfloat16 bits (uint16), round to nearest, ties to even; NaN stays NaN."""
-    x = np.float32(x)
-    u = f32_as_u32(x)
+    u = f32_as_u32(np.float32(x))
     if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
         return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
     u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
@@ -213,8 +210,7 @@ def f32_to_bf16(x):
 @jit
 def round_f16(x):
     """float32 -> the nearest float16 value (ties to even), as float32."""
-    x = np.float32(x)
-    return f16_to_f32(f32_to_f16(x))
+    return f16_to_f32(f32_to_f16(np.float32(x)))
 
 
 @jit
@@ -294,12 +290,18 @@ def exp_f32(x):
     xc = _by_range(x, _EXP_LO, x, _EXP_HI) if x == x else F32_ZERO
     n = floor_f32(xc * _LOG2E + _HALF)
     r = xc - n * _LN2_HI - n * _LN2_LO
-    z = r * r
-    y = (((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5) * z + r + F32_ONE
+    y = _exp_reduced(r)
     # 2^n as two normal factors, so n = 128 (x near ln(FLT_MAX)) does not overflow early
     n1 = floor_f32(n * _HALF)
     y = y * pow2_f32(n1) * pow2_f32(n - n1)
     return _by_range(x, F32_ZERO, y, F32_POS_INF)
+
+
+@jit
+def _exp_reduced(r):
+    """exp(r) for |r| <= ln(2) / 2 by the Cephes polynomial."""
+    y = (((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5)
+    return y * (r * r) + r + F32_ONE
 
 
 @jit
@@ -338,16 +340,13 @@ def exp_nonpos(x):
     """
     x = np.float32(x)
     r, two_n = _reduce_nonpos(x)
-    z = r * r
-    y = (((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5) * z + r + F32_ONE
+    y = _exp_reduced(r)
     return F32_ZERO if x < _EXP_LO else y * two_n
 
 
 # degree-5 fit of exp on [-ln(2) / 2, ln(2) / 2] (relative error 1.1e-7 in exact arithmetic)
-_Q2 = np.float32(0.499992311000824)
-_Q3 = np.float32(0.16667121648788452)
-_Q4 = np.float32(0.041890256106853485)
-_Q5 = np.float32(0.008311860263347626)
+_Q2, _Q3, _Q4, _Q5 = np.float32([0.499992311000824, 0.16667121648788452, 0.041890256106853485,
+                                   0.008311860263347626])
 
 
 @jit
@@ -427,11 +426,9 @@ def rescale_factor(m_old, m_new, post_e):
 
     A row that has kept nothing yet (m_new = -inf) keeps factor 1 (its acc and l are 0).
     """
-    m_old = np.float32(m_old)
-    m_new = np.float32(m_new)
     if m_new == F32_NEG_INF:
         return F32_ONE
-    return exp_f32(times_pow2(m_old - m_new, post_e))
+    return exp_f32(times_pow2(np.float32(m_old) - np.float32(m_new), post_e))
 
 
 @jit
@@ -462,23 +459,27 @@ def lse_value(m, l, post_e):
     """softmax_lse of a finished row: m * 2^post_e + log(l), -inf when nothing was kept
     (contract 'softmax_lse and merging')."""
     m = np.float32(m)
-    l = np.float32(l)
     if m == F32_NEG_INF:
         return F32_NEG_INF
-    return times_pow2(m, post_e) + np.float32(math.log(l))
+    return times_pow2(m, post_e) + np.float32(math.log(np.float32(l)))
 
 
 @jit
-def row_total(m, l, sinks, n, post_e):
+def sink_of(sinks, n):
+    """Query head n's sink logit (``sinks``: one a query head), or -inf where ``sinks`` is
+    empty: no sink, a term of 0."""
+    return np.float32(sinks[n]) if sinks.size else F32_NEG_INF
+
+
+@jit
+def row_total(m, l, sink, post_e):
     """(denominator, softmax_lse) of a finished row that kept a score (running max m, sum l):
-    l, or with sink logits (``sinks`` not empty: one a query head) l plus the term of head
-    ``n``'s sink, exp(sink - m * 2^post_e), a score without a value row. The lse is that of
-    the denominator, or the sink's own logit where its term overflows (a sink that outweighs
-    the row by e^88; the row's weights are then 0)."""
-    if sinks.size == 0:
-        return np.float32(l), lse_value(m, l, post_e)
-    sink = np.float32(sinks[n])
-    total = np.float32(l) + np.exp(sink - times_pow2(np.float32(m), post_e))
+    l plus the term of the row's sink logit, exp(sink - m * 2^post_e), a score without a value
+    row (0 for a sink of -inf: none). The lse is that of the denominator, or the sink's own
+    logit where its term overflows (a sink that outweighs the row by e^88; the row's weights
+    are then 0)."""
+    sink = np.float32(sink)
+    total = np.float32(l) + exp_f32(sink - times_pow2(np.float32(m), post_e))
     return total, (lse_value(m, total, post_e) if total < F32_POS_INF else sink)
 
 

@@ -33,8 +33,10 @@ L_QLEN, L_KLEN, L_PRE, L_NEXT, L_ROWS = range(5)
 # their token planes, 0 none, 1 by row, 2 by paged slot)
 (P_N, P_G, P_D, P_CODE, P_MASK, P_PSE, P_IP, P_LSE, P_ROWS, P_COLS, P_OCODE, P_FLAGS,
  P_SCALE_EXP, P_BLOCK, P_PREFIX, P_KVCODE, P_DEQUANT, P_KTOK, P_VTOK) = range(19)
-# the fparams vector (float32): scale_value as factors (see scale_factors), the int8 scales
-F_SCALE, F_SCALE2, F_DEQ1, F_SCALE16, F_QS1, F_DEQ2 = range(6)
+# the fparams vector (float32): scale_value as factors (see scale_factors), the int8 scales,
+# the softcap (0: none), then where the call has sink logits one a query head (F_SINKS + n:
+# head n's; the vector ends at F_SINKS without them)
+F_SCALE, F_SCALE2, F_DEQ1, F_SCALE16, F_QS1, F_DEQ2, F_SOFTCAP, F_SINKS = range(8)
 
 
 @functools.cache
@@ -294,8 +296,10 @@ def kernel_args(p, out, lse, flags=False, rows=0, cols=0):
                        cache.block_size if paged else 0, cache.P if cache is not None else 0,
                        storage_code(p.k.dtype), aq is not None, tok[0], tok[1]],
                       np.int64)
-    fparams = np.zeros(6, np.float32)
-    fparams[F_SCALE], fparams[F_SCALE2] = s1, s2
+    fparams = np.zeros(F_SINKS + (0 if p.sinks is None else p.N), np.float32)
+    fparams[F_SCALE], fparams[F_SCALE2], fparams[F_SOFTCAP] = s1, s2, p.softcap
+    if p.sinks is not None:
+        fparams[F_SINKS:] = p.sinks
     if p.quant is not None and p.dtype == np.int8:
         with np.errstate(over="ignore"):               # fp16(scale_value) may be inf, as specified
             scale16 = np.float16(p.scale)

@@ -36,6 +36,8 @@ def _probe(out_f, out_u, inp_f, inp_u, code):
     r = r + C.running_sum(x, r, e) + C.times_pow2(x, np.int64(i))
     r = r + C.int8_score(x, m, e) + C.int8_score_pse(x, h) + C.int8_weight(e, x)
     lse = C.lse_value(m, e + C.F32_ONE, np.int64(i))
+    total, lse2 = C.row_total(m, e + C.F32_ONE, C.sink_of(inp_f, i), np.int64(i))
+    lse = lse + total + lse2
     flo, fhi = Band.fully_masked_band(np.int64(1), i, np.int64(3), np.int64(5), np.int64(100))
     lo = lo + flo + fhi
     lo2 = Band.band_lo(i, np.int64(2))
