@@ -475,12 +475,12 @@ def sink_of(sinks, n):
 def row_total(m, l, sink, post_e):
     """(denominator, softmax_lse) of a finished row that kept a score (running max m, sum l):
     l plus the term of the row's sink logit, exp(sink - m * 2^post_e), a score without a value
-    row (0 for a sink of -inf: none). The lse is that of the denominator, or the sink's own
-    logit where its term overflows (a sink that outweighs the row by e^88; the row's weights
-    are then 0)."""
+    row (0 for a sink of -inf: none). The lse is that of the denominator (NaN for a NaN row), or
+    the sink's own logit where its term overflows (a sink that outweighs the row by e^88; the
+    row's weights are then 0)."""
     sink = np.float32(sink)
     total = np.float32(l) + exp_f32(sink - times_pow2(np.float32(m), post_e))
-    return total, (lse_value(m, total, post_e) if total < F32_POS_INF else sink)
+    return total, (sink if total == F32_POS_INF else lse_value(m, total, post_e))
 
 
 _LN2_F32 = np.float32(0.6931471805599453)
