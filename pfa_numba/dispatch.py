@@ -116,11 +116,11 @@ KERNELS = (
     Kernel("decode", "cuda", "split-kv decode on tensor cores: one block a kv head's G x Sq "
            "<= 16 rows, its kv range split across the multiprocessors", dtypes=HALVES,
            head_dims=CUDA_MMA_HEAD_DIMS, layouts=tuple(x for x in checks.LAYOUTS if x != "TND"),
-           features=(SM80,), switch="CUDA_TENSOR_CORES", extensions=(),
+           features=(SM80,), switch="CUDA_TENSOR_CORES",
            conditions=_from(".gpu.launch", "decode_reasons")),
     Kernel("tensor-core", "cuda", "mma.sync m16n8k16 tiles of 64 query rows x 64 keys, K / V "
            "through a cp.async pipeline", dtypes=HALVES, head_dims=CUDA_MMA_HEAD_DIMS,
-           features=(SM80,), switch="CUDA_TENSOR_CORES", extensions=(),
+           features=(SM80,), switch="CUDA_TENSOR_CORES",
            conditions=_from(".gpu.launch", "tensor_core_reasons")),
     Kernel("portable", "cuda", "one thread a query row, every dtype and feature"),
 )

@@ -43,8 +43,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``softcap * tanh(score / softcap)`` before the mask. ``sinks`` (None, or Hq real numbers):
     each query head's sink logit joins its rows' softmax denominators. ``device`` (an extension,
     as prompt_flash_attention's: None or 'cpu', or 'cuda'): where NumPy arrays are computed
-    ('cuda': copied to the GPU and back, on the portable CUDA kernel where softcap or sinks are
-    given); torch tensors run on the CPU.
+    ('cuda': copied to the GPU and back); torch tensors run on the CPU.
 
     torch tensors run through the operator ``torch.ops.pfa_numba.sdpa``
     (:mod:`pfa_numba.interop.torch_ops`): ``torch.compile`` traces through it, and where a

@@ -8,7 +8,7 @@ from ..numerics.core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F
                              F32_ZERO, MASK_ADD_F16, MASK_DISCARD, bf16_to_f32, exp_nonpos,
                              exp_nonpos5, f16_to_f32, f32_as_i32, f32_as_u32, f32_to_bf16,
                              f32_to_f16, from_order_key, online_update, order_key, running_sum,
-                             softmax_weight, store, times_pow2, u32_as_f32, widen)
+                             softcapped, softmax_weight, store, times_pow2, u32_as_f32, widen)
 from ..numerics.kernel_args import (L_KLEN, L_NEXT, L_PRE, P_CODE, P_G, P_IP, P_MASK, P_PSE,
                                     P_SCALE_EXP, T_L, T_M, T_O, T_P, T_Q)
 from ._gemm import PANEL
@@ -246,7 +246,7 @@ def has_user_terms(params, extras):
 def _softcap_row(srow, nc, cap):
     """srow[:nc] = cap * tanh(srow / cap): the scores softcapped (cap in the scores' units)."""
     for c in range(nc):
-        srow[c] = cap * np.tanh(srow[c] / cap)
+        srow[c] = softcapped(srow[c], cap)
 
 
 @njit(**LEAF)

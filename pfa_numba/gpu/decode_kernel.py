@@ -27,9 +27,10 @@ folded into the weights' fma as in the tensor-core kernel), P packed from S, O +
 max), and the block writes its piece (unnormalised O, m, l) to a workspace.
 
 :func:`finish_kernel` merges a batch's pieces by that rule once more and finishes its rows as
-every kernel does (``numerics.band.row_outcome``: contract 'Empty rows', the division, lse, output
-rounding). A user mask or pse takes the ``masked`` variant (every tile tested per
-accumulator by the tensor-core kernel's ``make_row_masks``). Calls whose rows may drop
+every kernel does (``numerics.band.row_outcome``: contract 'Empty rows'; a head's sink logit
+joins a kept row's sum once, after the merge, ``numerics.core.row_total_log2``; the division,
+lse, output rounding). A user mask, pse or a softcap takes the ``masked`` variant (every tile
+tested per accumulator by the tensor-core kernel's ``make_row_masks``). Calls whose rows may drop
 different columns of a tile (Sq > 1, a mask or pse: :func:`needs_guard`) would let a dropped
 column's inf or NaN in V reach a row through 0 * inf in P V: those calls take the tensor-core
 kernel's guard (a scan of V on the device; the portable kernel computes the call where it
@@ -47,16 +48,18 @@ from numba import cuda, float32, int32, uint16, uint32
 from .. import config
 from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, block_kv_range, kv_tiles, row_outcome
 from ..numerics.core import (CODE_BF16, CODE_F16, F32_NEG_INF, F32_ONE, F32_ZERO, f32_as_u32, jit,
-                             lse_log2, max_nan, online_update_log2, u32_as_f32)
-from ..numerics.kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_D, P_G, P_IP,
-                                    P_LSE, P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_PK, T_PV, T_Q,
-                                    T_V)
+                             max_nan, online_update_log2, row_total_log2, u32_as_f32)
+from ..numerics.kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS,
+                                    P_D, P_G, P_IP, P_LSE, P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P,
+                                    T_PK, T_PV, T_Q, T_V)
 from . import fragments as F
 from . import ptx as X
-from .kernels import array_function, device_function, kv_places, kv_value, thread_place
+from .kernels import (array_function, device_function, head_sink, kv_places, kv_value,
+                      thread_place)
 from .tc_kernel import (FULL, HEAD_DIMS, KV_SOURCES, LOG2E, SIGNS, SIMULATOR, band32, banded,
-                        make_mma_pair, make_online_step, make_row_masks, reads_mask_or_pse,
-                        rows_reason, scale_reason, stage_walked, start_rows)
+                        capped_forms, make_mma_pair, make_online_step, make_row_masks,
+                        reads_mask_or_pse, rows_reason, scale_reason, softcap_terms,
+                        stage_walked, start_rows)
 from .dequant import make_dequant, row_tokens
 from .guard import antiquant_reason
 
@@ -131,14 +134,15 @@ def _row_place(gh, r, G, sq):
     return n, i, r < G * sq
 
 
-def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
+def decode_kernel_source(kind, d, walk=False, masked=False, int8=False, capped=False):
     """The split kernel's Python source (before ``cuda.jit``) for ``kind`` ("f16" or "bf16"),
     head dim ``d`` (64 or 128) and ``walk``: whether kv rows are found through a shared
     prefix or a paged pool's block table (else each batch's own contiguous rows: a multiply
     and an add a row); ``masked``: whether a user mask or pse is read (every tile is then
     tested per accumulator, by the tensor-core kernel's ``make_row_masks``); ``int8``
     (walking): an int8 cache, its tiles copied as int8 rows into the ring and each warp's
-    rows dequantized into one 16-bit tile before its ``ldmatrix`` (``make_dequant``).
+    rows dequantized into one 16-bit tile before its ``ldmatrix`` (``make_dequant``);
+    ``capped`` (masked): a softcap on every score (``tc_kernel.make_softcap_log2``).
 
     Arguments: q, k, v, kp, vp, mask8, mask16, pse, table, strides, boff, lens, params,
     fparams (the ``numerics.kernel_args`` arrays), ws (the float32 workspace), sq (query rows a head),
@@ -146,6 +150,7 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
     guard[0] holds it: the portable kernel computes the call), channel, kts, kto, vts, vto
     (an int8 cache's planes)."""
     assert kind in ("f16", "bf16") and d in HEAD_DIMS and (walk or not int8)
+    assert masked or not capped
     D = d
     KT, NO = D // 16, D // 8          # k-steps of S = Q K^T (and 16-dim pairs of O), O n-tiles
     QREGS, OACC = KT * 4, NO * 4
@@ -177,8 +182,8 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
     pack = X.pack_f16x2 if kind == "f16" else X.pack_bf16x2
     exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
     ALIGN = None if SIMULATOR else 16
-    WALK, MASKED = bool(walk), bool(masked)
-    row_masks = make_row_masks(2, CODE_F16 if kind == "f16" else CODE_BF16)
+    WALK, MASKED, CAPPED = bool(walk), bool(masked), bool(capped)
+    row_masks = make_row_masks(2, CODE_F16 if kind == "f16" else CODE_BF16, capped)
     dequant_chunk = make_dequant(kind, D)
 
     def stage(ring, dst, u, t0, nt, jstart, jend, at):
@@ -243,7 +248,7 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
                 jc = j0 + WARP_KEYS * w + 2 * t4           # the lane's first key
                 for h in range(2):
                     lo, hi = band32(rows[h], rows[2], jc, rows[4], rows[5], rows[3])
-                    if MASKED:                  # t = s * fold with the band, pse and masks
+                    if MASKED:      # t = s * fold, softcapped, with the band, pse and masks
                         row_masks(s, h, fold, lo, hi, ex[5][h] + jc, ex[6][h] + jc, ex)
                     else:
                         for nt8 in range(2):
@@ -349,12 +354,13 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False):
         rows = (i0 if used0 else ql, i1 if used1 else ql, ql, kl, pre_e, next_e)
         fold = abs(c2)
         frag = (qa, o, s, pa, mr, lr)
-        # the masked variant's pse and mask rows of the lane's two rows
+        # the masked variant's pse and mask rows of the lane's two rows, its softcap
         p_base, m_base = boff[T_P, b], boff[T_M, b]
         ex = (pse, mask8, mask16, params[P_PSE] != 0, params[P_MASK],
               (p_base + n0 * strides[T_P, 0] + i0 * strides[T_P, 1],
                p_base + n1 * strides[T_P, 0] + i1 * strides[T_P, 1]),
-              (m_base + i0 * strides[T_M, 1], m_base + i1 * strides[T_M, 1]))
+              (m_base + i0 * strides[T_M, 1], m_base + i1 * strides[T_M, 1]),
+              softcap_terms(fparams) if CAPPED else (F32_ZERO, F32_ZERO))
         if nt > 0:
             load_q(qa, q, boff, strides, b, gh, G, sq, ql, lane)
             if c2 < F32_ZERO:
@@ -424,14 +430,15 @@ def ml_offset(pieces, d):
 def finish_source(kind):
     """The kernel that merges a batch's pieces and finishes its rows (grid (B, Nkv), 128
     threads: 8 a row, each on every 8th head dim). Arguments: ws, out, lse, v, vp, table,
-    strides, boff, lens, params, sq, splits, guard, guard_id, channel, kts, kto, vts, vto."""
+    strides, boff, lens, params, fparams, sq, splits, guard, guard_id, channel, kts, kto, vts,
+    vto."""
     exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
     from ..numerics.core import f32_to_bf16, f32_to_f16
     to_bits = f32_to_f16 if kind == "f16" else f32_to_bf16
     LANES = THREADS // ROWS
 
-    def decode_finish(ws, out, lse, v, vp, table, strides, boff, lens, params, sq, splits, guard,
-                      guard_id, channel, kts, kto, vts, vto):
+    def decode_finish(ws, out, lse, v, vp, table, strides, boff, lens, params, fparams, sq, splits,
+                      guard, guard_id, channel, kts, kto, vts, vto):
         if guard_id != 0 and guard[0] == guard_id:
             return
         b, gh = cuda.blockIdx.x, cuda.blockIdx.y
@@ -452,6 +459,9 @@ def finish_source(kind):
             total += ws[at + 1] * exp2(online_update_log2(ws[at], top)[1])
         outcome, mlo, mhi, denom = row_outcome(i < ql, top, total, params[P_IP], i, pre_e,
                                                next_e, kl)
+        row_lse = F32_NEG_INF
+        if outcome == ROW_SOFTMAX:     # a row that kept a score: its head's sink joins the sum
+            denom, row_lse = row_total_log2(top, total, head_sink(fparams, n))
         o_at = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
         for d in range(c, D, LANES):
             y = F32_ZERO                  # ROW_ZERO
@@ -468,8 +478,7 @@ def finish_source(kind):
                 y = y / denom
             out[o_at + d * strides[T_O, 2]] = to_bits(y)
         if c == 0 and params[P_LSE] != 0:
-            lse[boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]] = \
-                lse_log2(top, total) if outcome == ROW_SOFTMAX else F32_NEG_INF
+            lse[boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]] = row_lse
 
     return decode_finish
 
@@ -484,10 +493,10 @@ def needs_guard(p):
     return p.Sq > 1 or reads_mask_or_pse(p)
 
 
-def decode_kernels_for(kind, d, walk, masked, int8=False):
+def decode_kernels_for(kind, d, walk, masked, int8=False, capped=False):
     """The compiled (lazily, at first launch) split and finish kernels for ``kind``, ``d``,
-    ``walk``, ``masked`` and ``int8``."""
-    key = kind, d, bool(walk), bool(masked), bool(int8)
+    ``walk``, ``masked``, ``int8`` and ``capped``."""
+    key = kind, d, bool(walk), bool(masked), bool(int8), bool(capped)
     if key not in _KERNELS:
         bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
         _KERNELS[key] = (cuda.jit(decode_kernel_source(*key), fastmath=False, **bounds),
@@ -508,10 +517,10 @@ def decode_signature(int8=False):
             f32)
 
 
-def decode_ptx(kind, d, cc, walk=False, masked=False, int8=False):
+def decode_ptx(kind, d, cc, walk=False, masked=False, int8=False, capped=False):
     """The split kernel's PTX for ``kind``, ``d``, compute capability ``cc``, ``walk``,
-    ``masked`` and ``int8``."""
-    ptx, _ = cuda.compile_ptx(decode_kernel_source(kind, d, walk, masked, int8),
+    ``masked``, ``int8`` and ``capped``."""
+    ptx, _ = cuda.compile_ptx(decode_kernel_source(kind, d, walk, masked, int8, capped),
                               decode_signature(int8), cc=cc, fastmath=False,
                               launch_bounds=(THREADS,))
     return ptx
@@ -522,19 +531,22 @@ PTX_ARCHS = ((8, 0), (9, 0))
 
 
 def ptx_names():
-    """{file name: (kind, head dim, compute capability, walk, masked, int8)} of every
-    specialisation, e.g. ``decode_f16_d128_sm90.ptx``, ``decode_f16_d128_walk_sm90.ptx`` (kv
-    rows through a prefix or a block table), ``decode_f16_d128_int8_sm90.ptx`` (an int8
-    cache, walked), ``decode_f16_d128_masked_sm90.ptx`` (a user mask or pse)."""
+    """{file name: (kind, head dim, compute capability, walk, masked, int8, capped)} of every
+    specialisation written, e.g. ``decode_f16_d128_sm90.ptx``, ``decode_f16_d128_walk_sm90.ptx``
+    (kv rows through a prefix or a block table), ``decode_f16_d128_int8_sm90.ptx`` (an int8
+    cache, walked), ``decode_f16_d128_masked_sm90.ptx`` (a user mask or pse),
+    ``decode_f16_d128_masked_capped_sm90.ptx`` (and a softcap on every score)."""
     return {f"decode_{kind}_d{d}{suffix}{'_masked' if masked else ''}"
-            f"_sm{cc[0]}{cc[1]}.ptx": (kind, d, cc, walk, masked, int8)
+            f"{'_capped' if capped else ''}_sm{cc[0]}{cc[1]}.ptx":
+            (kind, d, cc, walk, masked, int8, capped)
             for kind in ("f16", "bf16") for d in HEAD_DIMS
-            for (walk, int8), suffix in KV_SOURCES.items()
-            for masked in (False, True) for cc in PTX_ARCHS}
+            for (walk, int8), suffix in KV_SOURCES.items() for masked in (False, True)
+            for capped in capped_forms(masked, walk) for cc in PTX_ARCHS}
 
 
-def loop_names(walk, masked=False, int8=False):
-    """What each kv loop of a specialisation's SASS is, in code order."""
+def loop_names(walk, masked=False, int8=False, capped=False):
+    """What each kv loop of a specialisation's SASS is, in code order (``capped`` adds no
+    loop)."""
     rows = ("int8 rows through the kv sequence" if int8 else
             "rows through the kv sequence" if walk else "contiguous rows")
     if masked:

@@ -14,8 +14,6 @@ the online update, exp, the int8 steps and every dtype conversion (``numerics.co
 CPU kernels use; the kernels read the arguments ``numerics.kernel_args`` builds for both targets.
 """
 
-import math
-
 import numba
 from numba import cuda, float32, int64, njit, uint16
 
@@ -25,7 +23,8 @@ from ..numerics.core import (CODE_BF16, CODE_F16, CODE_F32, CODE_I8, F16_MASK_SC
                              F32_NEG_INF, F32_ONE, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, antiquant,
                              f16_to_f32, f32_to_bf16, f32_to_f16, int8_out_f16, int8_score,
                              int8_score_pse, int8_weight, max_nan, online_update, quantize_output,
-                             row_total, running_sum, softmax_weight, times_pow2, widen)
+                             row_total, running_sum, softcapped, softmax_weight, times_pow2,
+                             widen)
 from ..numerics.kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE, F_SCALE16, F_SCALE2,
                                     F_SINKS, F_SOFTCAP, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS,
                                     P_BLOCK, P_CODE, P_D, P_DEQUANT, P_G, P_IP, P_KTOK, P_KVCODE,
@@ -198,18 +197,19 @@ def runs_here(guard, guard_id):
 
 
 @array_function
-def _block_rows(lens, b, i0, i, bq, bkv):
+def _block_rows(lens, b, i0, i, bq, bkv, runs):
     """The set-up both kernels share for row i of the block of rows [i0, i0 + bq) of batch b,
     from its lengths (qL, kL), band edges (preE, nextE) and output rows rows_b: (kL, preE,
     nextE, rows_b, whether row i is computed, the kv columns [jstart, jend) any row of the
     block keeps, their number of tiles, row i's band [lo, hi]). Every thread of the block gets
-    the same tiles, so all reach every syncthreads."""
+    the same tiles, so all reach every syncthreads. A block of a call that another kernel
+    computes (``runs`` False: :func:`runs_here`) has no rows to compute or write and no tiles."""
     ql, kl, pre_e, next_e = lens[L_QLEN, b], lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b]
-    rows_b = lens[L_ROWS, b]
+    rows_b = lens[L_ROWS, b] if runs else 0
     jstart, jend = block_kv_range(i0, min(i0 + bq, ql), pre_e, next_e, kl)
-    ntiles = (jend - jstart + bkv - 1) // bkv if jend > jstart else 0
+    ntiles = (jend - jstart + bkv - 1) // bkv if jend > jstart and runs else 0
     lo, hi = row_band(i, pre_e, next_e, kl)
-    return kl, pre_e, next_e, rows_b, i < ql, jstart, jend, ntiles, lo, hi
+    return kl, pre_e, next_e, rows_b, i < ql and runs, jstart, jend, ntiles, lo, hi
 
 
 @njit(inline="always", cache=True)
@@ -285,7 +285,7 @@ def _row_end(lse, state, band, strides, boff, b, n):
 
 
 @array_function
-def _sink(fparams, n):
+def head_sink(fparams, n):
     """Query head n's sink logit, -inf without sinks (numerics.kernel_args: F_SINKS)."""
     return fparams[F_SINKS + n] if fparams.size > F_SINKS else F32_NEG_INF
 
@@ -445,8 +445,6 @@ def kernel_source(dpad, bq, bkv):
     def attention(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params, qtiles,
                   fparams, scale2, offset2, guard, guard_id, kp, vp, table, channel, kts, kto,
                   vts, vto):
-        if not runs_here(guard, guard_id):
-            return
         ks = cuda.shared.array((BKV, DP), float32)
         vs = cuda.shared.array((BKV, DP), float32)
         places = cuda.shared.array((6, BKV), int64)
@@ -465,7 +463,7 @@ def kernel_source(dpad, bq, bkv):
         mask_scale = F16_MASK_SCALE * added_f
         cap = fparams[F_SOFTCAP] * added_f              # the softcap at that scale (0: none)
         kl, pre_e, next_e, rows_b, active, jstart, jend, ntiles, lo, hi = _block_rows(
-            lens, b, i0, i, BQ, BKV)
+            lens, b, i0, i, BQ, BKV, runs_here(guard, guard_id))
         kv_code, dequant = params[P_KVCODE], params[P_DEQUANT] != 0
         m, l = F32_NEG_INF, F32_ZERO                 # the row's running max and sum
         if active:
@@ -498,7 +496,7 @@ def kernel_source(dpad, bq, bkv):
                         for d in range(D):
                             s += qv[d] * ks[c, d]
                         if cap != F32_ZERO:
-                            s = cap * float32(math.tanh(s / cap))
+                            s = softcapped(s, cap)
                         if has_pse:
                             s += widen(pse[p_off + j * strides[T_P, 2]], code) * added_f
                         if mask_kind == MASK_ADD_F16:
@@ -528,7 +526,8 @@ def kernel_source(dpad, bq, bkv):
         if i < rows_b:     # every output row of the block is written (it is not pre-zeroed)
             _finish_row(out, lse, acc, v, vp, table, strides, boff, params,
                         (channel, kts, kto, vts, vto), (scale2, offset2),
-                        (active, m, l, inner_precise, want_lse, post_e, _sink(fparams, n)),
+                        (active, m, l, inner_precise, want_lse, post_e,
+                         head_sink(fparams, n)),
                         (i, pre_e, next_e, kl), b, n, g)
 
     return attention
@@ -543,8 +542,6 @@ def kernel_source_int8(dpad, bq, bkv):
 
     def attention_int8(q, k, v, out, lse, mask8, mask16, pse, strides, boff, lens, params,
                        qtiles, fparams, scale2, offset2, guard, guard_id):
-        if not runs_here(guard, guard_id):
-            return
         ks = cuda.shared.array((BKV, DP), float32)
         vs = cuda.shared.array((BKV, DP), float32)
         qv = cuda.local.array(DP, float32)
@@ -555,7 +552,7 @@ def kernel_source_int8(dpad, bq, bkv):
         deq1, scale16 = fparams[F_DEQ1], fparams[F_SCALE16]
         qs1 = fparams[F_QS1]
         kl, pre_e, next_e, rows_b, active, jstart, jend, ntiles, lo, hi = _block_rows(
-            lens, b, i0, i, BQ, BKV)
+            lens, b, i0, i, BQ, BKV, runs_here(guard, guard_id))
         k_base, v_base = boff[T_K, b] + g * strides[T_K, 0], boff[T_V, b] + g * strides[T_V, 0]
         m, l = F32_NEG_INF, F32_ZERO                 # the row's running max and sum
         nan_row = False

@@ -367,8 +367,8 @@ class Launch:
             launches += self._decode_launches(kind, t, views, d_out, d_lse, state, guard_id)
         elif self.kernel == TENSOR_CORE:
             tc_tiles = max(1, -(-self.rows // tc.ROWS))
-            launches.append((tc.tc_kernel_for(kind, p.D, tc.reads_mask_or_pse(p), tc.walks(p),
-                                              tc.dequantizes(p)),
+            launches.append((tc.tc_kernel_for(kind, p.D, tc.masked_variant(p), tc.walks(p),
+                                              tc.dequantizes(p), p.softcap != 0),
                              (p.B * tc_tiles, p.N), tc.THREADS,
                              head + small + [tc_tiles] + tail + [t[field] for field in _CACHE]))
         if self.kernel == PORTABLE or guard_id != 0:
@@ -379,10 +379,10 @@ class Launch:
     def _decode_launches(self, kind, t, views, d_out, d_lse, state, guard_id):
         """The split kernel's and the finish kernel's launches."""
         from . import decode_kernel as dk
-        from .tc_kernel import dequantizes, reads_mask_or_pse, walks
+        from .tc_kernel import dequantizes, masked_variant, walks
         p, splits = self.p, self.splits
-        split, finish = dk.decode_kernels_for(kind, p.D, walks(p), reads_mask_or_pse(p),
-                                              dequantizes(p))
+        split, finish = dk.decode_kernels_for(kind, p.D, walks(p), masked_variant(p),
+                                              dequantizes(p), p.softcap != 0)
         ws = state.workspace(dk.workspace_floats(p, splits))
         geo = [t["table"], views["strides"], views["boff"], views["lens"], views["params"]]
         planes = [t[field] for field in ("channel", "kts", "kto", "vts", "vto")]
@@ -391,8 +391,9 @@ class Launch:
                                         t["mask16"], t["pse"], *geo, views["fparams"], ws,
                                         p.Sq, self.per_split, splits, state.guard, guard_id,
                                         *planes]),
-                (finish, fgrid, fblock, [ws, d_out, d_lse, t["v"], t["vp"], *geo, p.Sq, splits,
-                                         state.guard, guard_id, *planes])]
+                (finish, fgrid, fblock, [ws, d_out, d_lse, t["v"], t["vp"], *geo,
+                                         views["fparams"], p.Sq, splits, state.guard, guard_id,
+                                         *planes])]
 
 
 def guard_scans(p, kernel):

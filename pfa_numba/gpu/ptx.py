@@ -338,25 +338,30 @@ def syncwarp(typingctx):
 
 
 # ---------------------------------------------------------------------------------------------
-# exp2 for the online softmax
+# float32 functions on the SFU: exp2 for the online softmax, the reciprocal for the softcap
 # ---------------------------------------------------------------------------------------------
 
-def _exp2(ftz):
-    text = "ex2.approx" + (".ftz" if ftz else "") + ".f32 $0, $1;"
-
-    def exp2(typingctx, x):
+def _float32_unary(name, text, doc):
+    """An intrinsic of one scalar argument (float or integer), cast to float32, whose float32
+    value is the one PTX instruction ``text`` ($0 the result, $1 the argument)."""
+    def unary(typingctx, x):
         if not isinstance(x, (types.Float, types.Integer)):
             return None
-        sig = types.float32(x)
 
         def codegen(ctx, builder, sig, args):
             val = ctx.cast(builder, args[0], sig.args[0], types.float32)
             return _call_asm(builder, _F32, [_F32], text, "=f,f", [val], side_effect=False)
 
-        return sig, codegen
+        return types.float32(x), codegen
 
-    exp2.__name__ = "exp2_approx_ftz" if ftz else "exp2_approx"
-    exp2.__doc__ = f"""2 ** x in float32 on the SFU: PTX ``{text}``.
+    unary.__name__, unary.__doc__ = name, doc
+    return intrinsic(unary)
+
+
+def _exp2(ftz):
+    text = "ex2.approx" + (".ftz" if ftz else "") + ".f32 $0, $1;"
+    return _float32_unary("exp2_approx_ftz" if ftz else "exp2_approx", text, f"""2 ** x in
+    float32 on the SFU: PTX ``{text}``.
 
     {"Subnormal inputs and results flush to 0 (one MUFU.EX2)." if ftz else
      "Subnormals kept (a MUFU.EX2 plus the range scaling around it)."} Special values are what
@@ -365,11 +370,14 @@ def _exp2(ftz):
     float32 ulp), far below the 16-bit rounding P then goes through. The softmax uses it with
     the scale folded in: p = exp2(s * (scale * log2 e) - m) with m the running max of the same
     products; config.CUDA_EXP2_FTZ picks the form.
-    """
-    return intrinsic(exp2)
+    """)
 
 
 exp2_approx, exp2_approx_ftz = _exp2(False), _exp2(True)
+rcp_approx_ftz = _float32_unary("rcp_approx_ftz", "rcp.approx.ftz.f32 $0, $1;", """1 / x in
+    float32 on the SFU (one MUFU.RCP): PTX ``rcp.approx.ftz.f32``, within 1 ulp of the quotient
+    over the whole range (the ISA); 1 / inf = +0, 1 / 0 = inf, NaN stays NaN, subnormals flush
+    to 0.""")
 
 
 def _load_if(bits):
@@ -456,7 +464,8 @@ if numba.config.ENABLE_CUDASIM:     # the same names, rebound for the kernels th
                            copy_16_shared_to_global, cp_async_wait,  # noqa: F401,F811
                            cvt_f32_f16, exp2_approx, exp2_approx_ftz,  # noqa: F401,F811
                            fma_f32, load_u8_if, load_u16_if,  # noqa: F401,F811
-                           max_nan_f32, st_shared_u32, syncwarp,  # noqa: F401,F811
+                           max_nan_f32, rcp_approx_ftz, st_shared_u32,  # noqa: F401,F811
+                           syncwarp,  # noqa: F401,F811
                            ldmatrix_x4, ldmatrix_x4_trans,  # noqa: F401,F811
                            mma_m16n8k16_bf16, mma_m16n8k16_f16,  # noqa: F401,F811
                            pack_bf16x2, pack_f16x2, shfl_xor_sync)  # noqa: F401,F811

@@ -63,18 +63,18 @@ from .. import config
 from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, kv_tiles, row_band, row_outcome
 from ..numerics.core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_ZERO,
                              MASK_ADD_F16, MASK_DISCARD, MASK_NONE, bf16_to_f32, f16_to_f32,
-                             f32_to_bf16, f32_to_f16, lse_log2, online_update_log2)
+                             f32_to_bf16, f32_to_f16, online_update_log2, row_total_log2)
 from ..numerics.dtypes import F16, is_bf16
-from ..numerics.kernel_args import (F_SCALE, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS, P_G, P_IP,
-                                    P_LSE, P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_PK, T_PV, T_Q,
-                                    T_V, scale_factors)
+from ..numerics.kernel_args import (F_SCALE, F_SOFTCAP, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS,
+                                    P_G, P_IP, P_LSE, P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_PK,
+                                    T_PV, T_Q, T_V, scale_factors)
 from . import HEAD_DIMS
 from . import fragments as F
 from . import ptx as X
 from .guard import antiquant_reason, dequantizes
 from .dequant import make_dequant, row_tokens
-from .kernels import (IN_PREFIX, PAST_END, array_function, device_function, kv_at, kv_block_of,
-                      kv_place_in, kv_places, kv_value, thread_place)
+from .kernels import (IN_PREFIX, PAST_END, array_function, device_function, head_sink,
+                      kv_at, kv_block_of, kv_place_in, kv_places, kv_value, thread_place)
 
 #: query rows per warp / warps per block / rows per block / threads per block / keys per tile
 WARP_ROWS, WARPS = F.MMA_M, 4
@@ -230,14 +230,40 @@ def _warp_busy(lens, b, wi, j0):
     return wi < ql and j0 <= whi and j0 + BKV - 1 >= wlo
 
 
-def make_row_masks(ns, code):
+@array_function
+def softcap_terms(fparams):
+    """(cap2, k) of the call's softcap for :func:`make_softcap_log2`: the cap in log2 units
+    and 2 log2 e / cap2."""
+    cap2 = fparams[F_SOFTCAP] * LOG2E
+    return cap2, (LOG2E + LOG2E) / cap2
+
+
+def make_softcap_log2():
+    """``softcap_log2(t, cap)``: ``numerics.core.softcapped`` of a score t in log2 units,
+    cap = (cap2, k) of :func:`softcap_terms`: cap2 tanh(t / cap2), written as
+    cap2 - 2 cap2 / (1 + 2^(t k)) on the SFU (one ex2, one rcp: libdevice's tanh in every
+    accumulator's step would not leave the fragments in registers). Its error is a few
+    float32 ulp of cap2 (the 1 - 2 / (1 + e) cancels near 0), far below the 16-bit rounding of
+    P; +-inf give +-cap2 and NaN stays NaN, as tanh."""
+    exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
+
+    def softcap_log2(t, cap):
+        cap2, k = cap
+        return X.fma_f32(X.rcp_approx_ftz(F32_ONE + exp2(t * k)), -(cap2 + cap2), cap2)
+    return _device(softcap_log2)
+
+
+def make_row_masks(ns, code, capped=False):
     """The masked kernels' step for one row half of a tile's ``ns`` S n-tiles (``code``: the
-    inputs' CODE_F16 / CODE_BF16): ``row_masks(s, h, c2, lo, hi, p_at, m_at, ex)`` makes the
-    accumulators of row half h t = s * c2 (the scale in log2 units) inside the row's band
+    inputs' CODE_F16 / CODE_BF16; ``capped``: the call has a softcap):
+    ``row_masks(s, h, c2, lo, hi, p_at, m_at, ex)`` makes the accumulators of row half h
+    t = s * c2 (the scale in log2 units), softcapped where ``capped``, inside the row's band
     [lo, hi] (relative to the lane's first key) and -inf outside, then adds pse and the
     float16 mask and drops the discard mask's columns, read by predicated loads at constant
     offsets from the row's pse and mask at the lane's first key (``p_at``, ``m_at``: their
-    columns contiguous). ``ex``: (pse, mask8, mask16, has pse, mask kind, ...)."""
+    columns contiguous). ``ex``: (pse, mask8, mask16, has pse, mask kind, the rows' pse and
+    mask offsets, the softcap's :func:`softcap_terms`)."""
+    softcap_log2 = make_softcap_log2()
     def add_terms(s, h, src, at, lo, hi, weight, is_f16):
         """s of row half h += weight * the 16-bit terms of ``src`` at the lane's columns from
         ``at`` (read inside the band only)."""
@@ -255,7 +281,10 @@ def make_row_masks(ns, code):
         for nt in range(ns):
             for e in range(2):
                 x = 4 * nt + 2 * h + e
-                s[x] = banded(s[x] * c2, np.int32(8 * nt + e), lo, hi)
+                t = s[x] * c2
+                if capped:
+                    t = softcap_log2(t, ex[7])
+                s[x] = banded(t, np.int32(8 * nt + e), lo, hi)
         if has_pse:
             terms(s, h, pse, p_at, lo, hi, LOG2E, code == CODE_F16)
         if mask_kind == MASK_ADD_F16:
@@ -269,15 +298,17 @@ def make_row_masks(ns, code):
     return _device(row_masks)
 
 
-def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
+def tc_kernel_source(kind, d, masked=False, walk=False, int8=False, capped=False):
     """The kernel's Python source (before ``cuda.jit``) for ``kind`` ("f16" or "bf16"), head
     dim ``d`` (64 or 128), ``masked``: whether it reads a user mask and pse (the variant
     without them has no per-element loads in its kv loop), ``walk``: whether K/V rows are
     found through fused_infer_attention_score's kv sequence (a shared prefix, a paged pool's
     block table: ``kernels.kv_place``), else each batch's own contiguous rows, and ``int8``
     (walking): an int8 cache, each tile staged as int8 rows and dequantized into the tile by
-    the threads that copied them (``dequant.make_dequant``)."""
+    the threads that copied them (``dequant.make_dequant``); ``capped`` (masked): a softcap on
+    every score (:func:`make_softcap_log2`)."""
     assert kind in ("f16", "bf16") and d in HEAD_DIMS and (walk or not int8)
+    assert masked or not capped
     D = d
     KT = D // 16                       # k-steps of S = Q K^T; pairs of 8-column n-tiles of O
     NO = D // 8                        # n-tiles of O (8 head dims each)
@@ -293,7 +324,7 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
     to_f32 = f16_to_f32 if kind == "f16" else bf16_to_f32
     to_bits = f32_to_f16 if kind == "f16" else f32_to_bf16
     CODE = CODE_F16 if kind == "f16" else CODE_BF16
-    MASKED, WALK, INT8 = bool(masked), bool(walk), bool(int8)
+    MASKED, WALK, INT8, CAPPED = bool(masked), bool(walk), bool(int8), bool(capped)
     ALIGN = None if SIMULATOR else 16  # the simulator's shared arrays take no alignment
     # a staged kv row: 16-bit words in shared memory, 16-byte chunks each thread copies a
     # tile, rows between them; int8 rows are staged past each tile (at RAW_AT), unswizzled
@@ -426,7 +457,7 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
                             vs, F.swizzle_step(a_at, 16 * kk, 16 * dp, D)))
         return _device(tile_step)
 
-    row_masks = make_row_masks(NS, CODE)
+    row_masks = make_row_masks(NS, CODE, CAPPED)
     scores = _device(scores)
     tile_inside, tile_edge = make_tile_step(False), make_tile_step(True)
 
@@ -474,12 +505,13 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
         # it keeps the max of the scores the max of the weights' exponents)
         c2 = fparams[F_SCALE] * LOG2E
         rows = (lens, b, ql, kl, pre_e, next_e, abs(c2))
-        # the masked variant's pse and mask rows of the lane's two query rows
+        # the masked variant's pse and mask rows of the lane's two query rows, its softcap
         ia = wi + g4
         p_row, m_row = boff[T_P, b] + n * strides[T_P, 0], boff[T_M, b]
         ex = (pse, mask8, mask16, params[P_PSE] != 0, params[P_MASK],
               (p_row + ia * strides[T_P, 1], p_row + (ia + 8) * strides[T_P, 1]),
-              (m_row + ia * strides[T_M, 1], m_row + (ia + 8) * strides[T_M, 1]))
+              (m_row + ia * strides[T_M, 1], m_row + (ia + 8) * strides[T_M, 1]),
+              softcap_terms(fparams) if CAPPED else (F32_ZERO, F32_ZERO))
         smem, frag = (ks, vs), (qa, o, s, pa, mr, lr)
         if ntiles > 0:
             # Q: through the K buffer into registers, once
@@ -511,18 +543,21 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
             jn = jstart + _tile_order(idx + 1, ta, tb) * BKV if idx + 1 < ntiles else -1
             tile_edge(j0, jn, smem, kv, frag, lane_at, rows, ex, dq)
 
-        # finish: the row sums over the quad, the division, the rows of contract 'Empty rows',
-        # lse; the output staged in the K buffer (free: no copy into it is pending and every
-        # warp is past its last read), then written 16 bytes at a time
+        # finish: the row sums over the quad, the head's sink, the division, the rows of
+        # contract 'Empty rows', lse; the output staged in the K buffer (free: no copy into it
+        # is pending and every warp is past its last read), then written 16 bytes at a time
         for h in range(2):
             for sh in (1, 2):
                 lr[h] += X.shfl_xor_sync(FULL, lr[h], sh)
-        rows_b = lens[L_ROWS, b]
+        rows_b, sink = lens[L_ROWS, b], head_sink(fparams, n)
         for h in range(2):
             i = wi + g4 + 8 * h
             rs = w * WARP_ROWS + g4 + 8 * h                 # its row in the staging tile
             outcome, mlo, mhi, denom = row_outcome(i < ql, mr[h], lr[h], params[P_IP], i,
                                                    pre_e, next_e, kl)
+            row_lse = F32_NEG_INF
+            if outcome == ROW_SOFTMAX:     # a row that kept a score: its sink joins the sum
+                denom, row_lse = row_total_log2(mr[h], lr[h], sink)
             # contract 'Empty rows': the mean of V over the band
             if outcome == ROW_MEAN:
                 for col in range(2 * t4, D, 8):
@@ -539,10 +574,7 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False):
                         y0, y1 = o[4 * dt + 2 * h] / denom, o[4 * dt + 2 * h + 1] / denom
                     X.st_shared_u32(ks, F.swizzle(rs, 8 * dt + 2 * t4, D), pack(y0, y1))
             if params[P_LSE] != 0 and t4 == 0 and i < rows_b:
-                val = F32_NEG_INF
-                if outcome == ROW_SOFTMAX:
-                    val = lse_log2(mr[h], lr[h])
-                lse[boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]] = val
+                lse[boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]] = row_lse
         X.syncwarp()
         o_at = _row(boff, strides, T_O, b, n, wi)
         for it in range(OUT_CHUNKS):
@@ -563,6 +595,13 @@ def reads_mask_or_pse(p):
     return p.mask_kind != MASK_NONE or p.pse is not None
 
 
+def masked_variant(p):
+    """Whether planned problem ``p`` takes the kernels' ``masked`` variants, whose scores are
+    made per accumulator: a user mask or pse to read (:func:`reads_mask_or_pse`), or a
+    softcap."""
+    return reads_mask_or_pse(p) or p.softcap != 0
+
+
 def walks(p):
     """Whether planned problem ``p``'s K/V rows are found through the kv sequence (the
     kernels' ``walk`` variants): a shared prefix, a block table, or an int8 cache (whose rows'
@@ -572,11 +611,11 @@ def walks(p):
                                   or dequantizes(p))
 
 
-def tc_kernel_for(kind, d, masked, walk=False, int8=False):
+def tc_kernel_for(kind, d, masked, walk=False, int8=False, capped=False):
     """The compiled (lazily, on first launch) tensor-core kernel for ``kind``, ``d``,
-    ``masked`` (a user mask or pse to read), ``walk`` (kv rows through the kv sequence) and
-    ``int8`` (an int8 cache)."""
-    key = kind, d, bool(masked), bool(walk), bool(int8)
+    ``masked`` (scores per accumulator: :func:`masked_variant`), ``walk`` (kv rows through
+    the kv sequence), ``int8`` (an int8 cache) and ``capped`` (a softcap)."""
+    key = kind, d, bool(masked), bool(walk), bool(int8), bool(capped)
     if key not in _KERNELS:
         bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
         _KERNELS[key] = cuda.jit(tc_kernel_source(*key), fastmath=False, **bounds)
@@ -597,11 +636,12 @@ def tc_signature(int8=False):
                             kv_cache=True)
 
 
-def tc_ptx(kind, d, cc, masked=False, walk=False, int8=False):
+def tc_ptx(kind, d, cc, masked=False, walk=False, int8=False, capped=False):
     """The PTX of the tensor-core kernel for ``kind``, ``d``, compute capability ``cc``,
-    ``masked``, ``walk`` and ``int8`` (compiled without a GPU)."""
-    ptx, _ = cuda.compile_ptx(tc_kernel_source(kind, d, masked, walk, int8), tc_signature(int8),
-                              cc=cc, fastmath=False, launch_bounds=(THREADS,))
+    ``masked``, ``walk``, ``int8`` and ``capped`` (compiled without a GPU)."""
+    ptx, _ = cuda.compile_ptx(tc_kernel_source(kind, d, masked, walk, int8, capped),
+                              tc_signature(int8), cc=cc, fastmath=False,
+                              launch_bounds=(THREADS,))
     return ptx
 
 
@@ -609,16 +649,25 @@ def tc_ptx(kind, d, cc, masked=False, walk=False, int8=False):
 KV_SOURCES = {(False, False): "", (True, False): "_walk", (True, True): "_int8"}
 
 
+def capped_forms(masked, walk):
+    """The ``capped`` values whose PTX files are written for a ``masked`` and ``walk``
+    specialisation: a softcap's variant of the masked contiguous ones (the others compile
+    alike, on first use)."""
+    return (False, True) if masked and not walk else (False,)
+
+
 def ptx_names():
-    """{file name: (kind, head dim, compute capability, masked, walk, int8)} of every
-    specialisation, e.g. ``tc_bf16_d128_sm90.ptx``, ``tc_bf16_d128_masked_sm90.ptx`` (a user
-    mask or pse read per element), ``tc_bf16_d128_walk_sm90.ptx`` (K/V rows through a shared
-    prefix or a block table) and ``tc_bf16_d128_int8_sm90.ptx`` (an int8 cache, walked); the
-    band, the lengths and lse are runtime data, not variants."""
-    return {f"tc_{kind}_d{d}{'_masked' if masked else ''}{suffix}"
-            f"_sm{cc[0]}{cc[1]}.ptx": (kind, d, cc, masked, walk, int8)
+    """{file name: (kind, head dim, compute capability, masked, walk, int8, capped)} of every
+    specialisation written, e.g. ``tc_bf16_d128_sm90.ptx``, ``tc_bf16_d128_masked_sm90.ptx``
+    (a user mask or pse read per element), ``tc_bf16_d128_masked_capped_sm90.ptx`` (and a
+    softcap on every score), ``tc_bf16_d128_walk_sm90.ptx`` (K/V rows through a shared prefix
+    or a block table) and ``tc_bf16_d128_int8_sm90.ptx`` (an int8 cache, walked); the band,
+    the lengths, the sinks and lse are runtime data, not variants."""
+    return {f"tc_{kind}_d{d}{'_masked' if masked else ''}{'_capped' if capped else ''}{suffix}"
+            f"_sm{cc[0]}{cc[1]}.ptx": (kind, d, cc, masked, walk, int8, capped)
             for kind in ("f16", "bf16") for d in HEAD_DIMS for masked in (False, True)
-            for (walk, int8), suffix in KV_SOURCES.items() for cc in PTX_ARCHS}
+            for (walk, int8), suffix in KV_SOURCES.items()
+            for capped in capped_forms(masked, walk) for cc in PTX_ARCHS}
 
 
 def loop_names(masked):

@@ -172,6 +172,16 @@ def exp2_approx_ftz(x):
     return np.float32(0.0) if abs(y) < _TINY else y
 
 
+def rcp_approx_ftz(x):
+    """1 / x in float32, subnormal inputs and results flushed to 0 (to signed zero and inf)."""
+    x = np.float32(x)
+    if abs(x) < _TINY:
+        x = np.copysign(np.float32(0.0), x)
+    with np.errstate(divide="ignore"):
+        y = np.float32(1.0) / x
+    return np.copysign(np.float32(0.0), y) if abs(y) < _TINY else y
+
+
 def fma_f32(a, b, c):
     """fma.rn.f32: the float32 product is exact in float64, then one rounding of the sum
     (a second rounding only in ties far below what the tests resolve)."""

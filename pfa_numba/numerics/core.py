@@ -465,6 +465,14 @@ def lse_value(m, l, post_e):
 
 
 @jit
+def softcapped(s, cap):
+    """cap * tanh(s / cap): score s softcapped (cap > 0, in the score's units: the kernels in
+    log2 units cap t = s * log2 e by cap * log2 e, the same function)."""
+    cap = np.float32(cap)
+    return cap * np.float32(math.tanh(np.float32(s) / cap))
+
+
+@jit
 def sink_of(sinks, n):
     """Query head n's sink logit (``sinks``: one a query head), or -inf where ``sinks`` is
     empty: no sink, a term of 0."""
@@ -506,6 +514,15 @@ def lse_log2(m, l):
     """softmax_lse of a finished softmax row from its running max m in log2 units and its sum
     l: (m + log2 l) * ln 2 (:func:`lse_value` for kernels in log2 units)."""
     return (np.float32(m) + np.float32(math.log2(np.float32(l)))) * _LN2_F32
+
+
+@jit
+def row_total_log2(m, l, sink):
+    """:func:`row_total` of a row whose running max m is in log2 units (the tensor-core
+    kernels): (denominator, softmax_lse); without a sink (-inf), l and :func:`lse_log2`."""
+    if np.float32(sink) == F32_NEG_INF:
+        return np.float32(l), lse_log2(m, l)
+    return row_total(np.float32(m) * _LN2_F32, l, sink, 0)
 
 
 # ---------------------------------------------------------------------------------------------

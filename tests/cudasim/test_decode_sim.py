@@ -16,10 +16,11 @@ import numba  # noqa: E402
 from numba import cuda  # noqa: E402
 
 import test_fia  # noqa: E402
-from pfa_numba import config  # noqa: E402
+from pfa_numba import config, reference  # noqa: E402
 from pfa_numba.fia import fused_infer_attention_score  # noqa: E402
 from pfa_numba.gpu import device  # noqa: E402
-from _cases import BF16  # noqa: E402
+from pfa_numba.sdpa import _attend  # noqa: E402
+from _cases import BF16, assert_matches_reference  # noqa: E402
 from test_fia import _check, _x  # noqa: E402
 
 SIMULATED = bool(numba.config.ENABLE_CUDASIM)
@@ -187,3 +188,29 @@ def test_int8_token_scale_beyond_float16_goes_to_the_portable_kernel():
                                   d=d)
     kw["value_antiquant_scale"][0, 7] = 1000.0             # |v| up to 128000 in row 7
     _check((q, k, v), _kw(n, nkv, d, **kw), F16)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["dense", "bool mask"])
+def test_sdpa_softcap_and_sinks(masked):
+    """The SDPA drop-in's extensions on the decode kernel: a softcap (the masked variant caps
+    every accumulator) and sink logits, which join each row's sum once, after the splits
+    merge (one far above the scores), with the lse; with a bool mask whose second batch keeps
+    nothing (zeros: the sink does not join a row that kept no score)."""
+    rng = np.random.default_rng(11)
+    q = (_x(rng, (2, 4, 1, 64), F16).astype(np.float32) * 4).astype(F16)
+    k, v = (_x(rng, (2, 2, 150, 64), F16) for _ in range(2))
+    sinks = np.array([-2.0, 0.5, 3.0, 9.0], np.float32)
+    keep = None
+    kw = dict(num_heads=4, num_key_value_heads=2, input_layout="BNSD", scale_value=0.125,
+              inner_precise=2, next_tokens=2147483647, softcap=3.0, sinks=sinks)
+    if masked:
+        keep = rng.random((2, 1, 1, 150)) < 0.7
+        keep[1] = False
+        kw.update(attn_mask=~keep, sparse_mode=1)
+    options = dict(dropout_p=0.0, is_causal=False, scale=None, enable_gqa=True, softcap=3.0)
+    out, lse = _attend((q, k, v, keep, sinks), options, want_lse=True, device="cuda")
+    ref = assert_matches_reference(out, (q, k, v), kw, F16, lse=lse)
+    plain = reference.prompt_flash_attention(q, k, v, **dict(kw, softcap=None, sinks=None))
+    assert np.abs(plain - ref).max() > 0.05          # the extensions changed the result
+    if masked:
+        assert not out[1].any()

@@ -44,7 +44,7 @@ def tensor_core_route(monkeypatch):
     monkeypatch.setattr(config, "CUDA_Q_ROWS", 4)
     monkeypatch.setattr(config, "CUDA_KV_COLS", 3)
     monkeypatch.setattr(device, "compute_capability", lambda: (9, 0))
-    launch, empty = device.launch, device.empty
+    launch = device.launch
 
     def without_tc(kernel, grid, block, stream, args):
         if getattr(kernel, "py_func", kernel).__name__ != "attention_tc":
@@ -57,7 +57,7 @@ def tensor_core_route(monkeypatch):
     def attention_tc(*args):
         """What stands in for the tensor-core kernel (never launched here)."""
 
-    monkeypatch.setattr(T, "tc_kernel_for", lambda kind, d, masked, walk, int8: attention_tc)
+    monkeypatch.setattr(T, "tc_kernel_for", lambda *spec: attention_tc)
     monkeypatch.setattr(device, "launch", without_tc)
     monkeypatch.setattr(device, "empty", nan_filled)
 

@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numba  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from pfa_numba import fused_infer_attention_score, prompt_flash_attention  # noqa: E402
+from pfa_numba import fused_infer_attention_score, prompt_flash_attention, reference  # noqa: E402
+from pfa_numba.sdpa import _attend  # noqa: E402
 from pfa_numba.gpu import device  # noqa: E402
 from _cases import assert_matches_reference, qkv  # noqa: E402
 
@@ -98,6 +99,25 @@ def test_user_mask_pse_and_empty_rows(tensor_core_device, ip):
                                                  pre_tokens=40, next_tokens=10,
                                                  inner_precise=ip), np.float16,
          tensor_core_device)
+
+
+@pytest.mark.parametrize("dtype,d", [(np.float16, 64), (BF16, 128)], ids=["fp16", "bf16"])
+def test_sdpa_softcap_and_sinks_causal_gqa(tensor_core_device, dtype, d):
+    """The SDPA drop-in's extensions on the tensor-core kernel: a softcap (the masked variant
+    caps every accumulator) and sink logits (the finish: one far above the scores, whose rows
+    are nearly all sink), causal (top-left) with GQA, and the lse taking the sinks."""
+    rng = np.random.default_rng(10)
+    q, k, v = qkv(rng, "BNSD", dtype, 1, 2, 1, 70, 83, d)
+    q = (q.astype(np.float32) * 4).astype(dtype)      # scores well past the cap
+    sinks = np.array([-1.0, 9.0], np.float32)
+    options = dict(dropout_p=0.0, is_causal=True, scale=None, enable_gqa=True, softcap=2.0)
+    out, lse = _attend((q, k, v, None, sinks), options, want_lse=True, device="cuda")
+    assert "the cuda tensor-core kernel runs this call" in tensor_core_device.text
+    kw = dict(num_heads=2, num_key_value_heads=1, input_layout="BNSD", scale_value=d ** -0.5,
+              inner_precise=2, sparse_mode=2, attn_mask=CAUSAL, softcap=2.0, sinks=sinks)
+    ref = assert_matches_reference(out, (q, k, v), kw, dtype, lse=lse)
+    plain = reference.prompt_flash_attention(q, k, v, **dict(kw, softcap=None, sinks=None))
+    assert np.abs(plain - ref).max() > 0.05          # the extensions changed the result
 
 
 def test_float16_additive_mask_d128(tensor_core_device):

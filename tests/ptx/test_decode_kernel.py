@@ -25,7 +25,7 @@ F64 = re.compile(r"\.f64\b")
 #: every float16 sm_90 specialisation, the plain bfloat16 and sm_80 ones (the same source:
 #: the lane's time goes to compiling)
 SPECS = [pytest.param(*spec, id=name[:-4]) for name, spec in DK.ptx_names().items()
-         if (spec[0] == "f16" and spec[2] == (9, 0)) or not (spec[3] or spec[4])]
+         if (spec[0] == "f16" and spec[2] == (9, 0)) or not (spec[3] or spec[4] or spec[6])]
 #: the int8 variants dequantize each warp's rows into a 16-bit tile (a token pair a row,
 #: two channel values and a conversion a value): their figures by (head dim, masked), and
 #: the spill bytes of the one that spills (masked at D 128: 255 registers)
@@ -39,11 +39,14 @@ INT8_SPILLS = {(128, True): 20}
 TILE_CEILINGS = {(64, False, False): 430, (128, False, False): 670, (64, True, False): 1270,
                  (128, True, False): 2380, (64, False, True): 650, (128, False, True): 880,
                  (64, True, True): 1470, (128, True, True): 2600}
+#: the capped variants (masked, contiguous; an ex2, a reciprocal and an fma an accumulator
+#: for the softcap): that loop's figures by head dim
+CAPPED_CEILINGS = {64: 680, 128: 900}
 
 
-@pytest.mark.parametrize("kind, d, cc, walk, masked, int8", SPECS)
-def test_decode_kernel_compiles_lean(kind, d, cc, walk, masked, int8, tmp_path):
-    ptx = DK.decode_ptx(kind, d, cc, walk, masked, int8)
+@pytest.mark.parametrize("kind, d, cc, walk, masked, int8, capped", SPECS)
+def test_decode_kernel_compiles_lean(kind, d, cc, walk, masked, int8, capped, tmp_path):
+    ptx = DK.decode_ptx(kind, d, cc, walk, masked, int8, capped)
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
     # per tile and warp: S is 2 n-tiles x d/16 k-steps, O += P V d/8 n-tiles; three kv loops
     # (tiles before the band's interior, inside it, after it), two in the masked variant
@@ -57,6 +60,7 @@ def test_decode_kernel_compiles_lean(kind, d, cc, walk, masked, int8, tmp_path):
     assert not bad, "fp64 instructions in the decode kernel's PTX:\n" + "\n".join(bad[:20])
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert ("ld.global.nc.u8" in ptx) == masked       # the mask read per element: masked only
+    assert ("rcp.approx.ftz.f32" in ptx) == capped    # the softcap's reciprocal: capped only
 
     log, _ = assemble(ptx, cc, tmp_path, f"decode {kind} D={d}",
                       spills=INT8_SPILLS.get((d, masked), 0) if int8 else 0)
@@ -72,7 +76,8 @@ def test_decode_kernel_compiles_lean(kind, d, cc, walk, masked, int8, tmp_path):
     assert s["spill_bytes"] <= (INT8_SPILLS.get((d, masked), 0) if int8 else 0), s
     assert len(s["loops"]) == loops, s
     assert all(loop["hmma"] == 2 * d // 16 + d // 8 for loop in s["loops"]), s
-    ceiling = INT8_CEILINGS[d, masked] if int8 else TILE_CEILINGS[d, walk, masked]
+    ceiling = (INT8_CEILINGS[d, masked] if int8 else CAPPED_CEILINGS[d] if capped
+               else TILE_CEILINGS[d, walk, masked])
     assert s["loops"][1]["instructions"] <= ceiling, s
 
 

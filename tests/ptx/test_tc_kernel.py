@@ -30,10 +30,10 @@ from test_tensor_core_ptx import assemble  # noqa: E402
 F64 = re.compile(r"\.f64\b")
 #: every plain specialisation, the masked ones for sm_90 (the same source as sm_80's: the
 #: lane's time goes to compiling, and the sm_80 plain ones already hold the arch difference),
-#: and the float16 sm_90 ones that walk the kv sequence (int8 caches too)
+#: and the float16 sm_90 ones that walk the kv sequence (int8 caches too) or cap the scores
 SPECS = [pytest.param(*spec, id=name[:-4]) for name, spec in T.ptx_names().items()
-         if (not spec[4] and (not spec[3] or spec[2] == (9, 0)))
-         or (spec[4] and spec[0] == "f16" and spec[2] == (9, 0))]
+         if (not spec[4] and not spec[6] and (not spec[3] or spec[2] == (9, 0)))
+         or ((spec[4] or spec[6]) and spec[0] == "f16" and spec[2] == (9, 0))]
 _PTX = {}
 
 
@@ -46,8 +46,10 @@ def tc_ptx(*spec):
 def test_cuda_ptx_command_writes_one_file_a_specialisation(tmp_path):
     from pfa_numba.cli.main import main
     from pfa_numba.gpu import sass
-    assert len(T.ptx_names()) == 48 and "tc_bf16_d128_masked_walk_sm90.ptx" in T.ptx_names()
-    assert T.ptx_names()["tc_f16_d64_int8_sm80.ptx"] == ("f16", 64, (8, 0), False, True, True)
+    assert len(T.ptx_names()) == 56 and "tc_bf16_d128_masked_walk_sm90.ptx" in T.ptx_names()
+    assert T.ptx_names()["tc_f16_d64_int8_sm80.ptx"] == ("f16", 64, (8, 0), False, True, True,
+                                                         False)
+    assert T.ptx_names()["tc_f16_d64_masked_capped_sm80.ptx"][3:] == (True, False, False, True)
     assert main(["cuda-ptx", "--out", str(tmp_path), "--filter", "tc_f16_d64_sm80"]) == 0
     written = sorted(p.name for p in tmp_path.iterdir())
     with_sass = ["tc_f16_d64_sm80.sass.txt"] if not sass.missing_tools() else []
@@ -60,10 +62,10 @@ def test_cuda_ptx_command_writes_one_file_a_specialisation(tmp_path):
     assert not F64.search(ptx)
 
 
-@pytest.mark.parametrize("kind, d, cc, masked, walk, int8", SPECS)
+@pytest.mark.parametrize("kind, d, cc, masked, walk, int8, capped", SPECS)
 def test_tc_kernel_compiles_with_the_tensor_core_instructions(kind, d, cc, masked, walk, int8,
-                                                               tmp_path):
-    ptx = tc_ptx(kind, d, cc, masked, walk, int8)
+                                                               capped, tmp_path):
+    ptx = tc_ptx(kind, d, cc, masked, walk, int8, capped)
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
     # per tile: S = Q K^T is 8 n-tiles x d/16 k-steps, O += P V is d/8 n-tiles x 4 k-steps,
     # once per kv loop (the plain variant has two: tiles inside the band, tiles crossing it)
@@ -76,6 +78,7 @@ def test_tc_kernel_compiles_with_the_tensor_core_instructions(kind, d, cc, maske
                    f"cvt.rn.{kind}x2.f32", "bar.sync", "st.global.v4.b32"):
         assert needle in ptx, needle
     assert ("ld.global.nc.u8" in ptx) == masked       # the mask read per element: masked only
+    assert ("rcp.approx.ftz.f32" in ptx) == capped    # the softcap's reciprocal: capped only
     bad = [line.strip() for line in ptx.splitlines() if F64.search(line)]
     assert not bad, "fp64 instructions in the tensor-core kernel's PTX:\n" + "\n".join(bad[:20])
     assert "ld.local" not in ptx and "st.local" not in ptx   # fragments stayed in registers
@@ -84,8 +87,8 @@ def test_tc_kernel_compiles_with_the_tensor_core_instructions(kind, d, cc, maske
     smem = re.search(r"(\d+) bytes smem", log)
     # one K and one V tile (and, for an int8 cache, the int8 rows staged past each)
     assert smem and int(smem.group(1)) == 2 * 64 * d * 2 + (2 * 64 * d if int8 else 0)
-    _holds_the_sass_targets(kind, d, cc, masked, walk, int8, tmp_path / f"tc {kind} D={d}.cubin",
-                            log)
+    _holds_the_sass_targets(kind, d, cc, (masked, capped), walk, int8,
+                            tmp_path / f"tc {kind} D={d}.cubin", log)
 
 
 #: the issue's targets for the kv loop of the plain variant (the one dense, causal and banded
@@ -98,14 +101,18 @@ PER_HMMA_TARGET = 8.0
 PER_HMMA_CEILINGS = {(64, False): 9.9, (128, False): 6.75, (64, True): 19.5, (128, True): 11.4}
 #: the variants that walk the kv sequence (a block-table lookup a K row, reused by its V row;
 #: 64-bit row offsets), by (head dim, masked): instructions per HMMA of the last loop
+#: the capped variants (masked, and an ex2, a reciprocal and an fma an accumulator for the
+#: softcap), by head dim: instructions per HMMA of their loop
+CAPPED_CEILINGS = {64: 22.6, 128: 12.7}
 WALK_CEILINGS = {(64, False): 25.5, (128, False): 21.6, (64, True): 34.9, (128, True): 26.4}
 #: the int8 variants (each thread dequantizes the chunks it copied: a token pair a row, two
 #: channel values and a conversion a value), the same way
 INT8_CEILINGS = {(64, False): 33.2, (128, False): 22.1, (64, True): 43.5, (128, True): 26.6}
 
 
-def _holds_the_sass_targets(kind, d, cc, masked, walk, int8, cubin, log):
+def _holds_the_sass_targets(kind, d, cc, variant, walk, int8, cubin, log):
     from pfa_numba.gpu import sass
+    masked, capped = variant
     missing = sass.missing_tools()
     if missing:
         pytest.skip(f"the wheels of {missing} (test extra) are not installed: no SASS")
@@ -123,7 +130,8 @@ def _holds_the_sass_targets(kind, d, cc, masked, walk, int8, cubin, log):
         assert all(loop["imad_wide"] == 0 for loop in loops), s
         if not masked:
             assert loops[0]["per_hmma"] <= PER_HMMA_TARGET, s
-        assert loops[-1]["per_hmma"] <= PER_HMMA_CEILINGS[d, masked], s
+        ceiling = CAPPED_CEILINGS[d] if capped else PER_HMMA_CEILINGS[d, masked]
+        assert loops[-1]["per_hmma"] <= ceiling, s
     assert set(s["store_bits"]) == {32, 128}, s     # 16-byte output stores, float32 lse
 
 
