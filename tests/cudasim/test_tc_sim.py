@@ -120,6 +120,27 @@ def test_sdpa_softcap_and_sinks_causal_gqa(tensor_core_device, dtype, d):
     assert np.abs(plain - ref).max() > 0.05          # the extensions changed the result
 
 
+@pytest.mark.skipif(not SIMULATED, reason="calls the device function as Python")
+def test_the_sfu_softcap_is_the_tanh_cap():
+    """The capped variants' softcap (cap2 - 2 cap2 / (1 + 2^(t k)), log2 units) is
+    cap2 tanh(t / cap2) within a few float32 ulp of cap2 (exact exp2 and reciprocal here: the
+    algebra and the special values), +-inf give +-cap2 and NaN stays NaN."""
+    from pfa_numba.gpu.tc_kernel import LOG2E, make_softcap_log2, softcap_terms
+    softcap_log2 = make_softcap_log2()
+    for softcap in (0.5, 30.0, 50.0):
+        cap = softcap_terms(np.array([0, 0, 0, 0, 0, 0, softcap], np.float32))
+        cap2 = float(cap[0])
+        assert cap2 == np.float32(softcap) * LOG2E
+        for t in np.concatenate([np.linspace(-6, 6, 121) * cap2, [0.0, 1e-30, -1e-6]]):
+            t = np.float32(t)
+            got = float(softcap_log2(t, cap))
+            assert abs(got - cap2 * np.tanh(np.float64(t) / cap2)) <= 8 * np.spacing(
+                np.float32(cap2)), (softcap, t, got)
+        assert softcap_log2(np.float32(np.inf), cap) == np.float32(cap2)
+        assert softcap_log2(np.float32(-np.inf), cap) == -np.float32(cap2)
+        assert np.isnan(softcap_log2(np.float32(np.nan), cap))
+
+
 def test_float16_additive_mask_d128(tensor_core_device):
     rng = np.random.default_rng(4)
     q, k, v = qkv(rng, "BNSD", np.float16, 1, 1, 1, 20, 70, 128)
