@@ -15,7 +15,8 @@ runs the script again with that folder first on PYTHONPATH and the project secon
 1. Correctness: pfa_numba on CUDA (Numba device arrays, and torch tensors when torch has CUDA)
    against pfa_numba.reference (the first kv group's heads) and the CPU path (every head), for
    fp16, bf16 and fp32, dense / causal / band / user mask / pse / GQA / varlen, and a V holding
-   inf (the tensor-core route's guard); every case is reported, then the script fails if any did.
+   inf (the tensor-core route's guard); the SDPA drop-in's softcap and sinks on the
+   tensor-core and decode kernels; every case is reported, then the script fails if any did.
 2. Speed: for fp16 and bf16 at the shapes of SHAPES, on torch tensors: 50 back-to-back calls
    between two synchronisations, median of 5 such runs, for a whole call, a planned call
    (PfaPlan) and torch SDPA's FLASH backend, alternating; beside them the device time of one
@@ -148,15 +149,8 @@ def _check_case(name, dt, c):
     sub = (q[:, :g], k[:, :1], v[:, :1], mask, lens, None, None if pse is None else pse[:, :g])
     ref = reference.prompt_flash_attention(*sub, **dict(kw, num_heads=g, num_key_value_heads=0))
 
-    def err(a, b):
-        a, b = a.astype(np.float64), np.asarray(b, np.float64)
-        if not np.array_equal(np.isfinite(a), np.isfinite(b)):
-            return np.inf
-        fin = np.isfinite(b)
-        return np.abs(a[fin] - b[fin]).max(initial=0.0)
-
-    err_gpu, err_cpu = err(out_dev[:, :g], ref), err(out_cpu[:, :g], ref)
-    err_all = err(out_dev, out_cpu)              # every head: cuda against the cpu path
+    err_gpu, err_cpu = _max_err(out_dev[:, :g], ref), _max_err(out_cpu[:, :g], ref)
+    err_all = _max_err(out_dev, out_cpu)         # every head: cuda against the cpu path
     good = err_gpu <= 2 * err_cpu + 1e-3 and err_all <= 2 * err_cpu + 2e-3
     print(f"  {name:26s} max err vs reference: cuda {err_gpu:.2e}, cpu {err_cpu:.2e}; "
           f"all heads |cuda - cpu| {err_all:.2e} ({t_gpu:.2f} s incl. JIT)  "
@@ -171,6 +165,57 @@ def _check_case(name, dt, c):
     same = np.array_equal(_from_torch(torch, to).view(np.uint8), out_dev.view(np.uint8))
     print(f"  {'':26s} torch tensors in/out: {'identical' if same else 'DIFFER'}")
     return bool(good) and same
+
+
+def _max_err(a, b):
+    """max |a - b| over the finite values of b; inf where a and b are not finite alike."""
+    import numpy as np
+    a, b = np.asarray(a).astype(np.float64), np.asarray(b, np.float64)
+    if not np.array_equal(np.isfinite(a), np.isfinite(b)):
+        return np.inf
+    fin = np.isfinite(b)
+    return np.abs(a[fin] - b[fin]).max(initial=0.0)
+
+
+def check_extensions(quick):
+    """The SDPA drop-in's softcap and sinks (NumPy arrays, device="cuda") on the tensor-core
+    kernel (a causal prefill) and the decode kernel (one query row a head), against the
+    reference (the first kv group's heads) and the CPU path (every head); the log line names
+    the kernel that ran."""
+    import logging
+
+    import ml_dtypes
+    import numpy as np
+
+    from pfa_numba import reference, scaled_dot_product_attention
+    logging.basicConfig(format="    %(message)s")
+    logging.getLogger("pfa_numba.cuda").setLevel(logging.INFO)
+    s = 256 if quick else 1024
+    ok = True
+    for name, dt, (b, n, nkv, sq, skv, d), causal in (
+            ("fp16 softcap+sinks causal", np.float16, (1, 8, 2, s, s, 128), True),
+            ("bf16 softcap+sinks decode", ml_dtypes.bfloat16, (4, 32, 8, 1, 4 * s, 128), False)):
+        rng = np.random.default_rng(1)
+        q, k, v = (rng.standard_normal(shape).astype(np.float32).astype(dt) for shape in
+                   ((b, n, sq, d), (b, nkv, skv, d), (b, nkv, skv, d)))
+        q = (q.astype(np.float32) * 3).astype(dt)          # scores past the cap
+        sinks = rng.standard_normal(n).astype(np.float32) * 2
+        kw = dict(is_causal=causal, enable_gqa=True, softcap=5.0, sinks=sinks)
+        out_dev = scaled_dot_product_attention(q, k, v, **kw, device="cuda")
+        out_cpu = scaled_dot_product_attention(q, k, v, **kw)
+        g = n // nkv
+        ref = reference.prompt_flash_attention(
+            q[:, :g], k[:, :1], v[:, :1], np.triu(np.ones((2048, 2048), bool), 1) if causal
+            else None, num_heads=g, input_layout="BNSD", scale_value=d ** -0.5,
+            sparse_mode=2 if causal else 0, next_tokens=0 if causal else 2147483647,
+            inner_precise=2, softcap=5.0, sinks=sinks[:g])
+        err_gpu, err_cpu = _max_err(out_dev[:, :g], ref), _max_err(out_cpu[:, :g], ref)
+        err_all = _max_err(out_dev, out_cpu)
+        good = err_gpu <= 2 * err_cpu + 1e-3 and err_all <= 2 * err_cpu + 2e-3
+        print(f"  {name:26s} max err vs reference: cuda {err_gpu:.2e}, cpu {err_cpu:.2e}; "
+              f"all heads |cuda - cpu| {err_all:.2e}  {'OK' if good else 'FAIL'}", flush=True)
+        ok &= bool(good)
+    return ok
 
 
 def _torch_cuda():
@@ -492,6 +537,11 @@ def main():
         return 0 if ok else 1
     print("correctness at realistic sizes:")
     ok = check(args.quick)
+    try:
+        ok &= check_extensions(args.quick)
+    except Exception:                       # report it, go on to the speed table, then fail
+        traceback.print_exc()
+        ok = False
     bench(args.quick)
     if args.tiles:
         tiles(args.quick)
