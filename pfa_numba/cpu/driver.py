@@ -11,7 +11,7 @@ import threading
 from numba import njit, prange
 from .. import config
 from ..numerics.core import CODE_F16, CODE_F32, quantize_output, widen
-from ..numerics.kernel_args import kernel_args, output_scales, scale_factors
+from ..numerics.kernel_args import F_SINKS, F_SOFTCAP, kernel_args, output_scales, scale_factors
 from . import _gemm
 from ._blas import sgemm_address
 from .amx_pack import AMX_MAX_SCALE
@@ -223,11 +223,9 @@ class Launch:
         ins = Inputs(a.q if q is None else q, a.k if k is None else k, a.v if v is None else v,
                      a.kp, a.vp, a.table, a.channel, *a.tokens)
         outs = Outputs(out.reshape(-1).view(a.out.dtype), lse.reshape(-1), flags.reshape(-1))
-        sinks = self.p.sinks
-        return (ins, outs, Extras(a.mask8, a.mask16, a.pse,
-                                  np.array([self.p.softcap], np.float32),
-                                  np.empty(0, np.float32) if sinks is None
-                                  else np.ascontiguousarray(sinks, np.float32)),
+        # the softcap and the sink logits: views of the kernel arguments' fparams slots
+        return (ins, outs, Extras(a.mask8, a.mask16, a.pse, a.fparams[F_SOFTCAP:F_SOFTCAP + 1],
+                                  a.fparams[F_SINKS:]),
                 Geometry(a.strides, a.boff, a.lens, a.params))
 
     def _call(self, out, lse, flags, q, k, v):

@@ -28,7 +28,7 @@ Outputs = namedtuple("Outputs", ["out", "lse", "flags"])
 
 #: the score terms a user gives: a bool/int8 mask, a float16 mask, pse_shift, the softcap of
 #: the scores (one float32; 0: none) and the sink logit of each query head (float32; empty:
-#: none)
+#: none), these two read from the kernel arguments' fparams (numerics.kernel_args)
 Extras = namedtuple("Extras", ["mask8", "mask16", "pse", "softcap", "sinks"])
 
 #: the online softmax's state of an item's rows: running max, running sum, acc rescale factor
