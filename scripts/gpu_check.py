@@ -35,6 +35,7 @@ Exits non-zero if a check fails.
 """
 import argparse
 import glob
+import logging
 import os
 import subprocess
 import sys
@@ -177,31 +178,47 @@ def _max_err(a, b):
     return np.abs(a[fin] - b[fin]).max(initial=0.0)
 
 
+class _Said(logging.Handler):
+    """The messages of the log records it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def check_extensions(quick):
     """The SDPA drop-in's softcap and sinks (NumPy arrays, device="cuda") on the tensor-core
-    kernel (a causal prefill) and the decode kernel (one query row a head), against the
-    reference (the first kv group's heads) and the CPU path (every head); the log line names
-    the kernel that ran."""
-    import logging
-
+    kernel (a causal prefill) and the decode kernel (one query row a head; the portable
+    kernel for both with --portable), against the reference (the first kv group's heads) and
+    the CPU path (every head); a case fails where another kernel ran it."""
     import ml_dtypes
     import numpy as np
 
-    from pfa_numba import reference, scaled_dot_product_attention
-    logging.basicConfig(format="    %(message)s")
-    logging.getLogger("pfa_numba.cuda").setLevel(logging.INFO)
+    from pfa_numba import config, reference, scaled_dot_product_attention
+    said = _Said()
+    log = logging.getLogger("pfa_numba.cuda")
+    log.addHandler(said)
+    log.setLevel(logging.INFO)
     s = 256 if quick else 1024
     ok = True
-    for name, dt, (b, n, nkv, sq, skv, d), causal in (
-            ("fp16 softcap+sinks causal", np.float16, (1, 8, 2, s, s, 128), True),
-            ("bf16 softcap+sinks decode", ml_dtypes.bfloat16, (4, 32, 8, 1, 4 * s, 128), False)):
+    for name, dt, (b, n, nkv, sq, skv, d), causal, kernel in (
+            ("fp16 softcap+sinks causal", np.float16, (1, 8, 2, s, s, 128), True,
+             "tensor-core"),
+            ("bf16 softcap+sinks decode", ml_dtypes.bfloat16, (4, 32, 8, 1, 4 * s, 128), False,
+             "decode")):
+        kernel = kernel if config.CUDA_TENSOR_CORES else "portable"
         rng = np.random.default_rng(1)
         q, k, v = (rng.standard_normal(shape).astype(np.float32).astype(dt) for shape in
                    ((b, n, sq, d), (b, nkv, skv, d), (b, nkv, skv, d)))
         q = (q.astype(np.float32) * 3).astype(dt)          # scores past the cap
         sinks = rng.standard_normal(n).astype(np.float32) * 2
         kw = dict(is_causal=causal, enable_gqa=True, softcap=5.0, sinks=sinks)
+        said.lines.clear()
         out_dev = scaled_dot_product_attention(q, k, v, **kw, device="cuda")
+        ran = f"the cuda {kernel} kernel runs this call" in " ".join(said.lines)
         out_cpu = scaled_dot_product_attention(q, k, v, **kw)
         g = n // nkv
         ref = reference.prompt_flash_attention(
@@ -211,10 +228,12 @@ def check_extensions(quick):
             inner_precise=2, softcap=5.0, sinks=sinks[:g])
         err_gpu, err_cpu = _max_err(out_dev[:, :g], ref), _max_err(out_cpu[:, :g], ref)
         err_all = _max_err(out_dev, out_cpu)
-        good = err_gpu <= 2 * err_cpu + 1e-3 and err_all <= 2 * err_cpu + 2e-3
+        good = ran and err_gpu <= 2 * err_cpu + 1e-3 and err_all <= 2 * err_cpu + 2e-3
         print(f"  {name:26s} max err vs reference: cuda {err_gpu:.2e}, cpu {err_cpu:.2e}; "
-              f"all heads |cuda - cpu| {err_all:.2e}  {'OK' if good else 'FAIL'}", flush=True)
+              f"all heads |cuda - cpu| {err_all:.2e}; the {kernel} kernel "
+              f"{'ran' if ran else 'did NOT run'}  {'OK' if good else 'FAIL'}", flush=True)
         ok &= bool(good)
+    log.removeHandler(said)
     return ok
 
 

@@ -58,8 +58,8 @@ from .kernels import (array_function, device_function, head_sink, kv_places, kv_
                       thread_place)
 from .tc_kernel import (FULL, HEAD_DIMS, KV_SOURCES, LOG2E, SIGNS, SIMULATOR, band32, banded,
                         capped_forms, make_mma_pair, make_online_step, make_row_masks,
-                        reads_mask_or_pse, rows_reason, scale_reason, softcap_terms,
-                        stage_walked, start_rows)
+                        reads_mask_or_pse, rows_reason, scale_reason, softcap_reason,
+                        softcap_terms, stage_walked, start_rows)
 from .dequant import make_dequant, row_tokens
 from .guard import antiquant_reason
 
@@ -89,7 +89,8 @@ def decode_reason(p):
                 "holds one kv head's rows in one mma tile")
     if np.dtype(p.out_dtype) != np.dtype(p.dtype):
         return f"a {np.dtype(p.out_dtype).name} output (quantized): the scalar kernel writes it"
-    return scale_reason(p.scale) or antiquant_reason(p) or rows_reason(p)
+    return (scale_reason(p.scale) or softcap_reason(p.softcap) or antiquant_reason(p)
+            or rows_reason(p))
 
 
 def split_plan(p, lens, sms):
@@ -138,8 +139,9 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False, capped=F
     """The split kernel's Python source (before ``cuda.jit``) for ``kind`` ("f16" or "bf16"),
     head dim ``d`` (64 or 128) and ``walk``: whether kv rows are found through a shared
     prefix or a paged pool's block table (else each batch's own contiguous rows: a multiply
-    and an add a row); ``masked``: whether a user mask or pse is read (every tile is then
-    tested per accumulator, by the tensor-core kernel's ``make_row_masks``); ``int8``
+    and an add a row); ``masked``: whether scores are made per accumulator (a user mask or
+    pse to read, or a softcap: every tile is then tested per accumulator, by the tensor-core
+    kernel's ``make_row_masks``); ``int8``
     (walking): an int8 cache, its tiles copied as int8 rows into the ring and each warp's
     rows dequantized into one 16-bit tile before its ``ldmatrix`` (``make_dequant``);
     ``capped`` (masked): a softcap on every score (``tc_kernel.make_softcap_log2``).

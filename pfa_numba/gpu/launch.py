@@ -21,7 +21,7 @@ except where V holds inf or NaN (or, for an int8 cache, a token plane holds a va
 take a dequantized one beyond the query's type), and that is decided on the device: a scan
 (:func:`guard_scans`) writes the call's guard id into its stream's guard word where it finds
 one, the tensor-core kernel then returns at once and the portable kernel launched behind it
-computes the call (which otherwise returns at once). No host read decides. The decode kernel
+computes the call (otherwise its blocks have no rows and no tiles). No host read decides. The decode kernel
 takes the guard where its rows may drop different columns of a tile, or for such token planes.
 """
 import dataclasses

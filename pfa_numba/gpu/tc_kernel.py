@@ -1,7 +1,8 @@
 """The tensor-core (FlashAttention-2 class) CUDA kernel for float16 / bfloat16, and when it runs.
 
 :func:`tc_kernel_source` returns the ``@cuda.jit`` source for a 16-bit type, a head dim D (64
-or 128) and whether a user mask or pse is read (``masked``), all compile-time; its arguments
+or 128), whether scores are made per accumulator (``masked``: a user mask or pse to read, or
+a softcap) and whether they are softcapped (``capped``), all compile-time; its arguments
 are the scalar kernels' common ones (``kernels.kernel_signature(..., kv_cache=False)``, built by
 ``numerics.kernel_args.kernel_args``), so every layout (padded or TND), GQA, the masks, pse, the
 lengths and the band reach it through the same ``T_*`` offsets, ``L_*`` lengths and ``P_*`` /
@@ -27,8 +28,9 @@ softmax in registers in log2 units, the scale folded into the weights
 scale negates Q instead, so the factor is >= 0 and the max of s gives the max); quad
 ``shfl_xor`` for the row maxima; P packed from S (``p_from_s``) to the input type; O += P V (V
 by ``ldmatrix.trans``). A warp skips a tile none of its rows keeps a column of. At the end: the
-division, the rows of contract 'Empty rows' (``row_outcome``; ROW_MEAN rows average V from
-global memory), lse, and the output rounded by cvt.rn (as numerics.core.f32_to_f16 / _bf16 round),
+head's sink logit joining a kept row's sum (``numerics.core.row_total_log2``), the division,
+the rows of contract 'Empty rows' (``row_outcome``; ROW_MEAN rows average V from global
+memory), lse, and the output rounded by cvt.rn (as numerics.core.f32_to_f16 / _bf16 round),
 staged through the K buffer and written in coalesced 16-byte stores.
 
 The instruction mix (``python -m pfa_numba cuda-ptx`` writes it; tests/ptx/test_tc_kernel.py
@@ -243,8 +245,9 @@ def make_softcap_log2():
     cap = (cap2, k) of :func:`softcap_terms`: cap2 tanh(t / cap2), written as
     cap2 - 2 cap2 / (1 + 2^(t k)) on the SFU (one ex2, one rcp: libdevice's tanh in every
     accumulator's step would not leave the fragments in registers). Its error is a few
-    float32 ulp of cap2 (the 1 - 2 / (1 + e) cancels near 0), far below the 16-bit rounding of
-    P; +-inf give +-cap2 and NaN stays NaN, as tanh."""
+    float32 ulp of cap2 (the 1 - 2 / (1 + e) cancels near 0): below the 16-bit rounding of P
+    for the caps of :data:`SOFTCAP_RANGE` (:func:`softcap_reason` leaves others to the
+    portable kernel); +-inf give +-cap2 and NaN stays NaN, as tanh."""
     exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
 
     def softcap_log2(t, cap):
@@ -590,8 +593,8 @@ _KERNELS = {}
 
 
 def reads_mask_or_pse(p):
-    """Whether planned problem ``p`` needs the masked variant: a user mask the sparse mode
-    reads, or pse."""
+    """Whether planned problem ``p`` reads a user mask (one the sparse mode reads) or pse: it
+    then takes the masked variant (:func:`masked_variant`) and the V guard."""
     return p.mask_kind != MASK_NONE or p.pse is not None
 
 
@@ -701,6 +704,22 @@ def scale_reason(scale):
     return None
 
 
+#: the softcaps the capped variants compute to about the float16 rounding of P: above, the
+#: cap's float32 ulps (its error is a few of them) outweigh it; below, 2 log2 e / cap
+#: overflows float32
+SOFTCAP_RANGE = (2.0 ** -64, 1024.0)
+
+
+def softcap_reason(softcap):
+    """None when the tensor-core kernels compute ``softcap`` (0: none) to about P's 16-bit
+    rounding (:data:`SOFTCAP_RANGE`), else why not."""
+    lo, hi = SOFTCAP_RANGE
+    if softcap == 0 or lo <= softcap <= hi:
+        return None
+    return (f"softcap {softcap!r} is outside [2^-64, {hi:g}]: the tensor-core kernels' cap (in "
+            "log2 units, on the SFU) is accurate to P's 16-bit rounding inside it")
+
+
 def rows_reason(p):
     """None when planned problem ``p``'s query, key and value rows (a shared prefix's too)
     are contiguous 16-byte-aligned runs and its mask and pse columns contiguous, as the
@@ -727,7 +746,8 @@ def tensor_core_reason(p):
     ``launch.Situation``; V's finiteness is decided on the device, ``guard.nonfinite_scan``.)"""
     if np.dtype(p.out_dtype) != np.dtype(p.dtype):
         return f"a {np.dtype(p.out_dtype).name} output (quantized): the scalar kernel writes it"
-    why = scale_reason(p.scale) or antiquant_reason(p) or rows_reason(p)
+    why = (scale_reason(p.scale) or softcap_reason(p.softcap) or antiquant_reason(p)
+           or rows_reason(p))
     if why is not None:
         return why
     axis = 0 if p.packed else 2                 # the row axis of the planned views

@@ -194,20 +194,21 @@ def test_int8_token_scale_beyond_float16_goes_to_the_portable_kernel():
 def test_sdpa_softcap_and_sinks(masked):
     """The SDPA drop-in's extensions on the decode kernel: a softcap (the masked variant caps
     every accumulator) and sink logits, which join each row's sum once, after the splits
-    merge (one far above the scores), with the lse; with a bool mask whose second batch keeps
+    merge (one far above the scores), with the lse, and a negative scale (Q negated in
+    registers: the cap sees the signed score); with a bool mask whose second batch keeps
     nothing (zeros: the sink does not join a row that kept no score)."""
     rng = np.random.default_rng(11)
     q = (_x(rng, (2, 4, 1, 64), F16).astype(np.float32) * 4).astype(F16)
     k, v = (_x(rng, (2, 2, 150, 64), F16) for _ in range(2))
     sinks = np.array([-2.0, 0.5, 3.0, 9.0], np.float32)
     keep = None
-    kw = dict(num_heads=4, num_key_value_heads=2, input_layout="BNSD", scale_value=0.125,
+    kw = dict(num_heads=4, num_key_value_heads=2, input_layout="BNSD", scale_value=-0.125,
               inner_precise=2, next_tokens=2147483647, softcap=3.0, sinks=sinks)
     if masked:
         keep = rng.random((2, 1, 1, 150)) < 0.7
         keep[1] = False
         kw.update(attn_mask=~keep, sparse_mode=1)
-    options = dict(dropout_p=0.0, is_causal=False, scale=None, enable_gqa=True, softcap=3.0)
+    options = dict(dropout_p=0.0, is_causal=False, scale=-0.125, enable_gqa=True, softcap=3.0)
     out, lse = _attend((q, k, v, keep, sinks), options, want_lse=True, device="cuda")
     ref = assert_matches_reference(out, (q, k, v), kw, F16, lse=lse)
     plain = reference.prompt_flash_attention(q, k, v, **dict(kw, softcap=None, sinks=None))

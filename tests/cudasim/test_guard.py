@@ -40,7 +40,7 @@ def test_the_scan_writes_the_guard_id_where_v_is_not_finite(dtype, bad):
 @pytest.fixture
 def tensor_core_route(monkeypatch):
     """The tensor-core route with the tensor-core kernel's launch left out; outputs start as
-    NaN bits, so that a portable kernel that returned at once shows."""
+    NaN bits, so that a portable kernel that wrote nothing shows."""
     monkeypatch.setattr(config, "CUDA_Q_ROWS", 4)
     monkeypatch.setattr(config, "CUDA_KV_COLS", 3)
     monkeypatch.setattr(device, "compute_capability", lambda: (9, 0))

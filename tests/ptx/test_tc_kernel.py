@@ -99,11 +99,11 @@ PER_HMMA_TARGET = 8.0
 #: the masked variant's loop (band, pse and mask per accumulator, a predicated load each); a
 #: change that adds to them fails here (docs/cuda.md, 'The instruction mix')
 PER_HMMA_CEILINGS = {(64, False): 9.9, (128, False): 6.75, (64, True): 19.5, (128, True): 11.4}
-#: the variants that walk the kv sequence (a block-table lookup a K row, reused by its V row;
-#: 64-bit row offsets), by (head dim, masked): instructions per HMMA of the last loop
 #: the capped variants (masked, and an ex2, a reciprocal and an fma an accumulator for the
 #: softcap), by head dim: instructions per HMMA of their loop
 CAPPED_CEILINGS = {64: 22.6, 128: 12.7}
+#: the variants that walk the kv sequence (a block-table lookup a K row, reused by its V row;
+#: 64-bit row offsets), by (head dim, masked): instructions per HMMA of the last loop
 WALK_CEILINGS = {(64, False): 25.5, (128, False): 21.6, (64, True): 34.9, (128, True): 26.4}
 #: the int8 variants (each thread dequantizes the chunks it copied: a token pair a row, two
 #: channel values and a conversion a value), the same way
