@@ -57,7 +57,7 @@ from . import ptx as X
 from .kernels import (array_function, device_function, head_sink, kv_places, kv_value,
                       thread_place)
 from .tc_kernel import (FULL, HEAD_DIMS, KV_SOURCES, LOG2E, SIGNS, SIMULATOR, band32, banded,
-                        capped_forms, make_mma_pair, make_online_step, make_row_masks,
+                        capped_forms, kernel_ptx, make_mma_pair, make_online_step, make_row_masks,
                         reads_mask_or_pse, rows_reason, scale_reason, softcap_reason,
                         softcap_terms, stage_walked, start_rows)
 from .dequant import make_dequant, row_tokens
@@ -522,10 +522,8 @@ def decode_signature(int8=False):
 def decode_ptx(kind, d, cc, walk=False, masked=False, int8=False, capped=False):
     """The split kernel's PTX for ``kind``, ``d``, compute capability ``cc``, ``walk``,
     ``masked``, ``int8`` and ``capped``."""
-    ptx, _ = cuda.compile_ptx(decode_kernel_source(kind, d, walk, masked, int8, capped),
-                              decode_signature(int8), cc=cc, fastmath=False,
-                              launch_bounds=(THREADS,))
-    return ptx
+    return kernel_ptx(decode_kernel_source(kind, d, walk, masked, int8, capped),
+                      decode_signature(int8), cc, THREADS)
 
 
 #: the compute capabilities the PTX files are written for

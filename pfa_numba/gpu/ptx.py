@@ -1,7 +1,8 @@
 """Inline-PTX intrinsics for the tensor-core kernel (numba-cuda has no mma / ldmatrix API).
 
-Each function below is a ``numba.cuda.extending.intrinsic`` that emits one PTX instruction (or
-a short scoped block) through ``llvmlite.ir.InlineAsm``, the mechanism numba-cuda itself uses
+Each function below is a ``numba.cuda.extending.intrinsic`` (or, for one float32 operand,
+``numerics.core.float32_intrinsic``'s) that emits one PTX instruction (or a short scoped block)
+through ``llvmlite.ir.InlineAsm``, the mechanism numba-cuda itself uses
 for ``activemask`` or ``tanh.approx.f32``. Fragments are plain SSA values (uint32 / float32 and
 tuples of them), so they live in registers; nothing is linked. They can be called from
 ``@cuda.jit`` code only; they compile without a GPU (``cuda.compile_ptx``). Under the CUDA
@@ -29,6 +30,8 @@ from llvmlite import ir
 from numba import cuda
 from numba.cuda import types
 from numba.cuda.extending import intrinsic
+
+from ..numerics.core import float32_intrinsic
 
 _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 
@@ -342,20 +345,13 @@ def syncwarp(typingctx):
 # ---------------------------------------------------------------------------------------------
 
 def _float32_unary(name, text, doc):
-    """An intrinsic of one scalar argument (float or integer), cast to float32, whose float32
-    value is the one PTX instruction ``text`` ($0 the result, $1 the argument)."""
-    def unary(typingctx, x):
-        if not isinstance(x, (types.Float, types.Integer)):
-            return None
+    """An intrinsic of one float32 argument (``numerics.core.float32_intrinsic``) whose value
+    is the one PTX instruction ``text`` ($0 the result, $1 the argument)."""
+    def emit(builder, x):
+        return _call_asm(builder, _F32, [_F32], text, "=f,f", [x], side_effect=False)
 
-        def codegen(ctx, builder, sig, args):
-            val = ctx.cast(builder, args[0], sig.args[0], types.float32)
-            return _call_asm(builder, _F32, [_F32], text, "=f,f", [val], side_effect=False)
-
-        return types.float32(x), codegen
-
-    unary.__name__, unary.__doc__ = name, doc
-    return intrinsic(unary)
+    emit.__name__, emit.__doc__ = name, doc
+    return float32_intrinsic(emit)
 
 
 def _exp2(ftz):

@@ -639,13 +639,19 @@ def tc_signature(int8=False):
                             kv_cache=True)
 
 
+def kernel_ptx(source, signature, cc, threads):
+    """The PTX of kernel ``source`` with argument types ``signature`` for compute capability
+    ``cc``, launched with ``threads`` threads a block (compiled without a GPU)."""
+    ptx, _ = cuda.compile_ptx(source, signature, cc=cc, fastmath=False,
+                              launch_bounds=(threads,))
+    return ptx
+
+
 def tc_ptx(kind, d, cc, masked=False, walk=False, int8=False, capped=False):
     """The PTX of the tensor-core kernel for ``kind``, ``d``, compute capability ``cc``,
-    ``masked``, ``walk``, ``int8`` and ``capped`` (compiled without a GPU)."""
-    ptx, _ = cuda.compile_ptx(tc_kernel_source(kind, d, masked, walk, int8, capped),
-                              tc_signature(int8), cc=cc, fastmath=False,
-                              launch_bounds=(THREADS,))
-    return ptx
+    ``masked``, ``walk``, ``int8`` and ``capped``."""
+    return kernel_ptx(tc_kernel_source(kind, d, masked, walk, int8, capped), tc_signature(int8),
+                      cc, THREADS)
 
 
 #: the kv sources of the variants: (walk, int8) and their name suffixes
