@@ -56,9 +56,9 @@ from . import fragments as F
 from . import ptx as X
 from .kernels import (array_function, device_function, head_sink, kv_places, kv_value,
                       thread_place)
+from .tc_conditions import reads_mask_or_pse, rows_reason, scale_reason, softcap_reason
 from .tc_kernel import (FULL, HEAD_DIMS, KV_SOURCES, LOG2E, SIGNS, SIMULATOR, band32, banded,
                         capped_forms, kernel_ptx, make_mma_pair, make_online_step, make_row_masks,
-                        reads_mask_or_pse, rows_reason, scale_reason, softcap_reason,
                         softcap_terms, stage_walked, start_rows)
 from .dequant import make_dequant, row_tokens
 from .guard import antiquant_reason

@@ -187,7 +187,7 @@ def decode_reasons(p, situation):
 def tensor_core_reasons(p, situation):
     """Why the tensor-core kernel cannot take planned problem ``p`` beyond what dispatch
     declares."""
-    from .tc_kernel import tensor_core_reason
+    from .tc_conditions import tensor_core_reason
     return _with_alignment(tensor_core_reason(p), situation)
 
 
@@ -354,8 +354,9 @@ class Launch:
         if not int8:
             portable += [t[field] for field in _CACHE]
         launches = []
+        from . import tc_conditions
         from . import tc_kernel as tc
-        kind = tc.kind_of(p.dtype)
+        kind = tc_conditions.kind_of(p.dtype)
         for field, limit in self.scans:
             if limit is None:
                 launches.append((guard_kernels.nonfinite_scan(kind), *guard_kernels.SCAN_GRID,
@@ -367,8 +368,10 @@ class Launch:
             launches += self._decode_launches(kind, t, views, d_out, d_lse, state, guard_id)
         elif self.kernel == TENSOR_CORE:
             tc_tiles = max(1, -(-self.rows // tc.ROWS))
-            launches.append((tc.tc_kernel_for(kind, p.D, tc.masked_variant(p), tc.walks(p),
-                                              tc.dequantizes(p), p.softcap != 0),
+            launches.append((tc.tc_kernel_for(kind, p.D, tc_conditions.masked_variant(p),
+                                              tc_conditions.walks(p),
+                                              guard_kernels.dequantizes(p),
+                                              p.softcap != 0),
                              (p.B * tc_tiles, p.N), tc.THREADS,
                              head + small + [tc_tiles] + tail + [t[field] for field in _CACHE]))
         if self.kernel == PORTABLE or guard_id != 0:
@@ -379,10 +382,10 @@ class Launch:
     def _decode_launches(self, kind, t, views, d_out, d_lse, state, guard_id):
         """The split kernel's and the finish kernel's launches."""
         from . import decode_kernel as dk
-        from .tc_kernel import dequantizes, masked_variant, walks
+        from .tc_conditions import masked_variant, walks
         p, splits = self.p, self.splits
         split, finish = dk.decode_kernels_for(kind, p.D, walks(p), masked_variant(p),
-                                              dequantizes(p), p.softcap != 0)
+                                              guard_kernels.dequantizes(p), p.softcap != 0)
         ws = state.workspace(dk.workspace_floats(p, splits))
         geo = [t["table"], views["strides"], views["boff"], views["lens"], views["params"]]
         planes = [t[field] for field in ("channel", "kts", "kto", "vts", "vto")]

@@ -16,7 +16,7 @@ import numba  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from pfa_numba import config, prompt_flash_attention  # noqa: E402
-from pfa_numba.gpu import device, guard as G, tc_kernel as T  # noqa: E402
+from pfa_numba.gpu import device, guard as G, tc_conditions, tc_kernel as T  # noqa: E402
 from _cases import assert_matches_reference, qkv  # noqa: E402
 
 if not numba.config.ENABLE_CUDASIM and not cuda.is_available():
@@ -33,7 +33,8 @@ def test_the_scan_writes_the_guard_id_where_v_is_not_finite(dtype, bad):
     if bad is not None:
         v[517] = bad
     guard = cuda.to_device(np.array([3], np.int64))
-    G.nonfinite_scan(T.kind_of(dtype))[4, 32](cuda.to_device(v.view(np.uint16)), guard, 9)
+    scan = G.nonfinite_scan(tc_conditions.kind_of(dtype))
+    scan[4, 32](cuda.to_device(v.view(np.uint16)), guard, 9)
     assert guard.copy_to_host()[0] == (3 if bad is None else 9)
 
 

@@ -105,12 +105,12 @@ def test_every_cuda_kernel_computes_the_extensions():
 def test_softcaps_beyond_the_sfu_forms_range_take_the_portable_kernel():
     """The tensor-core kernels' softcap is accurate to P's rounding for caps up to 1024 (and
     down to 2^-64): others go to the portable kernel, with the reason."""
-    from pfa_numba.gpu import decode_kernel, tc_kernel
+    from pfa_numba.gpu import decode_kernel, tc_conditions
     q, k, v = _qkv(np.random.default_rng(4), np.float16, d=64)
     for softcap, taken in ((50.0, True), (1024.0, True), (1025.0, False), (2.0 ** -70, False)):
         p = attention_problem(q, k, v, None, None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=True, softcap=softcap)
-        for reason in (tc_kernel.tensor_core_reason, decode_kernel.decode_reason):
+        for reason in (tc_conditions.tensor_core_reason, decode_kernel.decode_reason):
             why = reason(p)
             assert (why is None) == taken, (softcap, reason.__name__, why)
             assert taken or f"softcap {softcap!r}" in why

@@ -3,8 +3,8 @@ bfloat16 x D 64 / 128 x sm_80 / sm_90 x plain / masked x contiguous / walking th
 sequence / an int8 cache, without a GPU, with the float kernel's signature (the cache's
 arrays too); its
 PTX has the tensor-core instructions and no fp64, and ptxas (the nvidia-cuda-nvcc-cu12 wheel's,
-see test_tensor_core_ptx.wheel_ptxas) assembles it. tensor_core_reason picks the problems it
-runs; config.CUDA_TENSOR_CORES (on by default) lets it run them.
+see test_tensor_core_ptx.wheel_ptxas) assembles it. tc_conditions.tensor_core_reason picks the
+problems it runs; config.CUDA_TENSOR_CORES (on by default) lets it run them.
 
 Registers and spill bytes are printed (pytest -s); 0 spill bytes and a 0-byte stack frame are
 asserted for every specialisation (D = 128 sits at 244-255 registers: a change that adds live
