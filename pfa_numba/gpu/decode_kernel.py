@@ -463,7 +463,8 @@ def finish_source(kind):
                                                next_e, kl)
         row_lse = F32_NEG_INF
         if outcome == ROW_SOFTMAX:     # a row that kept a score: its head's sink joins the sum
-            denom, row_lse = row_total_log2(top, total, head_sink(fparams, n))
+            sink = head_sink(fparams, n)
+            denom, row_lse = row_total_log2(top, total, sink, exp2(X.fma_f32(sink, LOG2E, -top)))
         o_at = boff[T_O, b] + n * strides[T_O, 0] + i * strides[T_O, 1]
         for d in range(c, D, LANES):
             y = F32_ZERO                  # ROW_ZERO

@@ -21,8 +21,8 @@ except where V holds inf or NaN (or, for an int8 cache, a token plane holds a va
 take a dequantized one beyond the query's type), and that is decided on the device: a scan
 (:func:`guard_scans`) writes the call's guard id into its stream's guard word where it finds
 one, the tensor-core kernel then returns at once and the portable kernel launched behind it
-computes the call (otherwise its blocks have no rows and no tiles). No host read decides. The decode kernel
-takes the guard where its rows may drop different columns of a tile, or for such token planes.
+computes the call (otherwise its blocks have no rows and no tiles). No host read decides. The
+decode kernel takes the guard where its rows may drop different columns of a tile, or for such token planes.
 """
 import dataclasses
 import logging
@@ -371,7 +371,7 @@ class Launch:
             launches.append((tc.tc_kernel_for(kind, p.D, tc_conditions.masked_variant(p),
                                               tc_conditions.walks(p),
                                               guard_kernels.dequantizes(p),
-                                              p.softcap != 0),
+                                              p.softcap != 0, p.sinks is not None),
                              (p.B * tc_tiles, p.N), tc.THREADS,
                              head + small + [tc_tiles] + tail + [t[field] for field in _CACHE]))
         if self.kernel == PORTABLE or guard_id != 0:

@@ -66,7 +66,7 @@ from .. import config
 from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, kv_tiles, row_band, row_outcome
 from ..numerics.core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F32_ONE, F32_ZERO,
                              MASK_ADD_F16, MASK_DISCARD, bf16_to_f32, f16_to_f32, f32_to_bf16,
-                             f32_to_f16, online_update_log2, row_total_log2)
+                             f32_to_f16, lse_log2, online_update_log2, sink_lse_log2)
 from ..numerics.kernel_args import (F_SCALE, F_SOFTCAP, L_KLEN, L_NEXT, L_PRE, L_QLEN, L_ROWS,
                                     P_G, P_IP, P_LSE, P_MASK, P_PSE, T_K, T_L, T_M, T_O, T_P, T_PK,
                                     T_PV, T_Q, T_V)
@@ -300,7 +300,7 @@ def make_row_masks(ns, code, capped=False):
     return _device(row_masks)
 
 
-def tc_kernel_source(kind, d, masked=False, walk=False, int8=False, capped=False):
+def tc_kernel_source(kind, d, masked=False, walk=False, int8=False, capped=False, sinks=False):
     """The kernel's Python source (before ``cuda.jit``) for ``kind`` ("f16" or "bf16"), head
     dim ``d`` (64 or 128), ``masked``: whether it reads a user mask and pse (the variant
     without them has no per-element loads in its kv loop), ``walk``: whether K/V rows are
@@ -308,9 +308,12 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False, capped=False
     block table: ``kernels.kv_place``), else each batch's own contiguous rows, and ``int8``
     (walking): an int8 cache, each tile staged as int8 rows and dequantized into the tile by
     the threads that copied them (``dequant.make_dequant``); ``capped`` (masked): a softcap on
-    every score (:func:`make_softcap_log2`)."""
+    every score (:func:`make_softcap_log2`); ``sinks``: each head's sink logit joins its kept
+    rows' sums (compiled only for calls with sinks: its few instructions at the finish made
+    the walking D 128 variants spill; sinks come from the SDPA drop-in, whose kv rows are
+    contiguous, so no walking variant has them)."""
     assert kind in ("f16", "bf16") and d in HEAD_DIMS and (walk or not int8)
-    assert masked or not capped
+    assert (masked or not capped) and not (walk and sinks)
     D = d
     KT = D // 16                       # k-steps of S = Q K^T; pairs of 8-column n-tiles of O
     NO = D // 8                        # n-tiles of O (8 head dims each)
@@ -322,11 +325,13 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False, capped=False
     OUT_CHUNKS = WARP_ROWS * D // F.CHUNK // F.WARP   # 16-byte output stores per lane
     mma_pair = make_mma_pair(kind)
     online_step = make_online_step(NS, NO)
+    exp2 = X.exp2_approx_ftz if config.CUDA_EXP2_FTZ else X.exp2_approx
     pack = X.pack_f16x2 if kind == "f16" else X.pack_bf16x2
     to_f32 = f16_to_f32 if kind == "f16" else bf16_to_f32
     to_bits = f32_to_f16 if kind == "f16" else f32_to_bf16
     CODE = CODE_F16 if kind == "f16" else CODE_BF16
     MASKED, WALK, INT8, CAPPED = bool(masked), bool(walk), bool(int8), bool(capped)
+    SINKS = bool(sinks)
     ALIGN = None if SIMULATOR else 16  # the simulator's shared arrays take no alignment
     # a staged kv row: 16-bit words in shared memory, 16-byte chunks each thread copies a
     # tile, rows between them; int8 rows are staged past each tile (at RAW_AT), unswizzled
@@ -548,18 +553,18 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False, capped=False
         # finish: the row sums over the quad, the head's sink, the division, the rows of
         # contract 'Empty rows', lse; the output staged in the K buffer (free: no copy into it
         # is pending and every warp is past its last read), then written 16 bytes at a time
+        sink = head_sink(fparams, n) if SINKS else F32_NEG_INF
         for h in range(2):
             for sh in (1, 2):
                 lr[h] += X.shfl_xor_sync(FULL, lr[h], sh)
-        rows_b, sink = lens[L_ROWS, b], head_sink(fparams, n)
+            if SINKS and mr[h] != F32_NEG_INF:     # a kept row: its sink joins the sum
+                lr[h] += exp2(X.fma_f32(sink, LOG2E, -mr[h]))     # (numerics.core.row_total_log2)
+        rows_b = lens[L_ROWS, b]
         for h in range(2):
             i = wi + g4 + 8 * h
             rs = w * WARP_ROWS + g4 + 8 * h                 # its row in the staging tile
             outcome, mlo, mhi, denom = row_outcome(i < ql, mr[h], lr[h], params[P_IP], i,
                                                    pre_e, next_e, kl)
-            row_lse = F32_NEG_INF
-            if outcome == ROW_SOFTMAX:     # a row that kept a score: its sink joins the sum
-                denom, row_lse = row_total_log2(mr[h], lr[h], sink)
             # contract 'Empty rows': the mean of V over the band
             if outcome == ROW_MEAN:
                 for col in range(2 * t4, D, 8):
@@ -576,7 +581,10 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False, capped=False
                         y0, y1 = o[4 * dt + 2 * h] / denom, o[4 * dt + 2 * h + 1] / denom
                     X.st_shared_u32(ks, F.swizzle(rs, 8 * dt + 2 * t4, D), pack(y0, y1))
             if params[P_LSE] != 0 and t4 == 0 and i < rows_b:
-                lse[boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]] = row_lse
+                val = F32_NEG_INF
+                if outcome == ROW_SOFTMAX:
+                    val = sink_lse_log2(mr[h], lr[h], sink) if SINKS else lse_log2(mr[h], lr[h])
+                lse[boff[T_L, b] + n * strides[T_L, 0] + i * strides[T_L, 1]] = val
         X.syncwarp()
         o_at = _row(boff, strides, T_O, b, n, wi)
         for it in range(OUT_CHUNKS):
@@ -591,11 +599,12 @@ def tc_kernel_source(kind, d, masked=False, walk=False, int8=False, capped=False
 _KERNELS = {}
 
 
-def tc_kernel_for(kind, d, masked, walk=False, int8=False, capped=False):
+def tc_kernel_for(kind, d, masked, walk=False, int8=False, capped=False, sinks=False):
     """The compiled (lazily, on first launch) tensor-core kernel for ``kind``, ``d``,
-    ``masked`` (scores per accumulator: ``tc_conditions.masked_variant``), ``walk`` (kv rows through
-    the kv sequence), ``int8`` (an int8 cache) and ``capped`` (a softcap)."""
-    key = kind, d, bool(masked), bool(walk), bool(int8), bool(capped)
+    ``masked`` (scores per accumulator: ``tc_conditions.masked_variant``), ``walk`` (kv rows
+    through the kv sequence), ``int8`` (an int8 cache), ``capped`` (a softcap) and ``sinks``
+    (sink logits)."""
+    key = kind, d, bool(masked), bool(walk), bool(int8), bool(capped), bool(sinks)
     if key not in _KERNELS:
         bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
         _KERNELS[key] = cuda.jit(tc_kernel_source(*key), fastmath=False, **bounds)
@@ -624,11 +633,11 @@ def kernel_ptx(source, signature, cc, threads):
     return ptx
 
 
-def tc_ptx(kind, d, cc, masked=False, walk=False, int8=False, capped=False):
+def tc_ptx(kind, d, cc, masked=False, walk=False, int8=False, capped=False, sinks=False):
     """The PTX of the tensor-core kernel for ``kind``, ``d``, compute capability ``cc``,
-    ``masked``, ``walk``, ``int8`` and ``capped``."""
-    return kernel_ptx(tc_kernel_source(kind, d, masked, walk, int8, capped), tc_signature(int8),
-                      cc, THREADS)
+    ``masked``, ``walk``, ``int8``, ``capped`` and ``sinks``."""
+    return kernel_ptx(tc_kernel_source(kind, d, masked, walk, int8, capped, sinks),
+                      tc_signature(int8), cc, THREADS)
 
 
 #: the kv sources of the variants: (walk, int8) and their name suffixes

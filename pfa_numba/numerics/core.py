@@ -517,12 +517,20 @@ def lse_log2(m, l):
 
 
 @jit
-def row_total_log2(m, l, sink):
+def row_total_log2(m, l, sink, term):
     """:func:`row_total` of a row whose running max m is in log2 units (the tensor-core
-    kernels): (denominator, softmax_lse); without a sink (-inf), l and :func:`lse_log2`."""
-    if np.float32(sink) == F32_NEG_INF:
-        return np.float32(l), lse_log2(m, l)
-    return row_total(np.float32(m) * _LN2_F32, l, sink, 0)
+    kernels), given the sink's term exp2(sink * log2 e - m) as the kernel's exp2 makes it (0
+    for a sink of -inf: then l and :func:`lse_log2`, as without sinks): (denominator,
+    softmax_lse)."""
+    total = np.float32(l) + np.float32(term)
+    return total, sink_lse_log2(m, total, sink)
+
+
+@jit
+def sink_lse_log2(m, total, sink):
+    """The softmax_lse of :func:`row_total_log2` from the row's denominator ``total``: the
+    sink's own logit where its term overflowed, else :func:`lse_log2`."""
+    return np.float32(sink) if np.float32(total) == F32_POS_INF else lse_log2(m, total)
 
 
 # ---------------------------------------------------------------------------------------------
