@@ -22,7 +22,8 @@ take a dequantized one beyond the query's type), and that is decided on the devi
 (:func:`guard_scans`) writes the call's guard id into its stream's guard word where it finds
 one, the tensor-core kernel then returns at once and the portable kernel launched behind it
 computes the call (otherwise its blocks have no rows and no tiles). No host read decides. The
-decode kernel takes the guard where its rows may drop different columns of a tile, or for such token planes.
+decode kernel takes the guard where its rows may drop different columns of a tile, or for such
+token planes.
 """
 import dataclasses
 import logging
