@@ -22,7 +22,8 @@ import math
 
 import numpy as np
 
-from .interop import torch_tensors
+from .interop import cuda_arrays, torch_tensors
+from .interop.cuda_arrays import Staged
 from .frontend import checks
 from .frontend import pfa as PV
 from .numerics.dtypes import dtype_name, is_bf16
@@ -33,8 +34,8 @@ from .frontend.problem import plan
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, *, scale=None, enable_gqa=False,
                                  softcap=None, sinks=None, device=None):
-    """torch.nn.functional.scaled_dot_product_attention on NumPy arrays or torch CPU tensors,
-    returning the query's kind and dtype (float32, float16, bfloat16).
+    """torch.nn.functional.scaled_dot_product_attention on NumPy arrays or torch tensors (CPU
+    or CUDA), returning the query's kind and dtype (float32, float16, bfloat16).
 
     Limits the kernels keep raise RuntimeError: head dim E <= 512, value's head dim equal to
     E, Hq a multiple of Hkv (with ``enable_gqa``; equal head counts without it). ``dropout_p``
@@ -42,55 +43,60 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     (as torch does). ``softcap`` (None, or a finite number > 0): the scaled scores become
     ``softcap * tanh(score / softcap)`` before the mask. ``sinks`` (None, or Hq real numbers):
     each query head's sink logit joins its rows' softmax denominators. ``device`` (an extension,
-    as prompt_flash_attention's: None or 'cpu', or 'cuda'): where NumPy arrays are computed
-    ('cuda': copied to the GPU and back); torch tensors run on the CPU.
+    as prompt_flash_attention's: None, 'cpu' or 'cuda'): where NumPy arrays are computed
+    (None: the CPU; 'cuda': copied to the GPU and back); torch tensors run where they live
+    (None, or the device they live on).
 
     torch tensors run through the operator ``torch.ops.pfa_numba.sdpa``
     (:mod:`pfa_numba.interop.torch_ops`): ``torch.compile`` traces through it, and where a
     tensor argument (query, key, value, a float attn_mask, sinks) requires grad in grad mode the
     result carries its autograd node, whose backward is the CPU kernels'
-    (:mod:`pfa_numba.cpu.backward`)."""
+    (:mod:`pfa_numba.cpu.backward`; on CUDA tensors it raises NotImplementedError). CUDA
+    tensors stay on their device: the reshapes and the mask's conversion are torch operations
+    there, the kernels read the tensors in place and the results are new tensors on that
+    device; a bool mask's band and the sinks are read back to the host (a synchronisation)."""
     options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                    enable_gqa=enable_gqa, softcap=softcap)
     return _attend((query, key, value, attn_mask, sinks), options, want_lse=False,
-                   device=checks.check_device(device) or "cpu")[0]
+                   device=checks.check_device(device))[0]
 
 
-def _attend(args, options, want_lse, device="cpu"):
+def _attend(args, options, want_lse, device=None):
     """(result, softmax_lse) of a call: torch tensors through the operator (which gives the
-    lse too), NumPy arrays on ``device``'s kernels (the lse where ``want_lse``, else None)."""
+    lse too), NumPy arrays on ``device``'s kernels (the CPU's for None; the lse where
+    ``want_lse``, else None)."""
     query, key, value, attn_mask, sinks = args
     if all(torch_tensors.is_tensor(x) for x in (query, key, value)) and \
             all(x is None or torch_tensors.is_tensor(x) for x in (attn_mask, sinks)):
-        if device != "cpu":
-            raise NotImplementedError(f"device={device!r} takes NumPy arrays: torch tensors run "
-                                      f"on the CPU, where they live")
-        return _through_operator(args, **options)
+        return _through_operator(args, device, **options)
     if any(torch_tensors.requires_grad(x) for x in args):
         raise TypeError("a call with tensors that require grad takes query, key and value (and "
                         "attn_mask and sinks where given) as torch tensors, got "
                         + ", ".join(f"{n} {type(x).__name__}" for n, x in zip(ARGUMENTS, args)
                                     if x is not None))
-    problem = attention_problem(*args, **options, want_lse=want_lse)
-    out, lse = dispatch.choose(problem, device).run(problem)
+    problem, staged = _planned(*args, **options, want_lse=want_lse)
+    out, lse = _run(problem, staged, device or "cpu")
     out = out.reshape(np.shape(query))
-    return (torch_tensors.as_tensor(out) if torch_tensors.is_tensor(query) else out), lse
+    return (torch_tensors.as_tensor(out) if torch_tensors.is_cpu_tensor(query) else out), lse
+
+
+def _run(problem, staged, device):
+    """(output, lse) of planned ``problem``: on the CUDA arrays ``staged`` holds, as arrays of
+    their kind on their device, or (``staged`` None) on ``device``'s kernels."""
+    if staged is None:
+        return dispatch.choose(problem, device).run(problem)
+    return staged.results(*dispatch.choose(problem, "cuda", staged).run(problem, staged))
 
 
 #: the tensor arguments, in order
 ARGUMENTS = ("query", "key", "value", "attn_mask", "sinks")
 
 
-def _through_operator(args, dropout_p, is_causal, scale, enable_gqa, softcap):
+def _through_operator(args, device, dropout_p, is_causal, scale, enable_gqa, softcap):
     """The call on torch tensors, as ``torch.ops.pfa_numba.sdpa``: (result, softmax_lse). The
-    arguments that are not tensors are checked here (the operator's schema takes plain floats
-    and bools), the tensors inside it, where they are read."""
-    for name, x in zip(ARGUMENTS, args):
-        if x is not None and x.device.type != "cpu":
-            raise NotImplementedError(
-                f"{name} is on device '{x.device}' ({x.dtype} tensor of shape "
-                f"{tuple(x.shape)}): pfa_numba's scaled_dot_product_attention and its backward "
-                f"run on CPU tensors")
+    tensors' device and the arguments that are not tensors are checked here (the operator's
+    schema takes plain floats and bools), the tensors inside it, where they are read."""
+    _check_devices(args, device)
     _check_dropout(dropout_p)
     scale = None if scale is None else checks.check_scale_value(scale, "scale")
     softcap = _softcap(softcap) or None
@@ -98,12 +104,31 @@ def _through_operator(args, dropout_p, is_causal, scale, enable_gqa, softcap):
     return torch_ops.sdpa(*args, scale, bool(is_causal), bool(enable_gqa), softcap)
 
 
+def _check_devices(tensors, device):
+    """The tensors live on one device, the CPU or CUDA (the ``device`` given, if any)."""
+    query = tensors[0]
+    for name, x in zip(ARGUMENTS, tensors):
+        if x is not None and x.device.type not in ("cpu", "cuda"):
+            raise NotImplementedError(
+                f"{name} is on device '{x.device}' ({x.dtype} tensor of shape "
+                f"{tuple(x.shape)}): pfa_numba's scaled_dot_product_attention runs on CPU and "
+                f"CUDA tensors, its backward on CPU tensors")
+        if x is not None and x.device != query.device:
+            raise RuntimeError(f"{name} is on device '{x.device}' but query on "
+                               f"'{query.device}': the tensors must live on one device")
+    where = "cuda" if torch_tensors.on_cuda(query) else "cpu"
+    if device not in (None, where):
+        raise ValueError(f"device={device!r} but the tensors live on {where}: torch tensors "
+                         f"run where they live (move them with .to({device!r}))")
+
+
 def _operator_forward(query, key, value, attn_mask, sinks, options):
-    """The operator's forward on NumPy arrays: (output, softmax_lse) in the query's shape (the
-    lse without the head dim)."""
-    problem = attention_problem(query, key, value, attn_mask, sinks, dropout_p=0.0, **options,
-                                want_lse=True)
-    out, lse = dispatch.choose(problem, "cpu").run(problem)
+    """The operator's forward on NumPy arrays (the CPU's kernels) or on torch CUDA tensors
+    (the GPU's, the results new tensors on its device): (output, softmax_lse) in the query's
+    shape (the lse without the head dim)."""
+    problem, staged = _planned(query, key, value, attn_mask, sinks, dropout_p=0.0, **options,
+                               want_lse=True)
+    out, lse = _run(problem, staged, "cpu")
     return out.reshape(query.shape), lse.reshape(query.shape[:-1])
 
 
@@ -133,30 +158,50 @@ def attention_with_weights(query, key, value, attn_mask=None, dropout_p=0.0, is_
                    enable_gqa=enable_gqa, softcap=softcap)
     args = (query, key, value, attn_mask, sinks)
     out, lse = _attend(args, options, want_lse=True)
-    data = [x.detach() if torch_tensors.is_tensor(x) else x for x in (*args, lse)]
+    data = [_on_host(x) for x in (*args, lse)]               # CUDA tensors' too: a copy
     problem = attention_problem(*data[:5], **options)         # the weights' geometry
     lse = data[5].numpy() if torch_tensors.is_tensor(data[5]) else data[5]
     from .cpu.backward import attention_weights       # the CPU kernels, as a call needs them
     weights = attention_weights(problem, lse).astype(problem.dtype)
     weights = weights.reshape(np.shape(query)[:-1] + np.shape(key)[-2:-1])
-    return out, torch_tensors.as_tensor(weights) if torch_tensors.is_tensor(query) else weights
+    if not torch_tensors.is_tensor(query):
+        return out, weights
+    return out, torch_tensors.as_tensor(weights).to(query.device)
+
+
+def _on_host(x):
+    """A call's argument or result as data on the host: CUDA arrays copied to NumPy, torch CPU
+    tensors detached."""
+    if checks.is_cuda_array(x):
+        return cuda_arrays.to_host(x)
+    return x.detach() if torch_tensors.is_tensor(x) else x
 
 
 def attention_problem(query, key, value, attn_mask, sinks, *, dropout_p, is_causal, scale,
                       enable_gqa, softcap, want_lse=False):
     """The planned BNSD problem of a :func:`scaled_dot_product_attention` call (its checks
     raise here); with softmax_lse where ``want_lse``."""
+    return _planned(query, key, value, attn_mask, sinks, dropout_p=dropout_p,
+                    is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, softcap=softcap,
+                    want_lse=want_lse)[0]
+
+
+def _planned(query, key, value, attn_mask, sinks, *, dropout_p, is_causal, scale, enable_gqa,
+             softcap, want_lse=False):
+    """(:func:`attention_problem`, the staged CUDA arrays the kernels read or None)."""
     q, k, v, mask = (torch_tensors.as_numpy(name, x) if torch_tensors.is_cpu_tensor(x) else x
                      for name, x in (("query", query), ("key", key), ("value", value),
                                      ("attn_mask", attn_mask)))
+    xp = _library(q, k, v, mask)
     for name, x in (("query", q), ("key", k), ("value", v)):
-        checks.check_array(name, x)
+        if xp is np:
+            checks.check_array(name, x)
         if x.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dimensions (..., L, E), got shape "
                              f"{checks.shape_str(x.shape)}")
-        if x.dtype.kind != "f" and not is_bf16(x.dtype):
+        if _dtype(x).kind != "f" and not is_bf16(_dtype(x)):
             raise TypeError(f"{name} must be float32, float16 or bfloat16 (the SDPA drop-in "
-                            f"has no quantized inputs), got {dtype_name(x.dtype)}")
+                            f"has no quantized inputs), got {dtype_name(_dtype(x))}")
     softcap = _softcap(softcap)
     _check_dropout(dropout_p)
     if is_causal and mask is not None:
@@ -177,20 +222,40 @@ def attention_problem(query, key, value, attn_mask, sinks, *, dropout_p, is_caus
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
     pse = discard = band = None
     if mask is not None:
-        mask = checks.check_array("attn_mask", mask)
-        pse, discard = _mask(mask, q, k)
-        band = _mask_band(mask, q.shape[-2], k.shape[-2]) if mask.dtype == np.bool_ else None
+        mask = checks.check_array("attn_mask", mask) if xp is np else mask
+        pse, discard = _mask(mask, q, k, xp)
+        band = _mask_band(mask, q.shape[-2], k.shape[-2], xp) \
+            if _dtype(mask) == np.bool_ else None
     call = PV.Call(q4, k4, v4, attn_mask=discard, pse_shift=pse, num_heads=hq,
                    num_key_value_heads=hkv, scale_value=scale, input_layout="BNSD",
                    sparse_mode=0 if discard is None else 1, inner_precise=2,
                    return_softmax_lse=want_lse)
-    valid = PV.validate(call)
+    valid = PV.validate(call, stage=None if xp is np else Staged)
     if is_causal:
         valid = dataclasses.replace(valid, sparse_mode=2, has_mask=True)   # the band j <= i
     elif band is not None:
         valid = dataclasses.replace(valid, sparse_mode=0, has_mask=True, pre_tokens=band[0],
                                     next_tokens=band[1])
-    return dataclasses.replace(plan(valid), softcap=softcap, sinks=sinks)
+    return dataclasses.replace(plan(valid), softcap=softcap, sinks=sinks), valid.staged
+
+
+def _library(query, key, value, mask):
+    """The array library that reshapes and converts the arrays: NumPy for host arrays, torch
+    for CUDA tensors (its operations run on their device). They live on one device."""
+    call = PV.Call(query, key, value, attn_mask=mask)
+    if checks.check_placement(call) == "cpu":
+        return np
+    for name, x in call.tensors().items():
+        if x is not None and not torch_tensors.is_tensor(x):
+            raise TypeError(f"{name} is a CUDA array of {type(x).__name__}: the SDPA drop-in "
+                            f"takes CUDA arrays as torch tensors")
+    import torch
+    return torch
+
+
+def _dtype(x):
+    """The NumPy dtype of an array's elements (a torch tensor's too)."""
+    return torch_tensors.numpy_dtype(x) if torch_tensors.is_tensor(x) else x.dtype
 
 
 def _check_dropout(dropout_p):
@@ -217,40 +282,44 @@ def _bnsd(x):
     return x.reshape((math.prod(x.shape[:-3]),) + x.shape[-3:]) if x.ndim > 3 else x[None]
 
 
-def _mask(mask, q, k):
-    """torch's attn_mask as (pse_shift, discard mask) of the BNSD call: a float mask (of the
-    query's dtype) is added to the scores; a bool mask (True = take part) drops the rest, as a
-    discard mask where it is the same for every head, else as -inf added to the scores."""
-    scores = q.shape[:-1] + (k.shape[-2],)                  # (..., Hq, L, S)
+def _mask(mask, q, k, xp):
+    """torch's attn_mask as (pse_shift, discard mask) of the BNSD call, made with array library
+    ``xp`` (:func:`_library`): a float mask (of the query's dtype) is added to the scores; a
+    bool mask (True = take part) drops the rest, as a discard mask where it is the same for
+    every head, else as -inf added to the scores."""
+    scores = tuple(q.shape[:-1]) + (k.shape[-2],)           # (..., Hq, L, S)
     try:
-        full = np.broadcast_to(mask, scores)
-    except ValueError:
+        full = xp.broadcast_to(mask, scores)
+    except (ValueError, RuntimeError):                      # NumPy's, torch's
         raise RuntimeError(f"attn_mask of shape {checks.shape_str(mask.shape)} does not "
                            f"broadcast to the scores' shape {checks.shape_str(scores)}") from None
     sq, skv = scores[-2:]
-    if mask.dtype != np.bool_:
-        if mask.dtype != q.dtype:
+    if _dtype(mask) != np.bool_:
+        if _dtype(mask) != _dtype(q):
             raise TypeError(f"a float attn_mask must have the query's dtype "
-                            f"({dtype_name(q.dtype)}), got {dtype_name(mask.dtype)}")
+                            f"({dtype_name(_dtype(q))}), got {dtype_name(_dtype(mask))}")
         return full.reshape(math.prod(scores[:-3]), _heads(q), sq, skv), None
     if mask.ndim >= 3 and mask.shape[-3] != 1 and q.ndim >= 3:     # differs between heads
-        bias = np.where(full, np.zeros((), q.dtype), np.array(-np.inf, q.dtype))
+        bias = xp.zeros_like(full, dtype=q.dtype)
+        bias[~full] = -math.inf
         return bias.reshape(math.prod(scores[:-3]), _heads(q), sq, skv), None
-    one_head = np.broadcast_to(mask, scores[:-3] + (1, sq, skv) if q.ndim >= 3 else scores)
+    one_head = xp.broadcast_to(mask, scores[:-3] + (1, sq, skv) if q.ndim >= 3 else scores)
     return None, ~one_head.reshape(math.prod(scores[:-3]), sq, skv)
 
 
-def _mask_band(mask, sq, skv):
+def _mask_band(mask, sq, skv, xp):
     """(pre, next) of the narrowest band i - pre <= j <= i + next that holds every True of the
     bool ``mask`` (broadcast to (..., sq, skv)); None when it holds no True (then the mask
-    alone drops everything). pre + next >= 0, as sparse_mode 0 requires."""
-    m = np.broadcast_to(mask, mask.shape[:-2] + (sq, skv))
-    kept = m.any(axis=-1)
+    alone drops everything). pre + next >= 0, as sparse_mode 0 requires. The reductions over
+    the mask run in its library ``xp``; their per-row results are read on the host."""
+    m = xp.broadcast_to(mask, tuple(mask.shape[:-2]) + (sq, skv)).view(xp.int8)
+    host = cuda_arrays.to_host if xp is not np else np.asarray
+    kept = host(m.any(-1))
     if not kept.any():
         return None
     rows = np.arange(sq)
-    first = np.argmax(m, axis=-1)
-    last = skv - 1 - np.argmax(m[..., ::-1], axis=-1)
+    first = host(xp.argmax(m, -1))
+    last = skv - 1 - host(xp.argmax(xp.flip(m, (-1,)), -1))
     return int((rows - first)[kept].max()), int((last - rows)[kept].max())
 
 

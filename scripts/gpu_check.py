@@ -4,6 +4,7 @@ against torch's flash attention, all in one run of a few minutes.
     python scripts/gpu_check.py [--wheels DIR] [--quick] [--portable] [--profile] [--tiles]
     python scripts/gpu_check.py --decode [--wheels DIR] [--quick]
     python -m pytest tests/cudasim tests/ptx     # the kernel tests, on the device
+    python -m pytest tests/test_transformers.py -k cuda    # models on CUDA tensors vs "sdpa"
 
 Set-up. numba-cuda 0.30 needs NumPy < 2.5. Where numba-cuda is missing or NumPy is too new
 (an H200 machine with NumPy 2.5 and no package index, say), ``--wheels DIR`` installs the
@@ -193,7 +194,8 @@ def check_extensions(quick):
     """The SDPA drop-in's softcap and sinks (NumPy arrays, device="cuda") on the tensor-core
     kernel (a causal prefill) and the decode kernel (one query row a head; the portable
     kernel for both with --portable), against the reference (the first kv group's heads) and
-    the CPU path (every head); a case fails where another kernel ran it."""
+    the CPU path (every head); a case fails where another kernel ran it. Where torch has
+    CUDA, the same call on torch CUDA tensors must give the same bits."""
     import ml_dtypes
     import numpy as np
 
@@ -228,13 +230,32 @@ def check_extensions(quick):
             inner_precise=2, softcap=5.0, sinks=sinks[:g])
         err_gpu, err_cpu = _max_err(out_dev[:, :g], ref), _max_err(out_cpu[:, :g], ref)
         err_all = _max_err(out_dev, out_cpu)
-        good = ran and err_gpu <= 2 * err_cpu + 1e-3 and err_all <= 2 * err_cpu + 2e-3
+        tensors = _sdpa_on_torch_cuda(q, k, v, kw, out_dev)
+        good = ran and err_gpu <= 2 * err_cpu + 1e-3 and err_all <= 2 * err_cpu + 2e-3 and \
+            tensors != "differ"
         print(f"  {name:26s} max err vs reference: cuda {err_gpu:.2e}, cpu {err_cpu:.2e}; "
               f"all heads |cuda - cpu| {err_all:.2e}; the {kernel} kernel "
-              f"{'ran' if ran else 'did NOT run'}  {'OK' if good else 'FAIL'}", flush=True)
+              f"{'ran' if ran else 'did NOT run'}; torch CUDA tensors: {tensors}  "
+              f"{'OK' if good else 'FAIL'}", flush=True)
         ok &= bool(good)
     log.removeHandler(said)
     return ok
+
+
+def _sdpa_on_torch_cuda(q, k, v, kw, want):
+    """'same bits' or 'differ': the SDPA call of NumPy ``q, k, v`` and ``kw`` on torch CUDA
+    tensors against ``want`` (its result with device="cuda"); 'no torch CUDA' without them."""
+    import numpy as np
+
+    from pfa_numba import scaled_dot_product_attention
+    from pfa_numba.interop.cuda_arrays import to_host
+    torch = _torch_cuda()
+    if torch is None:
+        return "no torch CUDA"
+    tq, tk, tv = (_to_torch(torch, x) for x in (q, k, v))
+    got = scaled_dot_product_attention(tq, tk, tv, **dict(kw, sinks=_to_torch(torch, kw["sinks"])))
+    same = got.is_cuda and np.array_equal(to_host(got).view(np.uint16), want.view(np.uint16))
+    return "same bits" if same else "differ"
 
 
 def _torch_cuda():

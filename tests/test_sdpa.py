@@ -130,19 +130,56 @@ def test_banded_bool_masks_match_torch(kind, sq, skv):
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=2e-6)
 
 
-def test_mask_band_is_the_narrowest_band_holding_every_true():
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_mask_band_is_the_narrowest_band_holding_every_true(library):
+    """With NumPy's operations (host arrays) and with torch's (CUDA tensors' path: run here on
+    CPU tensors)."""
     from pfa_numba.sdpa import _mask_band
+    xp = torch if library == "torch" else np
     rng = np.random.default_rng(5)
     for trial in range(200):
         sq, skv = rng.integers(1, 12, size=2)
         mask = rng.random((2, sq, skv)) < rng.choice([0.05, 0.3, 0.9])
-        band = _mask_band(mask, sq, skv)
+        band = _mask_band(torch.from_numpy(mask) if xp is torch else mask, sq, skv, xp)
         i, j = np.nonzero(mask.any(axis=0))
         if i.size == 0:
             assert band is None
             continue
         assert band == ((i - j).max(), (j - i).max())
         assert band[0] + band[1] >= 0
+
+
+#: attn_mask forms for a query (2, 4, 5, 16) and a key (2, 4, 7, 16): (shape, dtype)
+MASK_FORMS = {"2d-bool": ((5, 7), np.bool_), "batch-bool": ((2, 1, 5, 7), np.bool_),
+              "per-head-bool": ((2, 4, 5, 7), np.bool_), "row-bool": ((7,), np.bool_),
+              "float": ((1, 4, 1, 7), np.float16), "mismatch": ((3, 7), np.bool_)}
+
+
+@pytest.mark.parametrize("form", list(MASK_FORMS))
+def test_torch_operations_convert_the_mask_as_numpys_do(form):
+    """The conversion CUDA tensors get (torch's operations, run here on CPU tensors) gives
+    NumPy's (pse_shift, discard mask), and raises its error."""
+    from pfa_numba.interop import torch_tensors
+    from pfa_numba.sdpa import _mask
+    shape, dtype = MASK_FORMS[form]
+    rng = np.random.default_rng(6)
+    mask = (rng.random(shape) < 0.5) if dtype == np.bool_ else \
+        rng.standard_normal(shape).astype(dtype)
+    q, k = np.ones((2, 4, 5, 16), np.float16), np.ones((2, 4, 7, 16), np.float16)
+    results = []
+    for xp, arrays in ((np, (mask, q, k)), (torch, [torch.from_numpy(x) for x in (mask, q, k)])):
+        try:
+            results.append(_mask(*arrays, xp))
+        except RuntimeError as exc:
+            results.append(str(exc))
+    want, got = results
+    if form == "mismatch":
+        assert want == got and "does not broadcast" in want
+        return
+    for w, g in zip(want, got):
+        assert (w is None and g is None) or (torch_tensors.numpy_dtype(g) == w.dtype and
+                                             np.array_equal(g.numpy(), w))
+    assert any(w is not None for w in want)
 
 
 def _weights64(q, k, keep, scale, softcap, sinks):

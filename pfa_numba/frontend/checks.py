@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..interop import torch_tensors
+from ..interop import cuda_arrays, torch_tensors
 from ..interop.torch_tensors import is_tensor
 from ..numerics.dtypes import F16, F32, I8, dtype_name, is_bf16
 from ..numerics.band import TOKENS_INF, tokens_to_band
@@ -195,7 +195,7 @@ def is_cuda_array(x):
     if isinstance(x, np.ndarray) or x is None:
         return False
     if is_tensor(x):
-        return bool(x.is_cuda)
+        return bool(torch_tensors.on_cuda(x))
     if "simulator" in type(x).__module__:
         return True
     try:
@@ -205,9 +205,12 @@ def is_cuda_array(x):
 
 
 def sink_logits(value, heads):
-    """Attention sinks as float32 (heads,): an array (NumPy or a torch CPU tensor) of real
-    numbers (TypeError) with one value a query head (ValueError)."""
-    if torch_tensors.is_cpu_tensor(value):
+    """Attention sinks as float32 (heads,) on the host: an array (NumPy, a torch tensor, a
+    CUDA array: copied here) of real numbers (TypeError) with one value a query head
+    (ValueError)."""
+    if is_cuda_array(value):
+        value = cuda_arrays.checked("sinks", cuda_arrays.to_host, value)
+    elif torch_tensors.is_cpu_tensor(value):
         value = torch_tensors.as_numpy("sinks", value)
     arr = check_array("sinks", value)
     if arr.dtype.kind not in "fiu" and not is_bf16(arr.dtype):

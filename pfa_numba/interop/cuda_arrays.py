@@ -9,6 +9,7 @@ import functools
 import numpy as np
 
 from ..numerics.dtypes import is_bf16
+from . import torch_tensors
 
 
 def checked(name, fn, x):
@@ -45,19 +46,11 @@ def array_kind(x):
     return "cuda"
 
 
-def _torch_dtype_to_numpy(t):
-    import torch
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(str(t.dtype).replace("torch.", ""))
-
-
 def interface(x):
     """(dtype, shape, strides in bytes, device pointer of element 0) of a CUDA array."""
     if array_kind(x) == "torch":
         import torch
-        dtype = _torch_dtype_to_numpy(x)
+        dtype = torch_tensors.numpy_dtype(x)
         cai = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).__cuda_array_interface__
     else:
         cai = x.__cuda_array_interface__

@@ -1,7 +1,8 @@
-"""Attention on NumPy kernels as a torch operator: ``torch.ops.pfa_numba.sdpa`` and its
-backward ``torch.ops.pfa_numba.sdpa_backward``, registered with ``torch.library`` when this
-module is imported, over a forward and a backward on NumPy arrays that the SDPA drop-in
-(:mod:`pfa_numba.sdpa`) puts in :data:`.torch_tensors.OPERATORS`.
+"""pfa_numba's attention as a torch operator: ``torch.ops.pfa_numba.sdpa`` and its backward
+``torch.ops.pfa_numba.sdpa_backward``, registered with ``torch.library`` when this module is
+imported, over a forward and a backward that the SDPA drop-in (:mod:`pfa_numba.sdpa`) puts in
+:data:`.torch_tensors.OPERATORS`: on NumPy arrays for CPU tensors; the forward takes CUDA
+tensors as they are, and the backward raises NotImplementedError for them.
 
 As an operator the call is one opaque node to torch: ``torch.compile`` traces models through
 it (fake implementations give the results' shapes, no kernel runs while tracing), and autograd
@@ -16,7 +17,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .torch_tensors import OPERATORS, as_numpy, as_tensor
+from .torch_tensors import OPERATORS, as_numpy, as_tensor, on_cuda
 
 ARGUMENTS = ("query", "key", "value", "attn_mask", "sinks")
 
@@ -25,9 +26,10 @@ def _implementation(name):
     """The NumPy function registered as ``name`` in :data:`.torch_tensors.OPERATORS` (by the
     module that defines it, at its import):
 
-    ``forward(query, key, value, attn_mask, sinks, options)`` (NumPy arrays, options a dict of
-    the call's other arguments) returns (output of the query's shape, softmax_lse of the
-    query's shape without its last dim, float32); ``backward(state, dout, want_dbias)`` with
+    ``forward(query, key, value, attn_mask, sinks, options)`` (NumPy arrays, or torch CUDA
+    tensors; options a dict of the call's other arguments) returns (output of the query's
+    shape, softmax_lse of the query's shape without its last dim, float32), arrays of the
+    arguments' kind; ``backward(state, dout, want_dbias)`` (NumPy arrays) with
     state (query, key, value, attn_mask, sinks, output, lse, options) returns float32 arrays
     (dq, dk, dv, dbias, dsinks): dbias, the gradient of the scores' additive term in the
     scores' shape (..., Hq, L, S), where ``want_dbias``; dsinks where there are sinks."""
@@ -39,10 +41,13 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
          attn_mask: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
          scale: Optional[float], is_causal: bool, enable_gqa: bool,
          softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, softmax_lse) of torch's SDPA arguments on pfa_numba's CPU kernels."""
+    """(output, softmax_lse) of torch's SDPA arguments on pfa_numba's kernels: the CPU's for
+    CPU tensors (read as NumPy arrays), the GPU's for CUDA tensors (read in place)."""
+    options = _options(scale, is_causal, enable_gqa, softcap)
+    if on_cuda(query):
+        return _implementation("sdpa.forward")(query, key, value, attn_mask, sinks, options)
     arrays = _arrays(query, key, value, attn_mask, sinks)
-    out, lse = _implementation("sdpa.forward")(
-        *arrays, _options(scale, is_causal, enable_gqa, softcap))
+    out, lse = _implementation("sdpa.forward")(*arrays, options)
     return as_tensor(out), torch.from_numpy(np.ascontiguousarray(lse, np.float32))
 
 
@@ -62,7 +67,13 @@ def sdpa_backward(dout: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                              torch.Tensor]:
     """The gradients (dq, dk, dv, dmask, dsinks) of :func:`sdpa` given the output's gradient
     ``dout``, contiguous; an empty tensor in place of dmask unless ``want_dmask``, and of
-    dsinks without sinks."""
+    dsinks without sinks. CPU tensors only: there is no backward kernel on CUDA."""
+    if on_cuda(query):
+        raise NotImplementedError(
+            f"the backward of pfa_numba's scaled_dot_product_attention runs on CPU tensors: on "
+            f"CUDA ({query.dtype} query of shape {tuple(query.shape)} on {query.device}) its "
+            f"kernels compute the forward only; train through torch's SDPA there, or on CPU "
+            f"tensors")
     arrays = _arrays(query, key, value, attn_mask, sinks, out, lse)
     state = (*arrays, _options(scale, is_causal, enable_gqa, softcap))
     dout = np.ascontiguousarray(as_numpy("dout", dout.detach().float()))

@@ -24,10 +24,25 @@ def is_tensor(x):
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def on_cuda(t):
+    """Whether torch tensor ``t`` lives on a CUDA device (the one place this is asked, so the
+    CUDA simulator's tests can place CPU tensors there)."""
+    return t.is_cuda
+
+
 def is_cpu_tensor(x):
     """Whether ``x`` is a torch tensor that is not on CUDA: a CPU tensor, or one of a device
     :func:`as_numpy` refuses."""
-    return is_tensor(x) and not x.is_cuda
+    return is_tensor(x) and not on_cuda(x)
+
+
+def numpy_dtype(t):
+    """The NumPy dtype of torch tensor ``t``'s elements (bfloat16: ml_dtypes')."""
+    import torch
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(str(t.dtype).replace("torch.", ""))
 
 
 def requires_grad(x):
