@@ -143,7 +143,7 @@ class _CudaLaunch:
         if self.launch.empty:
             return self.launch.run(given[0])
         pointers = dict(self.launch.pointers)
-        pointers.update(zip(_QKV, (interface(x)[3] for x in given)))
+        pointers.update((name, interface(x, name)[3]) for name, x in zip(_QKV, given))
         if not self.launch.aligned(pointers):
             return None
         return self.launch.run(given[0], pointers)

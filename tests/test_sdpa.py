@@ -234,3 +234,11 @@ def test_empty_lengths_with_a_mask(lengths, kind):
             "bool per head": torch.ones(2, 2, sq, skv, dtype=bool)}[kind]
     out = scaled_dot_product_attention(q, k, v, mask)
     assert out.shape == (2, 2, sq, 16) and torch.all(out == 0)
+
+
+def test_torch_tensors_run_where_they_live():
+    q = torch.randn(1, 2, 5, 16)
+    with pytest.raises(ValueError, match="device='cuda' but the tensors live on cpu"):
+        scaled_dot_product_attention(q, q, q, device="cuda")
+    assert torch.equal(scaled_dot_product_attention(q, q, q, device="cpu"),
+                       scaled_dot_product_attention(q, q, q))

@@ -114,3 +114,15 @@ def test_a_tensor_on_another_device_is_a_runtime_error_naming_it(dtype):
         prompt_flash_attention(q, q, meta, num_heads=2, input_layout="BNSD")
     with pytest.raises(RuntimeError, match="query is a torch tensor on device 'meta'"):
         prompt_flash_attention(meta, q, q, num_heads=2, input_layout="BNSD")
+
+
+def test_a_tensor_that_requires_grad_is_refused_by_name_before_its_device_memory_is_read():
+    """A CUDA tensor's metadata and pointer are read through the same grad-mode rule as a CPU
+    tensor's data (torch's own __cuda_array_interface__ would refuse it without the name, and
+    under torch.no_grad() too): run here on a CPU tensor, refused before the interface."""
+    from pfa_numba.interop.cuda_arrays import interface
+    q = torch.zeros(1, 2, 4, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="query requires grad .*torch.no_grad"):
+        interface(q, "query")
+    with torch.no_grad(), pytest.raises(AttributeError):     # read, detached: not a CUDA tensor
+        interface(q, "query")

@@ -46,10 +46,13 @@ def array_kind(x):
     return "cuda"
 
 
-def interface(x):
-    """(dtype, shape, strides in bytes, device pointer of element 0) of a CUDA array."""
+def interface(x, name="a CUDA array"):
+    """(dtype, shape, strides in bytes, device pointer of element 0) of CUDA array ``x``
+    (argument ``name``; a torch tensor that requires grad in grad mode is refused, see
+    :func:`.torch_tensors.readable`)."""
     if array_kind(x) == "torch":
         import torch
+        x = torch_tensors.readable(name, x)
         dtype = torch_tensors.numpy_dtype(x)
         cai = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).__cuda_array_interface__
     else:
@@ -76,7 +79,7 @@ class Meta:
 
     def make(self, name, x):
         """The metadata-only array of CUDA array argument ``name``."""
-        dtype, shape, strides, ptr = interface(x)
+        dtype, shape, strides, ptr = interface(x, name)
         root = np.zeros(1, dtype=dtype)
         meta = np.lib.stride_tricks.as_strided(root, shape=shape, strides=strides,
                                                writeable=False)

@@ -44,8 +44,10 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """(output, softmax_lse) of torch's SDPA arguments on pfa_numba's kernels: the CPU's for
     CPU tensors (read as NumPy arrays), the GPU's for CUDA tensors (read in place)."""
     options = _options(scale, is_causal, enable_gqa, softcap)
-    if on_cuda(query):
-        return _implementation("sdpa.forward")(query, key, value, attn_mask, sinks, options)
+    if on_cuda(query):                     # read in place; the autograd is the registered one
+        tensors = (None if t is None else t.detach() for t in (query, key, value, attn_mask,
+                                                                 sinks))
+        return _implementation("sdpa.forward")(*tensors, options)
     arrays = _arrays(query, key, value, attn_mask, sinks)
     out, lse = _implementation("sdpa.forward")(*arrays, options)
     return as_tensor(out), torch.from_numpy(np.ascontiguousarray(lse, np.float32))

@@ -60,12 +60,7 @@ def as_numpy(name, t):
     if t.device.type != "cpu":
         raise RuntimeError(f"{name} is a torch tensor on device '{t.device}' ({t.dtype} tensor "
                            f"of shape {tuple(t.shape)}): pfa_numba reads CPU and CUDA tensors")
-    if t.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError(f"{name} requires grad ({t.dtype} tensor of shape {tuple(t.shape)}): "
-                           f"this pfa_numba operator computes the forward pass only (the SDPA "
-                           f"drop-in has a backward); call it under torch.no_grad() or "
-                           f"torch.inference_mode()")
-    t = t.detach().resolve_conj().resolve_neg()
+    t = readable(name, t)
     if t.dtype == torch.bfloat16:
         import ml_dtypes
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
@@ -74,6 +69,19 @@ def as_numpy(name, t):
     except TypeError:
         raise TypeError(f"{name} has a dtype NumPy cannot view ({t.dtype} tensor of shape "
                         f"{tuple(t.shape)})") from None
+
+
+def readable(name, t):
+    """Tensor ``t`` (argument ``name``, on any device) detached, for its data to be read; one
+    that requires grad while grad mode is on is a RuntimeError (its gradient would be dropped
+    silently)."""
+    import torch
+    if t.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{name} requires grad ({t.dtype} tensor of shape {tuple(t.shape)}): "
+                           f"this pfa_numba operator computes the forward pass only (the SDPA "
+                           f"drop-in has a backward); call it under torch.no_grad() or "
+                           f"torch.inference_mode()")
+    return t.detach().resolve_conj().resolve_neg()
 
 
 def as_tensor(x):
