@@ -35,17 +35,20 @@ SPECS = [pytest.param(*spec, id=name[:-4]) for name, spec in T.ptx_names().items
          if (not spec[4] and not spec[6] and (not spec[3] or spec[2] == (9, 0)))
          or ((spec[4] or spec[6]) and spec[0] == "f16" and spec[2] == (9, 0))]
 _PTX = {}
+_COMPILE = T.tc_ptx
 
 
 def tc_ptx(*spec):
+    """T.tc_ptx, each specialisation compiled once in this process."""
     if spec not in _PTX:
-        _PTX[spec] = T.tc_ptx(*spec)
+        _PTX[spec] = _COMPILE(*spec)
     return _PTX[spec]
 
 
-def test_cuda_ptx_command_writes_one_file_a_specialisation(tmp_path):
+def test_cuda_ptx_command_writes_one_file_a_specialisation(tmp_path, monkeypatch):
     from pfa_numba.cli.main import main
     from pfa_numba.gpu import sass
+    monkeypatch.setattr(T, "tc_ptx", tc_ptx)       # compiled once for this and the SPECS test
     assert len(T.ptx_names()) == 56 and "tc_bf16_d128_masked_walk_sm90.ptx" in T.ptx_names()
     assert T.ptx_names()["tc_f16_d64_int8_sm80.ptx"] == ("f16", 64, (8, 0), False, True, True,
                                                          False)
