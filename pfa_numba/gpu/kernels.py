@@ -183,8 +183,12 @@ def fill_kernel(x, value):
         x[e] = value
 
 
-#: fill_kernel's grid: blocks and threads
-FILL_GRID = (256, 256)
+def fill_grid(n):
+    """fill_kernel's grid (blocks, threads) for ``n`` elements: a thread an element up to 256
+    blocks of 256 threads (the grid-stride loop covers the rest), so a small result is not
+    filled by 65536 threads (a thread each is what the CUDA simulator runs)."""
+    threads = 256
+    return min(256, max(1, -(-n // threads))), threads
 
 
 @array_function

@@ -467,11 +467,11 @@ def library_array(like, shape, dtype, fill, stream):
 
 def _numba_array(n, dtype, fill, stream):
     """A new flat Numba device array, filled on ``stream`` unless ``fill`` is None."""
-    from .kernels import FILL_GRID, fill_kernel
+    from .kernels import fill_grid, fill_kernel
     arr = device.empty(n, dtype, stream)
     if fill is not None:
         storage = arr.view(np.uint16) if np.dtype(dtype).itemsize == 2 else arr
-        device.launch(fill_kernel, *FILL_GRID, stream, (storage, storage.dtype.type(fill)))
+        device.launch(fill_kernel, *fill_grid(n), stream, (storage, storage.dtype.type(fill)))
     return arr
 
 
