@@ -1,6 +1,6 @@
-"""The tensor-core kernel (pfa_numba.gpu.tc_kernel) compiles for every specialisation, float16 /
+"""The tensor-core kernel (pfa_numba.gpu.tc_kernel) compiles for its specialisations (float16 /
 bfloat16 x D 64 / 128 x sm_80 / sm_90 x plain / masked x contiguous / walking the kv
-sequence / an int8 cache, without a GPU, with the float kernel's signature (the cache's
+sequence / an int8 cache: those of SPECS), without a GPU, with the float kernel's signature (the cache's
 arrays too); its
 PTX has the tensor-core instructions and no fp64, and ptxas (the nvidia-cuda-nvcc-cu12 wheel's,
 see test_tensor_core_ptx.wheel_ptxas) assembles it. tc_conditions.tensor_core_reason picks the
@@ -28,11 +28,13 @@ from pfa_numba.gpu import launch as L  # noqa: E402
 from test_tensor_core_ptx import assemble  # noqa: E402
 
 F64 = re.compile(r"\.f64\b")
-#: every plain specialisation, the masked ones for sm_90 (the same source as sm_80's: the
-#: lane's time goes to compiling, and the sm_80 plain ones already hold the arch difference),
-#: and the float16 sm_90 ones that walk the kv sequence (int8 caches too) or cap the scores
+#: every plain sm_90 specialisation and the plain D 64 sm_80 ones, the masked ones for sm_90,
+#: and the float16 sm_90 ones that walk the kv sequence (int8 caches too) or cap the scores.
+#: One source and one Numba IR serve both capabilities (the lane's time goes to Numba's front
+#: end); the D 64 sm_80 ones hold the arch difference: each dtype's instructions on sm_80
 SPECS = [pytest.param(*spec, id=name[:-4]) for name, spec in T.ptx_names().items()
-         if (not spec[4] and not spec[6] and (not spec[3] or spec[2] == (9, 0)))
+         if (not spec[4] and not spec[6] and
+             (spec[2] == (9, 0) if spec[3] or spec[1] == 128 else True))
          or ((spec[4] or spec[6]) and spec[0] == "f16" and spec[2] == (9, 0))]
 _PTX = {}
 _COMPILE = T.tc_ptx
