@@ -1,8 +1,7 @@
 """The tensor-core kernel (pfa_numba.gpu.tc_kernel) compiles for its specialisations (float16 /
 bfloat16 x D 64 / 128 x sm_80 / sm_90 x plain / masked x contiguous / walking the kv
-sequence / an int8 cache: those of SPECS), without a GPU, with the float kernel's signature (the cache's
-arrays too); its
-PTX has the tensor-core instructions and no fp64, and ptxas (the nvidia-cuda-nvcc-cu12 wheel's,
+sequence / an int8 cache: those of SPECS), without a GPU, with the float kernel's signature
+(the cache's arrays too); its PTX has the tensor-core instructions and no fp64, and ptxas (the nvidia-cuda-nvcc-cu12 wheel's,
 see test_tensor_core_ptx.wheel_ptxas) assembles it. tc_conditions.tensor_core_reason picks the
 problems it runs; config.CUDA_TENSOR_CORES (on by default) lets it run them.
 
