@@ -245,10 +245,11 @@ def _library(query, key, value, mask):
     call = PV.Call(query, key, value, attn_mask=mask)
     if checks.check_placement(call) == "cpu":
         return np
-    for name, x in call.tensors().items():
-        if x is not None and not torch_tensors.is_tensor(x):
-            raise TypeError(f"{name} is a CUDA array of {type(x).__name__}: the SDPA drop-in "
-                            f"takes CUDA arrays as torch tensors")
+    foreign = [(name, type(x).__name__) for name, x in call.tensors().items()
+               if x is not None and not torch_tensors.is_tensor(x)]
+    if foreign:
+        raise TypeError("{} is a CUDA array of {}: the SDPA drop-in takes CUDA arrays as torch "
+                        "tensors".format(*foreign[0]))
     import torch
     return torch
 
