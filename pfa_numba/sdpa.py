@@ -300,27 +300,40 @@ def _mask(mask, q, k, xp):
             raise TypeError(f"a float attn_mask must have the query's dtype "
                             f"({dtype_name(_dtype(q))}), got {dtype_name(_dtype(mask))}")
         return full.reshape(math.prod(scores[:-3]), _heads(q), sq, skv), None
-    if mask.ndim >= 3 and mask.shape[-3] != 1 and q.ndim >= 3:     # differs between heads
+    if _differs_between_heads(mask) and q.ndim >= 3:
         bias = xp.zeros_like(full, dtype=q.dtype)
         bias[~full] = -math.inf
         return bias.reshape(math.prod(scores[:-3]), _heads(q), sq, skv), None
-    one_head = xp.broadcast_to(mask, scores[:-3] + (1, sq, skv) if q.ndim >= 3 else scores)
+    head = mask[..., :1, :, :] if mask.ndim >= 3 else mask
+    one_head = xp.broadcast_to(head, scores[:-3] + (1, sq, skv) if q.ndim >= 3 else scores)
     return None, ~one_head.reshape(math.prod(scores[:-3]), sq, skv)
+
+
+def _differs_between_heads(mask):
+    """Whether a bool mask has a head axis of its own: more than one head, not broadcast
+    along it (an expanded mask's stride 0: one head's mask serves them all)."""
+    if mask.ndim < 3 or mask.shape[-3] == 1:
+        return False
+    stride = mask.stride(-3) if torch_tensors.is_tensor(mask) else mask.strides[-3]
+    return stride != 0
 
 
 def _mask_band(mask, sq, skv, xp):
     """(pre, next) of the narrowest band i - pre <= j <= i + next that holds every True of the
     bool ``mask`` (broadcast to (..., sq, skv)); None when it holds no True (then the mask
     alone drops everything). pre + next >= 0, as sparse_mode 0 requires. The reductions over
-    the mask run in its library ``xp``; their per-row results are read on the host."""
+    the mask run in its library ``xp``; their per-row results are read on the host at once
+    (one copy from a CUDA tensor's device)."""
+    if sq == 0 or skv == 0:
+        return None
     m = xp.broadcast_to(mask, tuple(mask.shape[:-2]) + (sq, skv)).view(xp.int8)
-    host = cuda_arrays.to_host if xp is not np else np.asarray
-    kept = host(m.any(-1))
+    ends = xp.stack((xp.argmax(m, -1), xp.argmax(xp.flip(m, (-1,)), -1),
+                     m.any(-1) * 1))                   # first, skv - 1 - last, kept
+    first, from_end, kept = cuda_arrays.to_host(ends) if xp is not np else ends
+    kept = kept.astype(bool)
     if not kept.any():
         return None
-    rows = np.arange(sq)
-    first = host(xp.argmax(m, -1))
-    last = skv - 1 - host(xp.argmax(xp.flip(m, (-1,)), -1))
+    rows, last = np.arange(sq), skv - 1 - from_end
     return int((rows - first)[kept].max()), int((last - rows)[kept].max())
 
 

@@ -294,3 +294,21 @@ def test_a_plan_given_misaligned_arrays_runs_whole_calls(shim):
     shim.reset()
     plan(odd, k, v)
     assert shim.counts["h2d"] == 1 and _kernel_names(shim) == ["attention"]
+
+
+def test_a_staged_cuda_array_lives_as_long_as_its_staging():
+    """Metadata and a pointer are all a launch reads of a CUDA array: the array itself must
+    live until the kernels reading it are queued (the SDPA drop-in's converted masks exist
+    only in its staging)."""
+    import gc
+    import weakref
+    from pfa_numba.interop.cuda_arrays import Meta
+    meta, x = Meta(), FakeCuda((2, 3, 4), np.float16)
+    alive = weakref.ref(x)
+    view = meta.make("attn_mask", x)
+    del x
+    gc.collect()
+    assert alive() is not None and meta.locate(view) == ("attn_mask", 0)
+    del meta
+    gc.collect()
+    assert alive() is None

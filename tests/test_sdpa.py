@@ -242,3 +242,20 @@ def test_torch_tensors_run_where_they_live():
         scaled_dot_product_attention(q, q, q, device="cuda")
     assert torch.equal(scaled_dot_product_attention(q, q, q, device="cpu"),
                        scaled_dot_product_attention(q, q, q))
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_a_mask_expanded_along_the_heads_is_one_heads_mask(library):
+    """A bool mask broadcast along the heads (stride 0) is dropped as one discard mask, not
+    made into a bias for every head."""
+    from pfa_numba.sdpa import _mask
+    keep = np.random.default_rng(7).random((2, 1, 5, 7)) < 0.5
+    q, k = np.ones((2, 4, 5, 16), np.float16), np.ones((2, 4, 7, 16), np.float16)
+    if library == "torch":
+        keep, q, k = (torch.from_numpy(x) for x in (keep, q, k))
+        expanded = keep.expand(2, 4, 5, 7)
+        xp = torch
+    else:
+        expanded, xp = np.broadcast_to(keep, (2, 4, 5, 7)), np
+    pse, discard = _mask(expanded, q, k, xp)
+    assert pse is None and np.array_equal(np.asarray(discard), ~np.asarray(keep)[:, 0])

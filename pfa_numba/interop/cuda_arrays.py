@@ -76,10 +76,15 @@ class Meta:
     def __init__(self):
         self.roots = {}
         self.pointers = {}               # argument name -> device pointer of its element 0
+        self.held = {}                   # argument name -> the array at that pointer
 
     def make(self, name, x):
-        """The metadata-only array of CUDA array argument ``name``."""
+        """The metadata-only array of CUDA array argument ``name``. The array is held: one made
+        for the call (a converted mask, say) lives until the kernels reading it are queued."""
+        if array_kind(x) == "torch":
+            x = torch_tensors.readable(name, x)
         dtype, shape, strides, ptr = interface(x, name)
+        self.held[name] = x
         root = np.zeros(1, dtype=dtype)
         meta = np.lib.stride_tricks.as_strided(root, shape=shape, strides=strides,
                                                writeable=False)
