@@ -50,9 +50,18 @@ def interface(x, name="a CUDA array"):
     """(dtype, shape, strides in bytes, device pointer of element 0) of CUDA array ``x``
     (argument ``name``; a torch tensor that requires grad in grad mode is refused, see
     :func:`.torch_tensors.readable`)."""
+    return _interface_of(_readable(name, x))
+
+
+def _readable(name, x):
+    """CUDA array ``x`` as its memory is read: a torch tensor through the grad-mode rule."""
+    return torch_tensors.readable(name, x) if array_kind(x) == "torch" else x
+
+
+def _interface_of(x):
+    """:func:`interface` of an array :func:`_readable` gave."""
     if array_kind(x) == "torch":
         import torch
-        x = torch_tensors.readable(name, x)
         dtype = torch_tensors.numpy_dtype(x)
         cai = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).__cuda_array_interface__
     else:
@@ -81,9 +90,8 @@ class Meta:
     def make(self, name, x):
         """The metadata-only array of CUDA array argument ``name``. The array is held: one made
         for the call (a converted mask, say) lives until the kernels reading it are queued."""
-        if array_kind(x) == "torch":
-            x = torch_tensors.readable(name, x)
-        dtype, shape, strides, ptr = interface(x, name)
+        x = _readable(name, x)
+        dtype, shape, strides, ptr = _interface_of(x)
         self.held[name] = x
         root = np.zeros(1, dtype=dtype)
         meta = np.lib.stride_tricks.as_strided(root, shape=shape, strides=strides,
