@@ -69,6 +69,10 @@ CPU_THREADS = None
 #: None: the process's thread pool, numba.config.NUMBA_NUM_THREADS (the cores, by default).
 CPU_WORK_THREADS = None
 
+#: Say on stderr, once per kernel and process, when a call compiles a kernel (a new machine's
+#: first call of each kind: tens of seconds, then Numba's cache serves it; pfa_numba.cache).
+COMPILE_NOTICES = True
+
 #: CUDA query rows (= threads) per block.
 CUDA_Q_ROWS = 64
 #: CUDA kv columns per shared-memory tile; fewer for large head dims (see CUDA_TILE_ELEMS).

@@ -84,7 +84,7 @@ class Plan:
                 not checks.is_cuda_array(arrays[0]):
             return _CpuLaunch.of(choice.prepare(problem), arrays)
         if choice.target.name == "cuda" and staged is not None and staged.meta is not None:
-            return _CudaLaunch(problem, staged.meta, choice)
+            return _CudaLaunch(choice.prepare(problem, staged))
         return None
 
     def __call__(self, query, key, value):
@@ -131,9 +131,9 @@ class _CudaLaunch:
     """A planned CUDA launch with its small arguments on the device, and the CUDA array
     argument names its query, key and value pointers replace."""
 
-    def __init__(self, problem, meta, choice):
-        from .gpu import device, launch
-        self.launch = launch.prepare(problem, meta, choice)
+    def __init__(self, launch):
+        from .gpu import device
+        self.launch = launch
         if not self.launch.empty:
             self.launch.keep_arguments(device.caller_stream(None))
 

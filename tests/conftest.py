@@ -27,3 +27,22 @@ def products(request, monkeypatch):
     if request.param == "blas":
         monkeypatch.setattr(config, "CPU_AMX", False)  # bf16 through BLAS too
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _explain_names_what_runs(monkeypatch):
+    """Every CPU call the suite makes runs only what explain says of it: the chosen kernel,
+    and the kernels its explanation names as running beside it or instead (its fallbacks)."""
+    from pfa_numba.cpu import driver
+    run = driver.Launch.run
+
+    def checked(self, *args, **kwargs):
+        results = run(self, *args, **kwargs)
+        told = " ".join(self.kernel.fallbacks(self.p, self.work)) if self.kernel else ""
+        for name, _ in self.ran:
+            assert name == self.kernel.name or name in told, \
+                (f"{name} ran beside the {self.kernel.name} kernel, which explain does not say: "
+                 f"{told!r}")
+        return results
+
+    monkeypatch.setattr(driver.Launch, "run", checked)

@@ -6,11 +6,18 @@ float16)."""
 import ml_dtypes
 import numpy as np
 import pytest
+from numba import njit
 
-from pfa_numba.cpu.amx_pack import amx_pack_rows
+from pfa_numba.cpu import amx_pack
 from pfa_numba.numerics.core import CODE_BF16, CODE_F16
 
 ROWS, D, DP, LD = 5, 19, 32, 40
+
+
+@njit
+def amx_pack_rows(*args):
+    """amx_pack.amx_pack_rows (a kernel function: callable from compiled code only)."""
+    return amx_pack.amx_pack_rows(*args)
 
 
 def _bf16_bits(x):

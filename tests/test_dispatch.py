@@ -1,5 +1,7 @@
 """Kernel choice: every kernel is declared once, one rule takes the first a call's device allows,
 ``explain`` says which and why not each other, and the CPU runs the kernel it names."""
+import logging
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -36,36 +38,42 @@ def _call(kernel):
                                                      **bnsd)
 
 
-@pytest.fixture
-def ran(monkeypatch):
-    """The kernel names driver.prepare is given and the kernel functions it runs."""
-    log = {"prepared": [], "functions": []}
-    prepare = driver.prepare
-    monkeypatch.setattr(driver, "prepare", lambda p, kernel, work: log["prepared"].append(
-        kernel) or prepare(p, kernel, work))
-    for name in ("attention", "attention_amx", "attention_int8", "merge_split"):
-        function = getattr(driver, name)
-        monkeypatch.setattr(driver, name, lambda *a, _f=function, _n=name: (
-            log["functions"].append(_n), _f(*a))[1])
-    return log
+def _host_tiles():
+    """The float32 tiles this host runs: register blocks where it has AVX-512, else BLAS."""
+    return "avx512-tiles" if driver.use_register_blocks() else "blas-tiles"
 
 
-KERNEL_FUNCTIONS = {"int8": ["attention_int8"], "split-kv": ["attention", "merge_split"],
-                    "streaming": ["attention"], "amx": ["attention_amx"],
-                    "float32-tiles": ["attention"]}
+#: the CPU kernels a call chosen for each kernel runs ("tiles": _host_tiles())
+KERNEL_STEPS = {"int8": ["int8"], "split-kv": ["streaming", "merge"],
+                "streaming": ["streaming"], "amx": ["amx"], "avx512-tiles": ["avx512-tiles"],
+                "blas-tiles": ["blas-tiles"]}
 
 
-@pytest.mark.parametrize("kernel", list(KERNEL_FUNCTIONS))
-def test_the_cpu_runs_the_kernel_explain_names(monkeypatch, ran, kernel):
+def _ran(caplog):
+    """(kernel, [steps]) of each CPU launch the ``pfa_numba.cpu`` log recorded."""
+    runs = []
+    for record in caplog.records:
+        if record.name == "pfa_numba.cpu" and record.getMessage().startswith("cpu "):
+            head, steps = record.getMessage().split(": ", 1)
+            runs.append((head.split()[1], [s.split(" (")[0] for s in steps.split("; ")]))
+    return runs
+
+
+@pytest.mark.parametrize("kernel", list(KERNEL_STEPS))
+def test_the_cpu_runs_the_kernel_explain_names(monkeypatch, caplog, kernel):
     """Each CPU kernel, on a call it takes: explain names it first, the kernels before it
-    with their reasons and those after it as able but later; the call runs its functions."""
+    with their reasons and those after it as able but later; the call runs that kernel's
+    steps, and the log says so."""
     monkeypatch.setattr(config, "CPU_SPLIT_KV_ITEMS", 4 if kernel == "split-kv" else 1)
+    if kernel == "blas-tiles":
+        monkeypatch.setattr(config, "CPU_AVX512_GEMM", False)
     args, kw = _call(kernel)
     names = [k.name for k in dispatch.TARGETS["cpu"].kernels()]
-    if kernel == "amx" and "AMX" not in dispatch.TARGETS["cpu"].features():
-        assert "not amx: needs AMX, which this machine lacks" in explain(*args, **kw)
+    lacks = {"amx": "AMX", "avx512-tiles": "AVX-512"}.get(kernel)
+    if lacks and lacks not in dispatch.TARGETS["cpu"].features():
+        assert f"not {kernel}: needs {lacks}, which this machine lacks" in explain(*args, **kw)
         return
-    text = explain(*args, **kw).splitlines()
+    text = [line for line in explain(*args, **kw).splitlines() if not line.startswith("  and")]
     assert text[0].startswith(f"the cpu {kernel} kernel runs this call: ")
     others = [n for n in names if n != kernel]
     assert [line.split(":")[0] for line in text[1:]] == [f"  not {n}" for n in others]
@@ -73,24 +81,42 @@ def test_the_cpu_runs_the_kernel_explain_names(monkeypatch, ran, kernel):
         after = names.index(n) > names.index(kernel)
         able = line.endswith(f"it could; {kernel} comes first")
         assert after or not able, line          # every kernel before it has reasons
+    caplog.set_level(logging.INFO, logger="pfa_numba.cpu")
     prompt_flash_attention(*args, **kw)
-    assert ran["prepared"] == [kernel] and ran["functions"] == KERNEL_FUNCTIONS[kernel]
+    assert _ran(caplog) == [(kernel, KERNEL_STEPS[kernel])]
+
+
+def test_explain_names_what_runs_beside_the_kernel(monkeypatch, caplog):
+    """A call whose last block of rows is few enough to stream: the float32 tiles run it, the
+    streaming kernel its short rows, and explain says both."""
+    caplog.set_level(logging.INFO, logger="pfa_numba.cpu")
+    monkeypatch.setattr(config, "CPU_Q_ROWS", 64)
+    args, kw = _arrays(np.float32, 1, 4, 2, 65, 80, 32), dict(num_heads=4,
+                                                              num_key_value_heads=2,
+                                                              input_layout="BNSD")
+    text = explain(*args, **kw)
+    assert text.startswith(f"the cpu {_host_tiles()} kernel")
+    assert "runs of work items have at most config.CPU_STREAM_ROWS = 16 rows: the streaming " \
+        "kernel runs them" in text
+    prompt_flash_attention(*args, **kw)
+    assert _ran(caplog) == [(_host_tiles(), [_host_tiles(), "streaming"])]
 
 
 def test_switches_and_features_rule_kernels_out(monkeypatch):
     args, kw = _call("amx")
     monkeypatch.setattr(config, "CPU_AMX", False)
     text = explain(*args, **kw)
-    assert text.startswith("the cpu float32-tiles kernel") and "config.CPU_AMX is False" in text
+    assert text.startswith(f"the cpu {_host_tiles()} kernel") and \
+        "config.CPU_AMX is False" in text
     monkeypatch.setattr(config, "CPU_AMX", True)
     monkeypatch.setattr(dispatch.CpuTarget, "features", lambda self, situation=None: set())
     assert "not amx: needs AMX, which this machine lacks" in explain(*args, **kw)
 
 
 def test_a_declaration_rules_out_what_it_does_not_take():
-    kernel = dispatch.Kernel("narrow", "cpu", "a test kernel", dtypes=("float16",),
-                             head_dims=(64,), layouts=("BNSD",), caches=("paged",),
-                             features=("AMX",), switch="CPU_AMX", extensions=("sinks",))
+    kernel = dispatch.Kernel("narrow", "a test kernel", dtypes=("float16",), head_dims=(64,),
+                             layouts=("BNSD",), caches=("paged",), features=("AMX",),
+                             switch="CPU_AMX", extensions=("sinks",))
 
     class P:                       # what a declaration reads of a planned problem
         dtype, D, layout = np.dtype(np.float32), 96, "TND"
@@ -112,10 +138,10 @@ def _as_if_the_machine_had_amx(monkeypatch):
 
 def test_no_kernel_raises_every_reason(monkeypatch):
     monkeypatch.setattr(dispatch, "KERNELS", tuple(k for k in dispatch.KERNELS
-                                                   if k.name != "float32-tiles"))
+                                                   if not k.name.endswith("-tiles")))
     monkeypatch.setattr(config, "CPU_AMX", False)
     _as_if_the_machine_had_amx(monkeypatch)
-    args, kw = _call("float32-tiles")
+    args, kw = _call("blas-tiles")
     with pytest.raises(RuntimeError) as err:
         prompt_flash_attention(*args, **kw)
     for line in ("int8: float32 inputs (it takes int8)", "amx: config.CPU_AMX is False; float32"):
@@ -123,7 +149,7 @@ def test_no_kernel_raises_every_reason(monkeypatch):
 
 
 def test_explain_raises_the_calls_errors():
-    args, kw = _call("float32-tiles")
+    args, kw = _call("blas-tiles")
     with pytest.raises(RuntimeError, match="num_heads"):
         explain(*args, **{**kw, "num_heads": 3})
     with pytest.raises(TypeError, match="prompt_flash_attention"):
@@ -137,5 +163,5 @@ def test_explain_fia_over_an_int8_cache(monkeypatch):
     i8 = k.astype(np.int8)
     text = explain_fia(q, i8, i8, antiquant_scale=np.ones(2, np.float16), num_heads=4,
                        num_key_value_heads=2, input_layout="BNSD")
-    assert text.startswith("the cpu float32-tiles kernel")
+    assert text.startswith(f"the cpu {_host_tiles()} kernel")
     assert "not amx: an int8 kv cache (it reads contiguous key / value)" in text

@@ -8,6 +8,7 @@ layout pads. Without AVX-512 the product tests are skipped, and say so.
 """
 import numpy as np
 import pytest
+from numba import njit
 
 from pfa_numba import config, prompt_flash_attention
 from pfa_numba.cpu import _gemm
@@ -20,6 +21,19 @@ def order_key(x):
     a = i & np.int32(0x7FFFFFFF)
     i = np.where(a > 0x7F800000, a, i)                 # NaN of either sign: the positive one
     return i ^ ((i >> 31) & np.int32(0x7FFFFFFF))
+
+
+@njit
+def _scores(*args):
+    """_gemm.scores (a kernel function: callable from compiled code only)."""
+    _gemm.scores(*args)
+
+
+@njit
+def _accumulate(*args):
+    """_gemm.accumulate (a kernel function: callable from compiled code only)."""
+    _gemm.accumulate(*args)
+
 
 needs_avx512 = pytest.mark.skipif(not _gemm.available(),
                                   reason="this CPU has no AVX-512 (tested where it has)")
@@ -55,7 +69,7 @@ def test_scores_against_numpy(rows, d, n_panels, with_keys):
     rp = _gemm.padded_rows(rows)
     keys = order_key(rng.standard_normal(rp + 1).astype(np.float32) * 8)  # some rows' above
     before = keys.copy()
-    _gemm.scores(qf, q_off, ldq, ktf, kt_off, d, s.ravel(), lds, rows, n_panels,
+    _scores(qf, q_off, ldq, ktf, kt_off, d, s.ravel(), lds, rows, n_panels,
                  keys if with_keys else None)
     want = q[:, :d].astype(np.float64) @ k.T.astype(np.float64)
     got = s[:rp, :n_panels * P]
@@ -83,7 +97,7 @@ def test_row_maxima_of_non_finite_scores():
     s = np.zeros((rows, P), np.float32)
     keys = np.full(rows, order_key(np.float32(-np.inf)), np.int32)
     with np.errstate(invalid="ignore"):
-        _gemm.scores(q.ravel(), 0, d, kt, 0, d, s.ravel(), P, rows, 1, keys)
+        _scores(q.ravel(), 0, d, kt, 0, d, s.ravel(), P, rows, 1, keys)
     assert np.isnan(s[5]).all() and np.isnan(s[7]).all() and np.isinf(s[1]).any()
     assert (s[7].view(np.int32) < 0).all()            # NaN with the sign bit
     assert np.array_equal(keys, order_key(s).max(axis=1))
@@ -103,7 +117,7 @@ def test_accumulate_against_numpy(rows, k, ldv):
     acc = _f32(rng, rp + 2, ldacc)
     before = acc.copy()
     v_off = 2 * ldv                                    # V starts at its third row
-    _gemm.accumulate(p.ravel(), ldp, v.ravel(), v_off, ldv, acc.ravel(), ldacc, ldacc, rows, k)
+    _accumulate(p.ravel(), ldp, v.ravel(), v_off, ldv, acc.ravel(), ldacc, ldacc, rows, k)
     pk, vk = p[:, :k], v[2:2 + k]
     want = before[1:rp + 1, :ldv].astype(np.float64) + pk.astype(np.float64) @ vk.astype(
         np.float64)
@@ -156,34 +170,33 @@ def test_non_finite_values_stay_in_their_rows(products, dt):
     assert_matches_reference(out, (q, k, v, mask), kw, DTYPES[dt])
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.uint16, np.uint32, np.int32])
-@pytest.mark.parametrize("n", [0, 1, 7, 1000, 65536])
-def test_scratch_buffers_start_a_cache_line(dtype, n):
-    """Tile buffers start a 64-byte line (a vector load or AMX tile row never straddles two)."""
-    from numba import njit
-    from pfa_numba.cpu._vector import LINE, aligned_empty
-
-    @njit
-    def make(n, like):
-        a = aligned_empty(n, like.dtype)
-        a[:] = 1
-        return a
-
-    for _ in range(4):                    # the allocator's offsets vary from call to call
-        a = make(n, np.zeros(1, dtype))
-        assert a.dtype == dtype and a.shape == (n,) and (a == 1).all()
-        assert n == 0 or a.ctypes.data % LINE == 0
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16, np.int64, np.uint8])
+@pytest.mark.parametrize("shape", [(0,), (1,), (7,), (1000,), (4, 33), (1, 2, 1)])
+def test_scratch_rows_start_a_cache_line(dtype, shape):
+    """Each thread's row of a kernel buffer starts a 64-byte line (a vector load or AMX tile row
+    never straddles two), and holds its shape."""
+    from pfa_numba.cpu.launch import rows
+    from pfa_numba.cpu._vector import LINE
+    for threads in (1, 3):
+        for _ in range(4):                  # the allocator's offsets vary from call to call
+            a = rows(threads, shape, dtype)
+            a[...] = 1
+            assert a.dtype == dtype and a.shape == (threads,) + shape and (a == 1).all()
+            for t in range(threads):
+                assert a[t].size == 0 or a[t].ctypes.data % LINE == 0
+                assert a[t].flags.c_contiguous
 
 
 def test_kernel_buffers_start_a_cache_line():
-    from pfa_numba.cpu import block_f32 as cpu
+    from pfa_numba.cpu import driver
+    from pfa_numba.cpu.records import Tuning
     from pfa_numba.cpu._vector import LINE
-    params = np.zeros(19, np.int64)
-    params[[cpu.P_G, cpu.P_D, cpu.P_ROWS, cpu.P_COLS]] = [2, 72, 40, 100]
-    bufs = cpu.f32_buffers(params, 1, np.zeros(1, np.float32))
-    for name, buf in bufs._asdict().items():
-        if name != "tb":                                      # the caller's
-            assert buf.size and buf.ctypes.data % LINE == 0, name
+    p = type("P", (), dict(D=72, G=2, code=0))()
+    tuning = Tuning(64, 512, 80, 86, 128, 0, 16, 0)
+    scratch = driver.f32_scratch(3, p, tuning)
+    for name, buf in scratch._asdict().items():
+        for t in range(3):
+            assert buf[t].size and buf[t].ctypes.data % LINE == 0, name
 
 
 @pytest.mark.skipif(not __import__("pfa_numba.cpu._vector").cpu._vector.host_has("f16c"),

@@ -93,10 +93,10 @@ def test_streaming_items_run_their_kv_heads_together(seed):
     most = int(rng.integers(1, 5))
     work = work_items(p, rows)
     runs = kv_head_runs(work, p.qlen, p.G, rows, stream_rows, most)
-    want = [0]
+    starts = []
     for x in range(0, work.shape[0], p.Nkv):
         b, i0 = work[x, W_B], work[x, W_I0]
         streams = p.G * (min(i0 + rows, p.qlen[b]) - i0) <= stream_rows
-        ends = range(x + most, x + p.Nkv, most) if streams else range(x + 1, x + p.Nkv)
-        want += list(ends) + [x + p.Nkv]
+        starts += list(range(x, x + p.Nkv, most if streams else 1))
+    want = [[a, z] for a, z in zip(starts, starts[1:] + [work.shape[0]])]
     assert runs.dtype == np.int64 and runs.tolist() == want

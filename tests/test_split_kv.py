@@ -91,9 +91,9 @@ def test_pieces_tile_each_items_band_exactly(monkeypatch):
     inf = 1 << 62
     p = _Problem(qlen=[1, 1, 1], klen=[1000, 150, 5000], pre_e=[inf] * 3, next_e=[inf, inf, 700])
     work = np.array([[b, 0, 0, 0, inf, -1] for b in range(3)], np.int64)
-    runs = np.arange(4)
+    runs = np.array([[0, 1], [1, 2], [2, 3]], np.int64)
     out, groups, out_runs = split_kv.split_work(p, work, runs, 1, 2)
-    assert out_runs.tolist() == list(range(out.shape[0] + 1))      # one item a run
+    assert out_runs.tolist() == [[x, x + 1] for x in range(out.shape[0])]   # one item a run
     assert groups.shape[0] == 2                       # batch 1: 150 columns, too short to cut
     assert out[out[:, 0] == 1, W_SLOT].tolist() == [-1]
     for (b, _, _, slot0, n), (lo, hi) in zip(groups, [(0, 1000), (0, 701)]):
@@ -116,10 +116,10 @@ def test_a_run_of_kv_heads_is_cut_into_runs_of_the_same_pieces(monkeypatch):
     inf = 1 << 62
     p = _Problem(qlen=[1], klen=[1000], pre_e=[inf], next_e=[inf])
     work = np.array([[0, g, 0, 0, inf, -1] for g in range(2)], np.int64)
-    out, groups, runs = split_kv.split_work(p, work, np.array([0, 2]), 1, 2)
+    out, groups, runs = split_kv.split_work(p, work, np.array([[0, 2]]), 1, 2)
     assert groups.tolist() == [[0, 0, 0, 0, 6], [0, 1, 0, 6, 6]]
-    assert runs.tolist() == list(range(0, 13, 2))
-    for a, z in zip(runs[:-1], runs[1:]):
+    assert runs.tolist() == [[a, a + 2] for a in range(0, 12, 2)]
+    for a, z in runs:
         piece = out[a:z]
         assert piece[:, 1].tolist() == [0, 1]
         assert (piece[:, W_JLO] == piece[0, W_JLO]).all()

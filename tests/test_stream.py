@@ -11,13 +11,26 @@ tests/test_determinism.py.
 import ml_dtypes
 import numpy as np
 import pytest
+from numba import njit
 
 from pfa_numba.numerics.core import CODE_BF16, CODE_F16, CODE_F32
-from pfa_numba.cpu.stream import stream_pv, stream_scores
+from pfa_numba.cpu import stream
 
 STORAGES = {"f16": (np.float16, CODE_F16), "bf16": (ml_dtypes.bfloat16, CODE_BF16),
             "f32": (np.float32, CODE_F32), "int8": (np.int8, CODE_F32)}
 LDS, N_STORED = 50, 48                   # score row length, rows stored in the cache
+
+
+@njit
+def stream_scores(*args):
+    """stream.stream_scores (a kernel function: callable from compiled code only)."""
+    stream.stream_scores(*args)
+
+
+@njit
+def stream_pv(*args):
+    """stream.stream_pv (a kernel function: callable from compiled code only)."""
+    stream.stream_pv(*args)
 
 
 def every_shape(test):

@@ -26,6 +26,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from ._jit import LEAF_EXACT
 from ._vector import host_has, llvm_function
 
 #: rows and columns of the float32 block one product step computes (2 x 2 tiles)
@@ -161,14 +162,12 @@ def _tile_dot(typingctx, c, a, b):
     return types.none(c, a, b), codegen
 
 
-@njit(cache=True)
 def tile_config():
     """The 64-byte palette-1 configuration: tiles 0-7, each 16 rows of 64 bytes."""
     cfg = np.zeros(64, np.uint8)
     cfg[0] = 1
-    for t in range(8):
-        cfg[16 + 2 * t] = 64
-        cfg[48 + t] = 16
+    cfg[16:32:2] = 64
+    cfg[48:56] = 16
     return cfg
 
 
@@ -188,7 +187,7 @@ def _dot_step(a, a_idx, lda_b):
     _dots()
 
 
-@njit(cache=True, _nrt=False)      # called per segment: no reference counting
+@njit(**LEAF_EXACT)
 def gemm_bf16(cfg, a, a2_off, lda, b, b2_off, ldb, c, ldc, m, n, k, accumulate):
     """C[m, n] (+)= A[m, k] @ B[k, n]  (+ A2[m, k] @ B[k, n] when ``a2_off >= 0``)
     (+ A[m, k] @ B2[k, n] when ``b2_off >= 0``).

@@ -25,6 +25,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..numerics.core import jit
+from ._jit import LEAF_EXACT
 from ._vector import add_products, host_has, llvm_function, wide_vectors
 
 #: rows of one register block
@@ -140,25 +142,25 @@ _acc_block_2 = _register_block(2, True)
 _acc_block_1 = _register_block(1, True)
 
 
-@njit(cache=True)
+@jit
 def panels(n):
     """K^T panels holding n columns."""
     return -(-n // PANEL)
 
 
-@njit(cache=True)
+@jit
 def padded_rows(n):
     """n rounded up to a multiple of MR: the rows a product over n rows touches."""
     return -(-n // MR) * MR
 
 
-@njit(cache=True)
+@jit
 def vector_width(n):
     """n rounded up to a multiple of 16 (row length of V and acc)."""
     return -(-n // LANES) * LANES
 
 
-@njit(cache=True, _nrt=False)      # called per segment: no reference counting
+@njit(**LEAF_EXACT)
 def scores(q, q_off, ldq, kt, kt_off, D, s, lds, rows, n_panels, keys):
     """S[r, :] = Q[r, :D] @ K^T for r < padded_rows(rows), over n_panels K^T panels (S row r
     at s[r * lds:], lds >= n_panels * PANEL; the panels from kt[kt_off:]). With an int32 array
@@ -171,7 +173,7 @@ def scores(q, q_off, ldq, kt, kt_off, D, s, lds, rows, n_panels, keys):
                           s, r * lds + p * PANEL, lds, D, keys, r)
 
 
-@njit(cache=True, _nrt=False)      # called per segment: no reference counting
+@njit(**LEAF_EXACT)
 def accumulate(p, ldp, v, v_off, ldv, acc, acc_off, ldacc, rows, k):
     """acc[r, :ldv] += P[r, :k] @ V[:k, :ldv] for r < padded_rows(rows) (P row r at
     p[r * ldp:], V row c at v[v_off + c * ldv:], acc row r at acc[acc_off + r * ldacc:])."""

@@ -35,7 +35,7 @@ from numba.extending import intrinsic
 
 from ._vector import PREFETCH_L1 as _L1
 from ._vector import PREFETCH_L2 as _L2
-from ._vector import add_products, emit_prefetch, host_has, llvm_function, splat
+from ._vector import add_products, counted_loop, emit_prefetch, host_has, llvm_function, splat
 
 LANES = 16 if host_has("avx512f") else 8
 #: K / V rows are prefetched this many rows ahead of their use
@@ -110,8 +110,8 @@ class _Rows:
         """Prefetch the nlines cache lines from element ``offset`` (level: _L1 or _L2)."""
         b = self.builder
         per_line = _c64(64 // self.size)
-        with cgutils.for_range(b, nlines) as loop:
-            emit_prefetch(b, b.gep(self.data, [b.add(offset, b.mul(loop.index, per_line))]),
+        with counted_loop(b, nlines) as index:
+            emit_prefetch(b, b.gep(self.data, [b.add(offset, b.mul(index, per_line))]),
                           level)
 
 
@@ -198,8 +198,8 @@ def _scores_codegen(kind):
         d_main = builder.sub(D, builder.srem(D, _c64(LANES)))
         nblocks = builder.sdiv(builder.add(nc, _c64(_BLOCK - 1)), _c64(_BLOCK))
         last_c = builder.sub(nc, _c64(1))
-        with cgutils.for_range(builder, nblocks) as blk:
-            c = builder.mul(blk.index, _c64(_BLOCK))
+        with counted_loop(builder, nblocks) as blk:
+            c = builder.mul(blk, _c64(_BLOCK))
             koff = [_load_i64(builder, odata, builder.add(c0, _min(builder, builder.add(
                 c, _c64(t)), last_c))) for t in range(_BLOCK)]
             for t in range(_BLOCK):
@@ -244,8 +244,8 @@ def _accumulators(builder, n):
 def _row_loop(builder, D, d_main, step):
     """step(d, mask) for d = 0, LANES, .. < d_main unmasked, then once masked for the rest."""
     nvec = builder.sdiv(d_main, _c64(LANES))
-    with cgutils.for_range(builder, nvec) as loop:
-        step(builder.mul(loop.index, _c64(LANES)), None)
+    with counted_loop(builder, nvec) as index:
+        step(builder.mul(index, _c64(LANES)), None)
     with builder.if_then(builder.icmp_signed("<", d_main, D), likely=False):
         step(d_main, _lane_mask(builder, builder.sub(D, d_main)))
 
@@ -319,9 +319,9 @@ def _weighted_sum_codegen(kind):
             blk = builder.function.append_basic_block(f"nr_{n}")
             sw.add_case(ir.Constant(_I64, n), blk)
             builder.position_at_end(blk)
-            with cgutils.for_range(builder, nslices) as sl:
-                d0 = builder.mul(sl.index, span)
-                prefetch = builder.icmp_signed("==", sl.index, _c64(0))
+            with counted_loop(builder, nslices) as sl:
+                d0 = builder.mul(sl, span)
+                prefetch = builder.icmp_signed("==", sl, _c64(0))
                 _slice(builder, (adata, ld, n, d0, D), (pdata, lds), (rows, odata, c0, nc),
                        (prefetch, nlines, next_keys))
             builder.branch(done)
@@ -362,15 +362,15 @@ def _slice_rows(builder, out, weights, kv, prefetch, masks):
     # columns PF_ROWS at a time, each group's prefetches ahead of it first: no branch between
     # the accumulator updates of a group
     ngroups = builder.sdiv(builder.add(nc, _c64(PF_ROWS - 1)), _c64(PF_ROWS))
-    with cgutils.for_range(builder, ngroups) as grp:
-        cg = builder.mul(grp.index, _c64(PF_ROWS))
+    with counted_loop(builder, ngroups) as grp:
+        cg = builder.mul(grp, _c64(PF_ROWS))
         with builder.if_then(do_prefetch):
-            with cgutils.for_range(builder, _c64(PF_ROWS)) as t:
-                ct = builder.add(cg, t.index)
+            with counted_loop(builder, _c64(PF_ROWS)) as t:
+                ct = builder.add(cg, t)
                 _prefetch(builder, kv, builder.add(ct, _c64(PF_ROWS)), nlines)
                 _prefetch(builder, next_keys, ct, nlines, _L2)
-        with cgutils.for_range(builder, _min(builder, _c64(PF_ROWS), builder.sub(nc, cg))) as col:
-            c = builder.add(cg, col.index)
+        with counted_loop(builder, _min(builder, _c64(PF_ROWS), builder.sub(nc, cg))) as col:
+            c = builder.add(cg, col)
             w = [builder.load(builder.gep(pdata, [builder.add(builder.mul(_c64(r), lds), c)]))
                  for r in range(n)]
             vo = builder.add(_load_i64(builder, odata, builder.add(c0, c)), d0)

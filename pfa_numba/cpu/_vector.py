@@ -6,19 +6,22 @@
   (measurements: docs/tuning.md). Called first in a function, it sets that function's LLVM
   attributes ``prefer-vector-width`` and ``min-legal-vector-width`` to 512; on CPUs without
   AVX-512 they change nothing.
-- :func:`aligned_empty`: scratch buffers that start a cache line.
+- :func:`readonly`: a buffer typed as the read-only inputs are.
 - :func:`take_next`: an atomic counter, so that threads take work items as they free up.
 - :func:`prefetch`, ``bf16_bits_hw``, :func:`f16_bits_to_f32_hw`, ``f32_to_f16_bits_hw``,
   :func:`host_has`, :func:`llvm_function`: single instructions (and the host check for them)
   that NumPy-style code cannot name.
 """
+import contextlib
 import functools
+import itertools
 
 import numba
 import numpy as np
 from llvmlite import binding as _llvm
 from llvmlite import ir
 from numba import njit, types
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 from ..numerics.core import float32_intrinsic
@@ -39,8 +42,51 @@ def wide_vectors(typingctx):
     return types.none(), codegen
 
 
+@intrinsic
+def own_unit(typingctx):
+    """Keep the calling function out of its callers' code (LLVM's noinline; emits no code): a
+    large function called once a tile or segment costs a call there, while inlined, every
+    compiled unit that calls it would optimise a copy of it again (docs/performance.md)."""
+    def codegen(context, builder, sig, args):
+        builder.function.attributes.add("noinline")
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
 _I8P = ir.IntType(8).as_pointer()
 _I32 = ir.IntType(32)
+
+
+@contextlib.contextmanager
+def counted_loop(builder, count):
+    """``for i in range(count)`` in LLVM IR (as numba's cgutils.for_range; yields i), its back
+    edge marked llvm.loop.unroll.disable: the intrinsics' loops are unrolled as they are
+    written, where LLVM would unroll them anew each time a unit that calls them is optimised
+    (a decode product grew 2.4 times in its caller's unit, docs/performance.md)."""
+    fn, start = builder.function, builder.block
+    cond, body, end = (fn.append_basic_block(f"loop.{x}") for x in ("cond", "body", "end"))
+    builder.branch(cond)
+    builder.position_at_end(cond)
+    index = builder.phi(count.type, name="loop.index")
+    builder.cbranch(builder.icmp_signed("<", index, count), body, end)
+    builder.position_at_end(body)
+    yield index
+    index.add_incoming(ir.Constant(count.type, 0), start)
+    index.add_incoming(builder.add(index, ir.Constant(count.type, 1)), builder.block)
+    builder.branch(cond).set_metadata("llvm.loop", _no_unroll(builder.module))
+    builder.position_at_end(end)
+
+
+def _no_unroll(module):
+    """A new loop id (self-referential, one a loop) asking LLVM not to unroll the loop."""
+    disable = module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")])
+    unique = module.add_metadata([ir.MetaDataString(module, f"pfa_numba.loop.{next(_loops)}")])
+    loop_id = module.add_metadata([unique, disable])
+    loop_id.operands = (loop_id, disable)
+    return loop_id
+
+
+_loops = itertools.count()
 
 
 def llvm_function(builder, name, ret, args):
@@ -123,14 +169,17 @@ def take_next(typingctx, counter):
 LINE = 64
 
 
-@njit(cache=True)
-def aligned_empty(n, dtype):
-    """An uninitialised 1-d array of n ``dtype`` values whose first element starts a cache
-    line. Numba's allocator aligns to 16 or 32 bytes only; a tile load from an address 32 bytes
-    past a line boundary takes several times as long (docs/tuning.md)."""
-    buf = np.empty(n + LINE, dtype)
-    off = (LINE - buf.ctypes.data % LINE) % LINE // buf.itemsize
-    return buf[off:off + n]
+@intrinsic
+def readonly(typingctx, arr):
+    """``arr`` as a read-only array (the same array): where a kernel hands its own buffer to a
+    function that also reads the caller's read-only inputs, one specialisation serves both."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return impl_ret_borrowed(context, builder, sig.return_type, args[0])
+
+    return arr.copy(readonly=True)(arr), codegen
 
 
 class _BFloat(ir.types._BaseFloatType):

@@ -23,19 +23,23 @@ BLAS sgemm (:mod:`._blas`), in float32 whatever the inputs' dtype.
 """
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ..numerics.band import block_kv_range, row_band
 from ..numerics.core import F32_NEG_INF, F32_ONE, F32_ZERO, MASK_DISCARD
-from ._blas import gemm_rm, scratch, sgemm_address
-from ._jit import FASTMATH, LEAF
+from .. import config
+from ._blas import gemm_rm, sgemm_address
+from ._jit import LEAF, LEAF_INLINE
+from ._vector import take_next
 from .driver import parallel_region
+from .launch import Worker
+from .launch import rows as launch_rows
+from .records import (BackwardInputs, BackwardRows, BackwardScratch, BackwardTerms, Gradients,
+                      Items)
 
 #: query rows and kv columns of one tile
 TILE_Q = 64
 TILE_K = 64
-#: the weights argument of a query pass that computes dQ
-_NO_WEIGHTS = np.zeros((0, 0, 0, 0), np.float32)
 
 
 @njit(**LEAF)
@@ -84,14 +88,6 @@ def _tile_score_gradients(s, slope, dp, nq, nk, i0, j0, b, h, grads, want_dbias)
             if want_dbias:
                 dbias[b, h, i0 + r, j0 + c] = ds
             dp[at] = ds * slope[at]
-
-
-@njit(inline="always")
-def _tile_buffers(n):
-    """``n`` float32 tile buffers of TILE_Q x TILE_K (empty arrays for the rest of four)."""
-    size = TILE_Q * TILE_K
-    return (np.empty(size, np.float32), np.empty(size, np.float32),
-            np.empty(size if n > 2 else 0, np.float32), np.empty(size if n > 3 else 0, np.float32))
 
 
 @njit(**LEAF)
@@ -145,40 +141,51 @@ def _row_products(blas, rows, cols, dims, tile, dst):
 def _probabilities(blas, bufs, qkv, dims, tile, p, lse):
     """The tile's P into bufs[0] and its slopes into bufs[1] (:func:`_tile_weights`)."""
     b, h, i0, nq, j0, nk = tile
-    _row_products(blas, qkv[0], qkv[1], dims, tile, bufs[0])
+    _row_products(blas, qkv.q, qkv.k, dims, tile, bufs[0])
     _tile_weights(bufs[0], bufs[1], nq, nk, i0, j0, b, h, p, lse)
 
 
 @njit(**LEAF)
-def _score_gradients(blas, bufs, qkv, dims, tile, grads, want_dbias):
+def _score_gradients(blas, bufs, qkv, dims, tile, rows, grads, want_dbias):
     """After :func:`_probabilities`: the gradient of the tile's Q K^T products into bufs[2]
     (:func:`_tile_score_gradients`)."""
     b, h, i0, nq, j0, nk = tile
-    _row_products(blas, qkv[3], qkv[2], dims, tile, bufs[2])
-    _tile_score_gradients(bufs[0], bufs[1], bufs[2], nq, nk, i0, j0, b, h, grads, want_dbias)
-
-
-@njit(parallel=True, cache=True, fastmath=FASTMATH)
-def _kv_pass(qkv, dims, p, lse, grads, address, dk, dv, dq, want_dbias):
-    """dK and dV, one item a (batch, kv head, kv tile), or with ``dq`` not empty one item a
-    (batch, kv head), which then owns its query heads' dQ rows too and adds into them; the pse
-    gradient's dS tiles."""
-    B, N, Nkv, Sq, Skv, D = dims
-    tiles = (Skv + TILE_K - 1) // TILE_K
-    per_item = tiles if dq.size else 1
-    for item in prange(B * Nkv * tiles // per_item):
-        blas = scratch(address)
-        bufs = _tile_buffers(4)
-        for jt in range(item * per_item, item * per_item + per_item):
-            b, hk, j0 = jt // (Nkv * tiles), jt // tiles % Nkv, jt % tiles * TILE_K
-            _kv_tile(qkv, dims, p, lse, grads, blas, bufs, dk, dv, dq, want_dbias, b, hk, j0)
+    _row_products(blas, qkv.do, qkv.v, dims, tile, bufs[2])
+    _tile_score_gradients(bufs[0], bufs[1], bufs[2], nq, nk, i0, j0, b, h,
+                          (rows.delta, grads.dbias), want_dbias)
 
 
 @njit(**LEAF)
-def _kv_tile(qkv, dims, p, lse, grads, blas, bufs, dk, dv, dq, want_dbias, b, hk, j0):
+def kv_pass(t, qkv, dims, p, rows, grads, switches, items, scratch):
+    """The backward's kv pass worker (thread t): dK and dV, one item a (batch, kv head, kv
+    tile), or (switches[0], dQ added here) one item a (batch, kv head), which then owns its
+    query heads' dQ rows too and adds into them; the pse gradient's dS tiles (switches[1])."""
+    B, N, Nkv, Sq, Skv, D = dims
+    tiles = (Skv + TILE_K - 1) // TILE_K
+    whole_heads, want_dbias = switches[0] != 0, switches[1] != 0
+    per_item = tiles if whole_heads else 1
+    bufs = _tile_buffers(scratch, t)
+    blas = (scratch.bi[t], scratch.bf[t], scratch.bc[t], switches[2])
+    item = take_next(items.taken)
+    while item < B * Nkv * tiles // per_item:
+        for jt in range(item * per_item, item * per_item + per_item):
+            b, hk, j0 = jt // (Nkv * tiles), jt // tiles % Nkv, jt % tiles * TILE_K
+            _kv_tile(qkv, dims, p, rows, grads, blas, bufs, whole_heads, want_dbias, b, hk, j0)
+        item = take_next(items.taken)
+
+
+@njit(**LEAF_INLINE)
+def _tile_buffers(scratch, t):
+    """Thread t's four tile buffers of TILE_Q x TILE_K float32."""
+    return scratch.t0[t], scratch.t1[t], scratch.t2[t], scratch.t3[t]
+
+
+@njit(**LEAF)
+def _kv_tile(qkv, dims, p, rows, grads, blas, bufs, with_dq, want_dbias, b, hk, j0):
     """dK and dV rows of kv tile j0.. of kv head hk in batch b, from every query tile of its
-    group's heads (adding into dQ where ``dq`` is not empty)."""
-    q, do = qkv[0], qkv[3]
+    group's heads (adding into dQ where ``with_dq``)."""
+    q, do = qkv.q, qkv.do
+    dk, dv = grads.dk, grads.dv
     B, N, Nkv, Sq, Skv, D = dims
     G = N // Nkv
     nk = min(TILE_K, Skv - j0)
@@ -187,39 +194,42 @@ def _kv_tile(qkv, dims, p, lse, grads, blas, bufs, dk, dv, dq, want_dbias, b, hk
     for h in range(hk * G, hk * G + G):
         for i0 in range(0, Sq, TILE_Q):
             tile = (b, h, i0, min(TILE_Q, Sq - i0), j0, nk)
-            if not _in_band(p[2], tile):
+            if not _in_band(p.lens, tile):
                 continue
-            _probabilities(blas, bufs, qkv, dims, tile, p, lse)
-            _score_gradients(blas, bufs, qkv, dims, tile, grads, want_dbias)
+            _probabilities(blas, bufs, qkv, dims, tile, p, rows.lse)
+            _score_gradients(blas, bufs, qkv, dims, tile, rows, grads, want_dbias)
             q_off, nq = _offsets(dims, tile)[0], tile[3]
             _transpose(tr, bufs[0], nq, nk)
             gemm_rm(blas, nk, D, nq, tr, 0, TILE_Q, False, do, q_off, D, dv, k_off, D, F32_ONE)
             _transpose(tr, bufs[2], nq, nk)
             gemm_rm(blas, nk, D, nq, tr, 0, TILE_Q, False, q, q_off, D, dk, k_off, D, F32_ONE)
-            if dq.size:
-                _add_query_gradient(blas, bufs, qkv, dims, tile, dq)
+            if with_dq:
+                _add_query_gradient(blas, bufs, qkv, dims, tile, grads.dq)
 
 
-@njit(parallel=True, cache=True, fastmath=FASTMATH)
-def _query_pass(qkv, dims, p, lse, grads, address, dq, weights):
-    """One item a (batch, query head, query tile): with ``weights`` not empty, the softmax
-    weights P (B, N, Sq, Skv) into it (it holds zeros, which the tiles outside the band keep);
-    else dQ."""
+@njit(**LEAF)
+def query_pass(t, qkv, dims, p, rows, grads, switches, items, scratch):
+    """The backward's query pass worker (thread t): one item a (batch, query head, query tile):
+    with switches[0], the softmax weights P (B, N, Sq, Skv) into grads.weights (it holds
+    zeros, which the tiles outside the band keep); else dQ."""
     B, N, Nkv, Sq, Skv, D = dims
-    for item in prange(B * N * ((Sq + TILE_Q - 1) // TILE_Q)):
+    want_weights = switches[0] != 0
+    bufs = _tile_buffers(scratch, t)
+    blas = (scratch.bi[t], scratch.bf[t], scratch.bc[t], switches[2])
+    item = take_next(items.taken)
+    while item < B * N * ((Sq + TILE_Q - 1) // TILE_Q):
         b, h, i0, nq = _query_tile(item, dims)
-        blas = scratch(address)
-        bufs = _tile_buffers(3)
         for j0 in range(0, Skv, TILE_K):
             tile = (b, h, i0, nq, j0, min(TILE_K, Skv - j0))
-            if not _in_band(p[2], tile):
+            if not _in_band(p.lens, tile):
                 continue
-            _probabilities(blas, bufs, qkv, dims, tile, p, lse)
-            if weights.size:
-                _store_weights(bufs[0], tile, weights)
+            _probabilities(blas, bufs, qkv, dims, tile, p, rows.lse)
+            if want_weights:
+                _store_weights(bufs[0], tile, grads.weights)
             else:
-                _score_gradients(blas, bufs, qkv, dims, tile, grads, False)
-                _add_query_gradient(blas, bufs, qkv, dims, tile, dq)
+                _score_gradients(blas, bufs, qkv, dims, tile, rows, grads, False)
+                _add_query_gradient(blas, bufs, qkv, dims, tile, grads.dq)
+        item = take_next(items.taken)
 
 
 @njit(**LEAF)
@@ -237,7 +247,7 @@ def _add_query_gradient(blas, bufs, qkv, dims, tile, dq):
     (``dq`` flat, zeros before the first tile)."""
     q_off, k_off = _offsets(dims, tile)
     D = dims[5]
-    gemm_rm(blas, tile[3], D, tile[5], bufs[2], 0, TILE_K, False, qkv[1], k_off, D, dq, q_off,
+    gemm_rm(blas, tile[3], D, tile[5], bufs[2], 0, TILE_K, False, qkv.k, k_off, D, dq, q_off,
             D, F32_ONE)
 
 
@@ -262,7 +272,7 @@ def _problem_record(p):
     mask = np.ascontiguousarray(p.mask != 0) if p.mask is not None \
         else np.zeros((1, 0, 0), np.bool_)
     lens = np.ascontiguousarray(np.stack([p.qlen, p.klen, p.pre_e, p.next_e]).astype(np.int64))
-    return bias, mask, lens, np.float32(p.scale), np.float32(p.softcap)
+    return BackwardTerms(bias, mask, lens, np.float32(p.scale), np.float32(p.softcap))
 
 
 def attention_gradients(p, out, dout, lse, want_dbias=False):
@@ -271,7 +281,7 @@ def attention_gradients(p, out, dout, lse, want_dbias=False):
     gradient ``dout`` (B, N, Sq, D): (dq, dk, dv, dbias, dsinks) as float32 arrays in the
     shapes of p.q, p.k, p.v, (B, N, Sq, Skv) (None unless ``want_dbias``: the gradient of the
     scores' additive terms, per batch) and (N,) (None without sinks)."""
-    record = _problem_record(p)
+    terms = _problem_record(p)
     q, k, v, dout = (_float32(x) for x in (p.q, p.k, p.v, dout))
     delta = np.einsum("bnsd,bnsd->bns", dout, _float32(out), dtype=np.float64)
     delta = delta.astype(np.float32)
@@ -279,16 +289,17 @@ def attention_gradients(p, out, dout, lse, want_dbias=False):
     dbias = np.zeros((p.B, p.N, p.Sq, p.Skv) if want_dbias else (1, 1, 1, 1), np.float32)
     dq, dk, dv = (np.zeros(x.shape, np.float32) for x in (q, k, v))
     if p.Sq and p.Skv and p.D:
-        qkv = tuple(x.reshape(-1) for x in (q, k, v, dout))
-        grads = (delta, dbias)
+        qkv = BackwardInputs(*(x.reshape(-1) for x in (q, k, v, dout)))
+        grads = Gradients(dq.reshape(-1), dk.reshape(-1), dv.reshape(-1), dbias,
+                          np.zeros((1, 1, 1, 1), np.float32))
         whole_heads = _owns_whole_heads(p)
+        rows = BackwardRows(lse, delta)
         with parallel_region(blas=True):
-            _kv_pass(qkv, _dims(p), record, lse, grads, sgemm_address(), dk.reshape(-1),
-                     dv.reshape(-1), dq.reshape(-1) if whole_heads else np.empty(0, np.float32),
-                     want_dbias)
+            _run(p, "kv_pass", p.B * p.Nkv * (1 if whole_heads else -(-p.Skv // TILE_K)),
+                 (qkv, terms, rows, grads, (whole_heads, want_dbias)))
             if not whole_heads:
-                _query_pass(qkv, _dims(p), record, lse, grads, sgemm_address(),
-                            dq.reshape(-1), _NO_WEIGHTS)
+                _run(p, "query_pass", p.B * p.N * -(-p.Sq // TILE_Q),
+                     (qkv, terms, rows, grads, (False, False)))
     return dq, dk, dv, (dbias if want_dbias else None), _sink_gradient(p, lse, delta)
 
 
@@ -296,17 +307,46 @@ def attention_weights(p, lse):
     """The softmax weights (B, N, Sq, Skv) float32 of planned problem ``p`` (BNSD, floating
     point) from its softmax_lse ``lse``: what each row's output is the weighted sum of V by
     (zeros where the forward kept nothing)."""
-    record = _problem_record(p)
+    terms = _problem_record(p)
     weights = np.zeros((p.B, p.N, p.Sq, p.Skv), np.float32)
     if p.Sq and p.Skv and p.D:
         q, k = (_float32(x).reshape(-1) for x in (p.q, p.k))
-        nothing = np.empty(0, np.float32)
+        nothing = np.zeros(1, np.float32)
         lse = _float32(lse).reshape(p.B, p.N, p.Sq)
-        grads = (np.zeros((1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.float32))
+        rows = BackwardRows(lse, np.zeros((1, 1, 1), np.float32))
+        grads = Gradients(nothing, nothing, nothing, np.zeros((1, 1, 1, 1), np.float32),
+                          weights)
         with parallel_region(blas=True):
-            _query_pass((q, k, nothing, nothing), _dims(p), record, lse, grads,
-                        sgemm_address(), nothing, weights)
+            _run(p, "query_pass", p.B * p.N * -(-p.Sq // TILE_Q),
+                 (BackwardInputs(q, k, nothing, nothing), terms, rows, grads, (True, False)))
     return weights
+
+
+#: the backward's workers: the kv pass and the query pass
+_WORKERS = {}
+
+
+def _run(p, name, items, records):
+    """Run the backward's worker ``name`` over ``items`` work items: records = (qkv, terms,
+    rows, grads, (switch, want_dbias))."""
+    from ..cache import Compiling
+    qkv, terms, rows_, grads, (switch, want_dbias) = records
+    if name not in _WORKERS:
+        _WORKERS[name] = Worker(globals()[name])
+    threads = max(1, min(int(config.CPU_THREADS or numba.get_num_threads()), items))
+    size = TILE_Q * TILE_K
+    chars = launch_rows(threads, (2,), np.uint8)
+    chars[:] = (ord("N"), ord("T"))
+    scratch = BackwardScratch(*(launch_rows(threads, (size,), np.float32) for _ in range(4)),
+                              launch_rows(threads, (6,), np.int32),
+                              launch_rows(threads, (2,), np.float32), chars)
+    items_ = Items(np.zeros((1, 6), np.int64), np.zeros((1, 2), np.int64),
+                   np.zeros(1, np.int64), np.zeros(1, np.uint8))
+    switches = np.array([switch, want_dbias, sgemm_address()], np.int64)
+    _WORKERS[name].run(threads, (qkv, tuple(int(x) for x in _dims(p)), terms, rows_, grads,
+                                 switches, items_, scratch),
+                       Compiling("CPU", f"backward-{name.replace('_', '-')}",
+                                 "float32 gradients", p.layout))
 
 
 def _owns_whole_heads(p):

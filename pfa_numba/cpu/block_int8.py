@@ -1,17 +1,18 @@
-"""The int8 work item (contract 'Quantization'): pass 1 finds each row's max score, pass 2 quantizes
-the weights against it and accumulates P8 . V exactly."""
+"""The int8 kernel (contract 'Quantization'): int8 query, key and value, one work item at a time:
+pass 1 finds each row's max score, pass 2 quantizes the weights against it and accumulates
+P8 . V exactly, the products on BLAS sgemm."""
 import numpy as np
-from numba import njit, prange
+from numba import njit
 from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, tile_inside_band
 from ..numerics.core import (CODE_F16, CODE_F32, F32_NAN, F32_NEG_INF, F32_ONE, F32_ZERO,
                              int8_out_f16, int8_score, int8_score_pse, int8_weight, lse_value,
                              max_nan, softmax_weight)
 from ..numerics.kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE16, P_COLS, P_D, P_FLAGS, P_G,
                                     P_LSE, P_MASK, P_PSE, T_K, T_V)
-from ._blas import gemm_rm, scratch
-from ._jit import FASTMATH, LEAF
+from ._blas import gemm_rm
+from ._jit import LEAF, LEAF_EXACT, LEAF_INLINE
 from ._vector import take_next
-from .items import W_B, W_G, W_I0, item_rows, sizes
+from .items import W_B, W_G, W_I0, item_rows
 from .rows import (band_of, element_offsets, load_query_rows, load_row, mask_row, row_end,
                    row_max)
 
@@ -37,7 +38,7 @@ def _int8_scores(s2, r, nc, deq1, scale16, pse, where, has_pse):
             srow[c] = int8_score_pse(srow[c], pse[poff + c * psk])
 
 
-@njit(cache=True, _nrt=False)     # no fast-math: the CUDA kernel's weights and sums, in order
+@njit(**LEAF_EXACT)     # the CUDA kernel's weights and sums, in order
 def _int8_weights(s2, r, nc, m, qs1, l):
     """The row's scores s2[r, :nc] -> their quantized softmax weights against the row max m;
     returns the running sum l with each exp(s - m) added in column order, as the CUDA kernel
@@ -52,13 +53,13 @@ def _int8_weights(s2, r, nc, m, qs1, l):
     return l
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(**LEAF_INLINE)
 def _block_int8(ins, outs, extras, geo, fparams, item, bufs, state, blas):
-    """One work item of the int8 pipeline (the records as in :func:`~.block_f32.block`;
+    """One work item of the int8 pipeline (the records as in :mod:`.float_tiles`;
     bufs = (qb, sb, tb, acc, kb, vb), state = (m, l)): pass 1 finds each row's max score,
     pass 2 quantizes E = exp(s - m) against it and accumulates P8 . V exactly."""
     q, k, v = ins.q, ins.k, ins.v
-    strides, boff, lens, params = geo
+    strides, boff, lens, params = geo.strides, geo.boff, geo.lens, geo.params
     b, g, i0 = item
     qb, sb, tb, acc, kb, vb = bufs
     m, l = state
@@ -127,7 +128,7 @@ def _finish_int8(outs, v, geo, fparams, item, i1, a2, state, computed):
     """The int8 item's output rows: deq2 * A / l rounded once to float16 (A the exact sums
     P8 . V in a2, float64), softmax_lse, and the rows of contract 'Empty rows'."""
     out, lse, flags = outs
-    strides, boff, lens, params = geo
+    strides, boff, lens, params = geo.strides, geo.boff, geo.lens, geo.params
     b, g, i0 = item
     m, l = state
     D = params[P_D]
@@ -169,20 +170,17 @@ def _finish_int8(outs, v, geo, fparams, item, i1, a2, state, computed):
                 flags[l_off] = 1
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
-def attention_int8(ins, outs, extras, geo, tuning, work, fparams):
-    """The int8 kernel: the records, work items and scheduling of
-    :func:`~.block_f32.attention` (int8 query, key and value take no kv cache)."""
-    D, rows, tk, nthr, n_items = sizes(geo.params, tuning, work)
-    taken = np.zeros(1, np.int64)
-    for t in prange(nthr):
-        bufs = (np.empty(rows * D, np.float32), np.empty(rows * tk, np.float32),
-                np.empty(max(rows, 1) * D, np.float32), np.empty(rows * D, np.float64),
-                np.empty(tk * D, np.float32), np.empty(tk * D, np.float32))
-        state = (np.empty(rows, np.float32), np.empty(rows, np.float32))
-        blas = scratch(tuning.blas)
-        w = take_next(taken)
-        while w < n_items:
-            _block_int8(ins, outs, extras, geo, fparams, (work[w, W_B], work[w, W_G], work[w, W_I0]),
-                        bufs, state, blas)
-            w = take_next(taken)
+@njit(**LEAF)
+def int8(t, ins, outs, extras, geo, tuning, items, scratch, parts):
+    """The int8 kernel's worker (thread t): each item it takes by :func:`_block_int8`."""
+    s = scratch
+    bufs = (s.qb[t], s.sb[t], s.tb[t], s.acc[t], s.kb[t], s.vb[t])
+    blas = (s.bi[t], s.bf[t], s.bc[t], tuning.blas)
+    runs, work = items.runs, items.work
+    x = take_next(items.taken)
+    while x < runs.shape[0]:
+        for w in range(runs[x, 0], runs[x, 1]):
+            _block_int8(ins, outs, extras, geo, geo.fparams, (work[w, W_B], work[w, W_G],
+                                                              work[w, W_I0]),
+                        bufs, (s.m[t], s.l[t]), blas)
+        x = take_next(items.taken)

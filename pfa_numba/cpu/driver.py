@@ -1,36 +1,44 @@
-"""Running a planned problem on the CPU: how its work divides (and so which of the kernels
-``dispatch`` declares can take it), buffers, tile sizes, one parallel region at a time."""
+"""Running a planned problem on the CPU: how its work divides (which the kernels' conditions
+read), and the launch of the chosen kernel: its steps (a kernel's worker over some of the runs
+of work items, :mod:`.launch`), their buffers and tile sizes, one parallel region at a time,
+and a log record of what ran."""
 import contextlib
 import dataclasses
+import logging
 import math
+import threading
 from typing import Any, Optional
 
 import numba
 import numpy as np
-import threading
-from numba import njit, prange
+
 from .. import config
-from ..numerics.core import CODE_F16, CODE_F32, quantize_output, widen
+from ..numerics.core import CODE_F16, CODE_F32
+from ..numerics.dtypes import dtype_name
 from ..numerics.kernel_args import F_SINKS, F_SOFTCAP, kernel_args, output_scales, scale_factors
 from . import _gemm
+from ._amx import padded
 from ._blas import sgemm_address
 from .amx_pack import AMX_MAX_SCALE
-from .block_amx import attention_amx
-from .block_f32 import attention, f32_widths, merge_split
-from .block_int8 import INT8_MAX_KV_COLS, attention_int8
-from .items import (work_items, kv_head_runs, prefetch_next_keys, seg_rows, stream_rows, streams,
-                    sub_rows, tile_shape)
-from .records import Extras, Geometry, Inputs, Outputs, Tuning
+from .block_int8 import INT8_MAX_KV_COLS
+from .items import (item_row_counts, kv_head_runs, prefetch_next_keys, seg_rows, stream_rows,
+                    streams, sub_rows, tile_shape, work_items)
+from ..cache import Compiling, compile_notice
+from .launch import Worker, rows
+from .records import (AmxScratch, Extras, F32Scratch, Geometry, Inputs, Int8Scratch, Items,
+                      MergeScratch, Outputs, Parts, StreamScratch, Tuning)
 from .split_kv import partial_buffers, runs_wanted, split_work
+
+log = logging.getLogger("pfa_numba.cpu")
 
 
 class _ParallelRegion:
     """One parallel region at a time in this process: Numba's thread pool and BLAS's thread
     limit are process-wide, and Numba's workqueue threading layer (where neither TBB nor
-    OpenMP loads) aborts the process on concurrent launches. Every ``parallel=True`` kernel
-    runs inside ``with parallel_region(blas)``; a region opened inside one already held by the
-    same thread joins it. With ``blas``, the BLAS libraries are held to one thread while the
-    region runs (cheap, cached)."""
+    OpenMP loads) aborts the process on concurrent launches. Every parallel kernel runs inside
+    ``with parallel_region(blas)``; a region opened inside one already held by the same thread
+    joins it. With ``blas``, the BLAS libraries are held to one thread while the region runs
+    (cheap, cached)."""
 
     def __init__(self):
         self._lock = threading.RLock()
@@ -107,7 +115,7 @@ def split_kv_reasons(p, work):
 
 
 def streaming_reasons(p, work):
-    """Why planned problem ``p``'s work items do not stream their K / V rows."""
+    """Why planned problem ``p``'s work items do not all stream their K / V rows."""
     if work.streams:
         return []
     rows = p.G * min(work.rows_per_head, int(p.qlen.max(initial=0)))
@@ -123,9 +131,10 @@ class Work:
     kv_cols: int                     # kv columns of a tile
     items: Any                       # the work items (split-kv's pieces where it splits)
     groups: Any                      # split-kv's groups of pieces to merge (none: no split)
-    runs: Any                        # starts of the runs of items taken together, and the end
+    runs: Any                        # (n, 2) [start, end) runs of items taken together
     unsplit_runs: int                # runs before split-kv cut them
-    streams: bool                    # items of few rows stream their K / V rows
+    streams: bool                    # every item has few enough rows to stream its K / V rows
+    streaming_runs: Any              # of each run, whether its items stream (float kernels)
 
 
 def divide(p):
@@ -137,70 +146,72 @@ def divide(p):
     empty = not (p.B and math.prod(p.out_shape))
     items = np.zeros((0, 6), np.int64) if empty else work_items(p, rows_per_head)
     groups = np.zeros((0, 5), np.int64)
-    # pieces and runs of several items are the float32 kernel's; runs of kv heads come
-    # first (as many as split-kv wants), pieces of kv columns only where they are too few
+    # pieces and runs of several items are the float kernels'; runs of kv heads come first
+    # (as many as split-kv wants), pieces of kv columns only where they are too few
     f32 = p.dtype != np.int8
     runs = kv_head_runs(items, p.qlen, p.G, rows_per_head, stream_rows() if f32 else 0,
                         items.shape[0] // max(1, runs_wanted(work_threads())))
-    unsplit = runs.shape[0] - 1
+    unsplit = runs.shape[0]
     if f32:
         items, groups, runs = split_work(p, items, runs, rows_per_head, work_threads())
+    streaming = np.zeros(runs.shape[0], bool)
+    if f32 and runs.shape[0]:
+        streaming = item_row_counts(items[runs[:, 0]], p.qlen, p.G, rows_per_head) \
+            <= stream_rows()
     return Work(rows_per_head, kv_cols, items, groups, runs, unsplit,
-                f32 and streams(p, rows_per_head))
+                f32 and streams(p, rows_per_head), streaming)
+
+
+#: every CPU kernel's worker, by its module and function (imported at the first use)
+_WORKERS = {"avx512-tiles": (".float_tiles", "avx512_tiles"),
+            "blas-tiles": (".float_tiles", "blas_tiles"),
+            "streaming": (".streaming", "streaming"),
+            "merge": (".tile", "merge"),
+            "amx": (".block_amx", "amx"),
+            "int8": (".block_int8", "int8"),
+            "quantize-output": (".quantize", "quantize")}
+_worker_objects = {}
+
+
+def worker(name):
+    """The :class:`.launch.Worker` of the CPU kernel step ``name`` (:data:`_WORKERS`)."""
+    if name not in _worker_objects:
+        import importlib
+        module, function = _WORKERS[name]
+        _worker_objects[name] = Worker(getattr(importlib.import_module(module, __package__),
+                                               function))
+    return _worker_objects[name]
 
 
 def prepare(p, kernel, work):
-    """The :class:`Launch` of planned problem ``p`` on the declared CPU kernel named
-    ``kernel`` (``dispatch.KERNELS``) over its :class:`Work`."""
+    """The :class:`Launch` of planned problem ``p`` on ``kernel`` (a CPU kernel of
+    ``dispatch.KERNELS``) over its :class:`Work`."""
     quant = p.quant
     int8_out = quant is not None and quant.out_dtype == np.int8
     # int8 output is quantized from the float16 (or float32) result in a second pass
     direct_dtype = np.float16 if (p.dtype == np.int8 or (int8_out and p.dtype != np.float32)) \
         else p.dtype
     if not work.items.shape[0]:
-        return Launch(p, direct_dtype, int8_out)
+        return Launch(p, None, direct_dtype, int8_out)
     # the output arrays' shapes and strides are all the arguments take of them
     a = kernel_args(p, np.empty(p.out_shape, direct_dtype), np.empty(p.lse_shape, np.float32),
                     flags=int8_out, rows=work.rows_per_head, cols=work.kv_cols)
-    tuning = _tuning(kernel, work)
-    parts = partial_buffers(work.groups, p.G * work.rows_per_head,
-                            f32_widths(a.params, tuning.gemm)[0])
-    return Launch(p, direct_dtype, int8_out, kernel, a, tuning, work.items, work.groups,
-                  work.runs, parts)
-
-
-def _tuning(kernel, work):
-    """The :class:`.records.Tuning` of the declared CPU kernel named ``kernel`` over ``work``."""
-    amx = kernel == "amx"
-    threads = max(1, int(config.CPU_THREADS or numba.get_num_threads()))
-    own = use_register_blocks()
-    blas = kernel == "int8" or not own          # the int8 kernel's products are BLAS
-    return Tuning(threads=min(threads, work.items.shape[0] if amx else work.runs.shape[0] - 1),
-                  sub=sub_rows(), seg=seg_rows(amx), gemm=int(own),
-                  blas=sgemm_address() if blas else 0, stream=stream_rows(),
-                  next_keys=int(prefetch_next_keys()))
+    return Launch(p, kernel, direct_dtype, int8_out, a, work)
 
 
 @dataclasses.dataclass
 class Launch:
-    """A planned problem's kernel call, ready to run: every argument but the query, key and
-    value storage (which :meth:`run` may take anew, of the planned geometry) and the results
-    (new at each run)."""
+    """A planned problem's run on a CPU kernel, ready to run: every argument but the query,
+    key and value storage (which :meth:`run` may take anew, of the planned geometry) and the
+    results (new at each run). The kernel's ``launch`` takes its :class:`Steps`; what ran is
+    kept in :attr:`ran` and recorded by the ``pfa_numba.cpu`` log."""
     p: Any
+    kernel: Any                      # the dispatch kernel; None: no work item (zeros)
     direct_dtype: Any                # the dtype the kernel writes (float16 before int8 output)
     int8_out: bool
-    kernel: Optional[str] = None     # the declared kernel's name; None: no work item (zeros)
     args: Any = None                 # the KernelArgs
-    tuning: Any = None               # the records.Tuning
-    work: Any = None
-    groups: Any = None
-    runs: Any = None
-    parts: Any = None                # split-kv pieces' scratch, used inside the parallel region
-
-    @property
-    def blas(self):
-        """Whether the kernel's products call BLAS (held to one thread while it runs)."""
-        return self.tuning is not None and self.tuning.blas != 0
+    work: Optional[Work] = None
+    ran: list = dataclasses.field(default_factory=list)
 
     def run(self, q=None, k=None, v=None):
         """(out, lse or None): the problem over flat query / key / value storage q, k, v (the
@@ -209,63 +220,232 @@ class Launch:
         out = np.zeros(p.out_shape, dtype=self.direct_dtype)
         lse = np.full(p.lse_shape, -np.inf, dtype=np.float32)
         flags = np.zeros(p.lse_shape if self.int8_out else 1, dtype=np.uint8)
-        with parallel_region(self.blas):
+        steps = None
+        with parallel_region(self.kernel is not None and self.kernel.uses_blas(self)):
             if self.kernel is not None:
-                self._call(out, lse, flags, q, k, v)
+                steps = Steps(self, self.records(out, lse, flags, q, k, v))
+                self.kernel.launch(steps)
             if self.int8_out:
-                out = quantize_int8_output(p, out, flags)
+                out = quantize_output(p, out, flags)
+        self.ran = steps.ran if steps is not None else []
+        if self.ran:
+            log.info("cpu %s ran %s: %s", self.kernel.name, self.storage(),
+                     "; ".join(f"{name} ({n} {'run' if n == 1 else 'runs'})"
+                               for name, n in self.ran))
         return out, (lse if p.want_lse else None)
+
+    def compile(self):
+        """Compile (or load from Numba's cache) the kernels this launch runs, without running
+        them (a kernel that runs only where a step finds a work item it must take, like AMX's
+        float32 tiles, is not compiled)."""
+        p = self.p
+        out, lse = np.zeros(p.out_shape, self.direct_dtype), np.zeros(p.lse_shape, np.float32)
+        if self.kernel is not None:
+            self.kernel.launch(Steps(self, self.records(out, lse, np.zeros(1, np.uint8)),
+                                     compile_only=True))
 
     def records(self, out, lse, flags, q=None, k=None, v=None):
         """The kernels' (ins, outs, extras, geo) records over these results and flat query /
         key / value storage (the planned problem's where None)."""
         a = self.args
         ins = Inputs(a.q if q is None else q, a.k if k is None else k, a.v if v is None else v,
-                     a.kp, a.vp, a.table, a.channel, *a.tokens)
+                     a.kp, a.vp, _readonly(a.table), _readonly(a.channel), *a.tokens)
         outs = Outputs(out.reshape(-1).view(a.out.dtype), lse.reshape(-1), flags.reshape(-1))
         # the softcap and the sink logits: views of the kernel arguments' fparams slots
-        return (ins, outs, Extras(a.mask8, a.mask16, a.pse, a.fparams[F_SOFTCAP:F_SOFTCAP + 1],
-                                  a.fparams[F_SINKS:]),
-                Geometry(a.strides, a.boff, a.lens, a.params))
+        fparams = _readonly(a.fparams)
+        return (ins, outs, Extras(a.mask8, a.mask16, a.pse, fparams[F_SOFTCAP:F_SOFTCAP + 1],
+                                  fparams[F_SINKS:]),
+                Geometry(_readonly(a.strides), _readonly(a.boff), _readonly(a.lens),
+                         _readonly(a.params), fparams))
 
-    def _call(self, out, lse, flags, q, k, v):
-        """The kernels, inside the caller's parallel region."""
-        ins, outs, extras, geo = self.records(out, lse, flags, q, k, v)
-        if self.kernel == "int8":
-            attention_int8(ins, outs, extras, geo, self.tuning, self.work, self.args.fparams)
-        elif self.kernel == "amx":
-            attention_amx(ins, outs, extras, geo, self.tuning, self.work, self.args.fparams)
-        else:
-            attention(ins, outs, extras, geo, self.tuning, self.work, self.args.fparams,
-                      self.parts, self.runs)
-            if self.groups.shape[0]:
-                merge_split(ins, outs, extras, geo, self.tuning, self.groups, self.parts)
+    def storage(self):
+        """The call's storage, in words (what its kernels are compiled for)."""
+        p = self.p
+        q, kv = dtype_name(p.dtype), dtype_name(p.k.dtype)
+        return f"{q} query, key and value" if q == kv else f"{q} query, {kv} key and value"
 
 
-@njit(parallel=True, cache=True)
-def _quantize_rows(o, code, flags, scale2, offset2, y):
-    """y[b, n, i, :] = numerics.core.quantize_output of the rows computed (flags 1); the others stay 0.
-    o, y: (B, N, Sq, D) views; scale2/offset2: float16-rounded, 1 or N*D values."""
-    B, N, S, D = o.shape
-    per_channel = scale2.size > 1
-    for b in prange(B):
-        for n in range(N):
-            for i in range(S):
-                if flags[b, n, i, 0] == 0:
-                    continue
-                for d in range(D):
-                    c = n * D + d if per_channel else 0
-                    y[b, n, i, d] = np.int8(quantize_output(widen(o[b, n, i, d], code),
-                                                            scale2[c], offset2[c]))
+class Steps:
+    """What a kernel's launch takes in one run: each step runs one CPU kernel's worker over
+    some runs of the work items (:meth:`tiles`, :meth:`streaming`, :meth:`merge`,
+    :meth:`amx`, :meth:`int8`) and notes it in :attr:`ran` ((kernel name, runs taken))."""
+
+    def __init__(self, launch, records, compile_only=False):
+        self.launch, self.p, self.work = launch, launch.p, launch.work
+        self.compile_only = compile_only
+        self.records = records
+        self.register = use_register_blocks()
+        # the sums' row length of the float32 tiles, streaming and the merge alike (split-kv's
+        # pieces are any of theirs)
+        self.ld = _gemm.vector_width.py_func(self.p.D) if self.register else self.p.D
+        self.parts = partial_buffers(self.work.groups, self.p.G * self.work.rows_per_head,
+                                     self.ld)
+        self.ran = []
+
+    def tiles(self, runs):
+        """The float32 tiles over ``runs`` (rows of the work's runs): on the AVX-512 register
+        blocks where the host has them, else on BLAS."""
+        name = "avx512-tiles" if self.register else "blas-tiles"
+        tuning = self._tuning(seg_rows(False))
+        threads = _threads(len(runs))
+        self._run(name, threads, tuning, self._items(self.work.items, runs),
+                  f32_scratch(threads, self.p, tuning))
+
+    def streaming(self, runs):
+        """The streaming kernel over ``runs``."""
+        tuning = self._tuning(seg_rows(False))
+        threads = _threads(len(runs))
+        longest = int((runs[:, 1] - runs[:, 0]).max(initial=1))
+        self._run("streaming", threads, tuning, self._items(self.work.items, runs),
+                  stream_scratch(threads, self.p, tuning, longest))
+
+    def merge(self):
+        """split-kv's merge of the pieces of every split item."""
+        groups = self.work.groups
+        tuning = self._tuning(seg_rows(False))
+        threads = _threads(groups.shape[0])
+        n = self.p.G * self.work.rows_per_head
+        scratch = MergeScratch(rows(threads, (n * tuning.ld,), np.float32),
+                               *(rows(threads, (n,), np.float32) for _ in range(3)),
+                               rows(threads, (max(self.p.D, 1),), np.float32))
+        self._run("merge", threads, tuning, self._items(groups, np.zeros((groups.shape[0], 2),
+                                                                         np.int64)), scratch)
+
+    def amx(self, runs):
+        """The AMX kernel over ``runs``; returns the runs of the items it left to the float32
+        tiles."""
+        tuning = self._tuning(seg_rows(True))
+        threads = _threads(len(runs))
+        items = self._items(self.work.items, runs)
+        self._run("amx", threads, tuning, items, amx_scratch(threads, self.p, tuning))
+        left = np.flatnonzero(items.flags).astype(np.int64)
+        return np.stack([left, left + 1], axis=1)
+
+    def int8(self, runs):
+        """The int8 kernel over ``runs``."""
+        tuning = self._tuning(seg_rows(False))
+        threads = _threads(len(runs))
+        self._run("int8", threads, tuning, self._items(self.work.items, runs),
+                  int8_scratch(threads, self.p, tuning))
+
+    def _run(self, name, threads, tuning, items, scratch):
+        records = (*self.records, tuning, items, scratch, self.parts)
+        what = Compiling("CPU", name, self.launch.storage(), self.p.layout)
+        if self.compile_only:
+            with compile_notice(what):
+                worker(name).address(records)
+            return
+        worker(name).run(threads, records, what)
+        self.ran.append((name, int(max(items.runs.shape[0], 1) if name != "merge"
+                                   else items.work.shape[0])))
+
+    def _items(self, work, runs):
+        return Items(work, np.ascontiguousarray(runs, np.int64), np.zeros(1, np.int64),
+                     np.zeros(max(work.shape[0], 1), np.uint8))
+
+    def _tuning(self, seg):
+        """A step's :class:`.records.Tuning`: register-block products read and write up to
+        MR - 1 rows past a segment's last and whole K^T panels; BLAS and the other products
+        touch exactly the data."""
+        p, work = self.p, self.work
+        rows_, cols = p.G * work.rows_per_head, work.kv_cols
+        if self.register:
+            rows_, cols = rows_ + _gemm.MR, _gemm.panels.py_func(cols) * _gemm.PANEL
+        return Tuning(sub_rows(), seg, self.ld, rows_, cols, sgemm_address(), stream_rows(),
+                      int(prefetch_next_keys()))
 
 
-def quantize_int8_output(p, o, flags):
-    """contract 'Quantization' output quantization of the float result ``o`` (float16 or float32, in
-    the output layout) into a new int8 array; rows that are structural zeros (flags 0) stay 0.
-    A parallel kernel: call it inside :data:`parallel_region`."""
+def _threads(n):
+    """The threads a step of ``n`` runs takes (config.CPU_THREADS; None: Numba's)."""
+    return max(1, min(int(config.CPU_THREADS or numba.get_num_threads()), n))
+
+
+def quantize_output(p, out, flags):
+    """contract 'Quantization' output quantization of the float result ``out`` (float16 or
+    float32, in the output layout) into a new int8 array; rows that are structural zeros
+    (flags 0) stay 0. Inside the caller's parallel region."""
     s2, o2 = output_scales(p.quant)
-    code = CODE_F16 if o.dtype == np.float16 else CODE_F32
+    code = CODE_F16 if out.dtype == np.float16 else CODE_F32
     y = np.zeros(p.out_shape, dtype=np.int8)
-    _quantize_rows(p.out_view(o).view(np.uint16 if code == CODE_F16 else np.float32), code,
-                   flags, s2, o2, p.out_view(y))
+    o = p.out_view(out).view(np.uint16 if code == CODE_F16 else np.float32)
+    worker("quantize-output").run(
+        _threads(p.B), (o, flags, s2, o2, p.out_view(y), np.zeros(1, np.int64), np.int64(code),
+                        np.int64(0)),
+        Compiling("CPU", "quantize-output", "int8 output", p.layout))
     return y
+
+
+def f32_scratch(threads, p, tuning):
+    """The float32 tiles' :class:`.records.F32Scratch` of ``threads`` threads."""
+    D, ld, n, cols = max(p.D, 1), tuning.ld, tuning.rows, tuning.cols
+    f32 = np.float32
+    return F32Scratch(rows(threads, (n * D,), f32, zero=True),    # rows past an item's: finite
+                      rows(threads, (n * cols,), f32), rows(threads, (16 * D,), f32),
+                      rows(threads, (n * ld,), f32), rows(threads, (cols * D,), f32),
+                      rows(threads, (cols * ld,), f32), rows(threads, (n,), np.int32),
+                      rows(threads, (4, cols), np.int64), rows(threads, (4, cols), f32),
+                      *(rows(threads, (n,), f32) for _ in range(3)), *_blas_scratch(threads),
+                      rows(threads, (1, 2, 1), np.uint16))
+
+
+def stream_scratch(threads, p, tuning, longest):
+    """The streaming kernel's :class:`.records.StreamScratch` of ``threads`` threads, each
+    head's part of at most tuning.stream rows, for runs of ``longest`` heads."""
+    D, ld, cols = max(p.D, 1), tuning.ld, tuning.cols
+    n = longest * max(1, min(tuning.stream, p.G * max(1, tuning.rows // max(p.G, 1))))
+    f32 = np.float32
+    return StreamScratch(rows(threads, (n * D,), f32), rows(threads, (n * ld,), f32),
+                         *(rows(threads, (n,), f32) for _ in range(3)),
+                         rows(threads, (4, n), f32), rows(threads, (n * cols,), f32),
+                         rows(threads, (16 * D,), f32), rows(threads, (cols * D,), f32),
+                         rows(threads, (cols * ld,), f32), rows(threads, (n,), np.int32),
+                         rows(threads, (4, cols), np.int64), rows(threads, (4, cols), f32),
+                         rows(threads, (1, 2, 1), np.uint16))
+
+
+def amx_scratch(threads, p, tuning):
+    """The AMX kernel's :class:`.records.AmxScratch` of ``threads`` threads."""
+    from ._amx import tile_config
+    Rp, Cp, Dp = padded(tuning.rows), padded(tuning.cols), padded(max(p.D, 1))
+    parts = 2 if p.code == CODE_F16 else 1      # float16: bf16 hi and lo parts
+    cfg = rows(threads, (64,), np.uint8)
+    cfg[:] = tile_config()
+    return AmxScratch(cfg, rows(threads, (parts * Rp * Dp,), np.uint16),
+                      rows(threads, (parts * Cp * Dp,), np.uint16),
+                      rows(threads, (parts * Cp * Dp,), np.uint16),
+                      rows(threads, (16 * Dp,), np.uint32), rows(threads, (Rp * Cp,), np.float32),
+                      rows(threads, (2 * Rp * Cp,), np.uint16),
+                      rows(threads, (Rp * Dp,), np.float32),
+                      rows(threads, (3, tuning.cols), np.int64),
+                      rows(threads, (4, tuning.cols), np.float32),
+                      rows(threads, (16 * max(p.D, 1),), np.float32),
+                      *(rows(threads, (tuning.rows,), np.float32) for _ in range(3)),
+                      rows(threads, (1,), np.int32))
+
+
+def int8_scratch(threads, p, tuning):
+    """The int8 kernel's :class:`.records.Int8Scratch` of ``threads`` threads."""
+    D, n, cols = max(p.D, 1), tuning.rows, tuning.cols
+    f32 = np.float32
+    return Int8Scratch(rows(threads, (n * D,), f32), rows(threads, (n * cols,), f32),
+                       rows(threads, (max(n, 1) * D,), f32), rows(threads, (n * D,), np.float64),
+                       rows(threads, (cols * D,), f32), rows(threads, (cols * D,), f32),
+                       rows(threads, (n,), f32), rows(threads, (n,), f32),
+                       *_blas_scratch(threads))
+
+
+def _blas_scratch(threads):
+    """BLAS's per-thread arguments (:func:`._blas.gemm_rm`): six ints, two floats, 'N' 'T'."""
+    chars = rows(threads, (2,), np.uint8)
+    chars[:] = (ord("N"), ord("T"))
+    return rows(threads, (6,), np.int32), rows(threads, (2,), np.float32), chars
+
+
+def _readonly(x):
+    """x as a read-only view (the kernels take their inputs as read-only arrays, one
+    specialisation whichever the caller's were)."""
+    if not x.flags.writeable:
+        return x
+    x = x.view()
+    x.flags.writeable = False
+    return x

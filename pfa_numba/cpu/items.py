@@ -7,7 +7,7 @@ from ..numerics.band import BAND_INF, block_kv_range, tile_inside_band
 from ..numerics.kernel_args import L_KLEN, L_NEXT, L_PRE, L_QLEN, P_COLS, P_D, P_G, P_ROWS
 from ._amx import BLOCK
 from ._gemm import PANEL
-from ._jit import LEAF
+from ._jit import LEAF, LEAF_INLINE
 from ._vector import host_is_zen
 
 #: Columns of a row of the work array: batch, kv head, first query position; the kv columns
@@ -16,14 +16,7 @@ from ._vector import host_is_zen
 W_B, W_G, W_I0, W_JLO, W_JHI, W_SLOT = range(6)
 
 
-@njit(cache=True)
-def sizes(params, tuning, work):
-    """(D, rows per work item over the G heads, kv columns per tile, threads, work items)."""
-    return (params[P_D], params[P_G] * params[P_ROWS], params[P_COLS], tuning.threads,
-            work.shape[0])
-
-
-@njit(**LEAF)
+@njit(**LEAF_INLINE)
 def item_rows(params, lens, b, i0):
     """Geometry of work item (b, i0): (i1, R, jstart, jend). Its R = G * (i1 - i0) rows are
     stacked position-major: row rr is query position i0 + rr // G of query head g * G + rr % G;
@@ -59,74 +52,44 @@ def segment(params, tuning, lens, b, i0, i1, j0, j1, r0, R, align):
 
 def work_items(p, rows_per_head):
     """The work array (columns W_*) of whole items, one for every (b, kv head, i0) block with
-    rows to compute, most expensive first."""
-    return _items_by_cost(p.qlen, p.klen, p.pre_e, p.next_e, rows_per_head, p.Nkv)
+    rows to compute, most expensive first (a block's estimated cost: its band columns times
+    its rows; ties in (b, i0) order)."""
+    counts = -(-p.qlen // rows_per_head)
+    b = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    i0 = (np.arange(b.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)) \
+        * rows_per_head
+    i1 = np.minimum(i0 + rows_per_head, p.qlen[b])
+    lo, hi = block_kv_range.py_func(i0, i1, p.pre_e[b], p.next_e[b], p.klen[b])
+    order = np.argsort(-np.maximum(hi - lo, 0) * (i1 - i0), kind="stable")
+    work = np.empty((b.size, p.Nkv, 6), np.int64)
+    work[:, :, W_B], work[:, :, W_I0] = b[order, None], i0[order, None]
+    work[:, :, W_G] = np.arange(p.Nkv)
+    work[:, :, W_JLO], work[:, :, W_JHI], work[:, :, W_SLOT] = 0, BAND_INF, -1
+    return work.reshape(-1, 6)
 
 
-@njit(cache=True)
-def _items_by_cost(qlen, klen, pre_e, next_e, rows_per_head, nkv):
-    """:func:`work_items` of the int64 per-batch lengths and band edges; a block's estimated
-    cost is its band columns times its rows, ties in (b, i0) order."""
-    n = 0
-    for b in range(qlen.shape[0]):
-        n += -(-qlen[b] // rows_per_head)
-    blocks = np.empty((n, 2), np.int64)
-    cost = np.empty(n, np.int64)
-    x = 0
-    for b in range(qlen.shape[0]):
-        for i0 in range(0, qlen[b], rows_per_head):
-            i1 = min(i0 + rows_per_head, qlen[b])
-            lo, hi = block_kv_range(i0, i1, pre_e[b], next_e[b], klen[b])
-            blocks[x, 0], blocks[x, 1] = b, i0
-            cost[x] = -max(hi - lo, 0) * (i1 - i0)
-            x += 1
-    work = np.empty((n * nkv, 6), np.int64)
-    for r, x in enumerate(np.argsort(cost, kind="mergesort")):
-        for g in range(nkv):
-            row = work[r * nkv + g]
-            row[W_B], row[W_G], row[W_I0] = blocks[x, 0], g, blocks[x, 1]
-            row[W_JLO], row[W_JHI], row[W_SLOT] = 0, BAND_INF, -1
-    return work
+def item_row_counts(work, qlen, G, rows_per_head):
+    """The rows (over the G heads) of each item of the work array."""
+    i0 = work[:, W_I0]
+    return G * (np.minimum(i0 + rows_per_head, qlen[work[:, W_B]]) - i0)
 
 
-@njit(cache=True)
 def kv_head_runs(work, qlen, G, rows_per_head, stream_rows, max_heads):
-    """The runs of the work array: int64 starts of consecutive items taken together, and its
-    length at the end. Streaming items (at most ``stream_rows`` rows: decode) of one block and
-    kv span run their kv heads together, up to ``max_heads`` a run, so that a kv tile's rows
-    are read for several heads at once: the heads of a row lie side by side in BSH / BSND and
-    paged caches, and one head at a time would read them in short runs far apart. Every other
-    item is a run of its own."""
+    """The runs of the work array: (n, 2) int64 [start, end) of the consecutive items taken
+    together. Streaming items (at most ``stream_rows`` rows: decode) of one block and kv span
+    run their kv heads together, up to ``max_heads`` a run, so that a kv tile's rows are read
+    for several heads at once: the heads of a row lie side by side in BSH / BSND and paged
+    caches, and one head at a time would read them in short runs far apart. Every other item
+    is a run of its own."""
     n = work.shape[0]
-    most = max(1, max_heads)
-    starts = np.empty(n + 1, np.int64)
-    runs = 0
-    length = 0                          # items in the current run
-    for x in range(n):
-        if x and length < most and _streams(work[x], qlen, G, rows_per_head, stream_rows) \
-                and _streams(work[x - 1], qlen, G, rows_per_head, stream_rows) \
-                and _same_block_and_span(work[x], work[x - 1]):
-            length += 1
-            continue
-        starts[runs] = x
-        runs += 1
-        length = 1
-    starts[runs] = n
-    return starts[:runs + 1].copy()
-
-
-@njit(**LEAF)
-def _streams(item, qlen, G, rows_per_head, stream_rows):
-    """Whether work item ``item`` has at most ``stream_rows`` rows over its G heads."""
-    i0 = item[W_I0]
-    return G * (min(i0 + rows_per_head, qlen[item[W_B]]) - i0) <= stream_rows
-
-
-@njit(**LEAF)
-def _same_block_and_span(a, b):
-    """Whether work items a and b are of one (batch, query block) and kv span."""
-    return (a[W_B] == b[W_B] and a[W_I0] == b[W_I0] and a[W_JLO] == b[W_JLO]
-            and a[W_JHI] == b[W_JHI])
+    streams = item_row_counts(work, qlen, G, rows_per_head) <= stream_rows
+    cols = [W_B, W_I0, W_JLO, W_JHI]
+    joins = np.zeros(n, bool)
+    joins[1:] = streams[1:] & streams[:-1] & (work[1:, cols] == work[:-1, cols]).all(axis=1)
+    index = np.arange(n, dtype=np.int64)
+    chain_start = np.maximum.accumulate(np.where(joins, 0, index)) if n else index
+    starts = index[(index - chain_start) % max(1, max_heads) == 0]
+    return np.stack([starts, np.append(starts[1:], n)], axis=1)
 
 
 def tile_shape(p):

@@ -15,7 +15,7 @@ from numba import njit
 from ..numerics.core import F32_ONE, F32_ZERO, antiquant
 from ..numerics.kernel_args import (P_BLOCK, P_DEQUANT, P_KTOK, P_PREFIX, P_VTOK, S_ELEM, S_HEAD,
                                     S_ROW, T_K, T_KT, T_PK, T_PV, T_V, T_VT, kv_row)
-from ._jit import LEAF
+from ._jit import LEAF, LEAF_INLINE
 from ._vector import wide_vectors
 
 #: rows of the channel planes (and of a tile's token scalars): key scale, key offset, value
@@ -23,7 +23,7 @@ from ._vector import wide_vectors
 KEY, VALUE = 0, 2
 
 
-@njit(**LEAF)
+@njit(**LEAF_INLINE)
 def kv_tile_end(params, j0, tk, jend):
     """The end of the kv tile from column j0: tk columns, not past jend nor past the prefix."""
     j1 = min(j0 + tk, jend)
@@ -42,11 +42,11 @@ def next_tile(ins, geo, b, g, j0, tk, jend, ro, rs):
     return j1, j1 - j0, prefix, sdk, sdv
 
 
-@njit(**LEAF)
+@njit(**LEAF_INLINE)
 def _token(scales, offsets, geo, table, t, mode, b, g, j):
     """(scale, offset) of own row j of kv head g in the token planes (geometry rows t, t + 1)
     of ``mode`` (1: by row, 2: by paged slot), or (1, 0) without them."""
-    strides, boff, _, params = geo
+    strides, boff, params = geo.strides, geo.boff, geo.params
     if mode == 0:
         return F32_ONE, F32_ZERO
     block = _plane_block(params, mode)
@@ -55,7 +55,7 @@ def _token(scales, offsets, geo, table, t, mode, b, g, j):
     return scales[s], offsets[o]
 
 
-@njit(**LEAF)
+@njit(**LEAF_INLINE)
 def _plane_block(params, mode):
     """The block size kv_row walks a token plane's rows by: the pool's for a plane by paged
     slot (mode 2), 0 (contiguous rows) for one by row."""
@@ -95,12 +95,12 @@ def kv_key_rows(ins, geo, b, g, j0, nc, out):
     return _kv_rows(geo, ins.table, T_PK, T_K, b, g, j0, nc, out)
 
 
-@njit(**LEAF)
+@njit(**LEAF_INLINE)
 def _kv_rows(geo, table, t_prefix, t_own, b, g, j0, nc, out):
     """out[c] = the element offset of kv row j0 + c of kv head g of batch b, c < nc: in the
     prefix's tensor t_prefix (j0 < P; a tile never straddles its end) or in the own tensor
     t_own (:func:`_own_rows`). Returns whether the rows are the prefix's."""
-    strides, boff, _, params = geo
+    strides, boff, params = geo.strides, geo.boff, geo.params
     P = params[P_PREFIX]
     if j0 < P:
         for c in range(nc):
@@ -112,7 +112,7 @@ def _kv_rows(geo, table, t_prefix, t_own, b, g, j0, nc, out):
     return False
 
 
-@njit(**LEAF)
+@njit(**LEAF_INLINE)
 def _own_rows(out, geo, table, block, t, b, j0, nc, head):
     """out[c] = the element offset of own row j0 + c of batch b in tensor t, plus ``head``
     (kv_row's rows): one run of consecutive rows a paged block (all of them without paging),
@@ -129,7 +129,7 @@ def _own_rows(out, geo, table, block, t, b, j0, nc, head):
         c += n
 
 
-@njit(**LEAF)
+@njit(**LEAF_INLINE)
 def _token_rows(scales, offsets, geo, table, t, mode, b, g, j0, nc, offs, rs, row):
     """rs[row, c], rs[row + 1, c] = (scale, offset) of own row j0 + c of kv head g in the
     token planes (geometry rows t, t + 1) of ``mode`` (1: by row, 2: by paged slot), or (1, 0)
@@ -170,7 +170,7 @@ def load_dequant_row(dst, r, src, off, sd, D, cs, co, base, scale, offset):
 def kv_value_row(ins, geo, b, g, j):
     """(whether in the prefix, element offset, element stride, token scale, token offset) of V
     row j of kv head g."""
-    strides, boff, _, params = geo
+    strides, boff, params = geo.strides, geo.boff, geo.params
     P = params[P_PREFIX]
     if j < P:
         return (True, boff[T_PV, b] + g * strides[T_PV, S_HEAD] + j * strides[T_PV, S_ROW],

@@ -12,7 +12,7 @@ from ..numerics.core import (CODE_BF16, CODE_F16, F16_MASK_SCALE, F32_NEG_INF, F
 from ..numerics.kernel_args import (L_KLEN, L_NEXT, L_PRE, P_CODE, P_G, P_IP, P_MASK, P_PSE,
                                     P_SCALE_EXP, T_L, T_M, T_O, T_P, T_Q)
 from ._gemm import PANEL
-from ._jit import LEAF, LEAF_INLINE
+from ._jit import LEAF, LEAF_EXACT, LEAF_INLINE
 from ._simd import PF_ROWS
 from ._vector import (bf16_bits_hw, f16_bits_to_f32_hw, f32_to_f16_bits_hw, host_has, prefetch,
                       wide_vectors)
@@ -29,7 +29,7 @@ widen_f16 = f16_bits_to_f32_hw if host_has("f16c") else f16_to_f32
 _f32_to_f16 = f32_to_f16_bits_hw if host_has("f16c") else f32_to_f16
 
 
-@njit(**LEAF)
+@njit(**LEAF_INLINE)
 def as_u32(x):
     """x as uint32 (Numba widens uint32 arithmetic to 64 bits, which halves the vector lanes:
     each step below is cast back)."""
@@ -63,7 +63,7 @@ def load_row(dst, r, src, off, stride, n, code, factor):
 def load_query_rows(q2, q, geo, item, code, factor):
     """q2[rr] = query row rr of work item (b, g, i0) (rows stacked position-major, see
     items.item_rows) as float32, times factor, for every row of q2."""
-    strides, boff, _, params = geo
+    strides, boff, params = geo.strides, geo.boff, geo.params
     b, g, i0 = item
     G = params[P_G]
     for rr in range(q2.shape[0]):
@@ -72,7 +72,7 @@ def load_query_rows(q2, q, geo, item, code, factor):
         load_row(q2, rr, q, off, strides[T_Q, 2], q2.shape[1], code, factor)
 
 
-@njit(cache=True, _nrt=False)    # no fast-math: a true division, not 1 / div estimated
+@njit(**LEAF_EXACT)    # a true division, not 1 / div estimated
 def store_row(dst, off, stride, row, r0, div, n, code):
     """dst[off + d*stride] = row[r0 + d] / div in the storage of ``code`` (rounded to nearest
     even), d < n; one loop per code for contiguous rows, so that each vectorises (see
@@ -180,7 +180,7 @@ def mask_row(s2, r, nc, j0, i, band, inside, extras, where, kinds):
                 srow[c] = F32_NEG_INF
 
 
-@njit(**LEAF)
+@njit(**LEAF_INLINE)
 def element_offsets(geo, b, n, i, j0):
     """(mask offset, mask column stride, pse offset, pse column stride) of query row i of head
     n in batch b at kv column j0 (geo: the :class:`.records.Geometry`)."""
@@ -190,12 +190,12 @@ def element_offsets(geo, b, n, i, j0):
             strides[T_P, 2])
 
 
-@njit(**LEAF)
+@njit(**LEAF_INLINE)
 def row_place(geo, item, rr):
     """Where row rr of work item (b, g, i0) goes (rows stacked position-major, see
     items.item_rows): (query position i, query head n, output offset, output element stride,
     softmax_lse offset)."""
-    strides, boff, _, params = geo
+    strides, boff, params = geo.strides, geo.boff, geo.params
     b, g, i0 = item
     G = params[P_G]
     i = i0 + rr // G
@@ -216,7 +216,7 @@ def row_end(geo, item, rr, m, l, computed):
                                             geo.params[P_IP], i, pre_e, next_e, kl)
 
 
-@njit(**LEAF)
+@njit(**LEAF_INLINE)
 def band_of(lens, b):
     """(kL, preE, nextE) of batch b."""
     return lens[L_KLEN, b], lens[L_PRE, b], lens[L_NEXT, b]

@@ -5,9 +5,9 @@ each run's kv range cut into pieces, computed in parallel as separate runs, then
 A piece leaves the online-softmax state of its rows, (unnormalised sums acc, running max m,
 running sum l) over its kv columns, in a slot of the partial buffers; :func:`merge_rows`
 combines the slots of an item with the online-softmax step itself (:func:`numerics.core.rescale_factor`,
-as between two tiles of one item); block_f32's ``merge_split`` then finishes the rows as a
+as between two tiles of one item); the merge worker (:func:`.tile.merge`) then finishes the rows as a
 whole item would (contract 'Empty rows', lse, output rounding), so a split changes nothing but the
-order of float32 additions. Only the float32 kernel (:mod:`.block_f32`) takes pieces.
+order of float32 additions. The float32 tiles and the streaming kernel take pieces.
 """
 import numpy as np
 from numba import njit
@@ -16,6 +16,7 @@ from ..numerics.band import block_kv_range
 from ..numerics.core import F32_NEG_INF, F32_ZERO, max_nan, rescale_factor
 from ._jit import LEAF
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, W_SLOT
+from .records import Parts
 
 #: Columns of a row of the groups array: batch, kv head, first query position of a split
 #: item, its first slot and its number of pieces.
@@ -37,20 +38,20 @@ def split_work(p, work, runs, rows_per_head, nthreads):
     pieces to merge (none: no split) and the runs of the result: one run a piece, of the
     pieces of the run's items over the same kv columns."""
     want = runs_wanted(nthreads)
-    n = runs.shape[0] - 1
+    n = runs.shape[0]
     no_groups = np.zeros((0, 5), np.int64)
     if n == 0 or n >= want:
         return work, no_groups, runs
     min_cols = max(1, int(config.CPU_SPLIT_KV_MIN_COLS))
-    rows, groups, starts = [], [], [0]
+    rows, groups, new_runs = [], [], []
     slots = 0
-    for a, z in zip(runs[:-1], runs[1:]):
+    for a, z in runs:
         items = work[a:z]
         lo, hi = _item_columns(p, items[0], rows_per_head)
         pieces = min(-(-want // n), (hi - lo) // min_cols)
         if pieces < 2:
+            new_runs.append((len(rows), len(rows) + len(items)))
             rows.extend(items)
-            starts.append(len(rows))
             continue
         per_piece = -(-(hi - lo) // pieces)
         step = -(-per_piece // _PIECE_ALIGN) * _PIECE_ALIGN         # whole panels
@@ -59,30 +60,31 @@ def split_work(p, work, runs, rows_per_head, nthreads):
         for h, item in enumerate(items):
             groups.append((item[W_B], item[W_G], item[W_I0], slots + h * count, count))
         for k, (j0, j1) in enumerate(zip(bounds[:-1], bounds[1:])):
+            new_runs.append((len(rows), len(rows) + len(items)))
             for h, item in enumerate(items):
                 piece = item.copy()
                 piece[W_JLO], piece[W_JHI], piece[W_SLOT] = j0, j1, slots + h * count + k
                 rows.append(piece)
-            starts.append(len(rows))
         slots += len(items) * count
     if not groups:
         return work, no_groups, runs
-    return np.array(rows, np.int64), np.array(groups, np.int64), np.array(starts, np.int64)
+    return (np.array(rows, np.int64), np.array(groups, np.int64),
+            np.array(new_runs, np.int64).reshape(-1, 2))
 
 
 def _item_columns(p, item, rows_per_head):
     """The kv columns [lo, hi) any row of whole work item ``item`` may keep."""
     b, i0 = int(item[W_B]), int(item[W_I0])
     i1 = min(i0 + rows_per_head, int(p.qlen[b]))
-    lo, hi = block_kv_range(i0, i1, int(p.pre_e[b]), int(p.next_e[b]), int(p.klen[b]))
+    lo, hi = block_kv_range.py_func(i0, i1, int(p.pre_e[b]), int(p.next_e[b]), int(p.klen[b]))
     return int(lo), int(max(hi, lo))
 
 
 def partial_buffers(groups, rows, ld):
-    """(acc, ml): per slot, ``rows`` rows of ``ld`` sums and (m, l); empty without groups."""
+    """The :class:`.records.Parts` of ``groups``: per slot, ``rows`` rows of ``ld`` sums and
+    (m, l); empty without groups."""
     slots = int(groups[:, G_PIECES].sum())
-    return (np.zeros((slots, rows * ld), np.float32),
-            np.zeros((slots, rows, 2), np.float32))
+    return Parts(np.zeros((slots, rows * ld), np.float32), np.zeros((slots, rows, 2), np.float32))
 
 
 @njit(**LEAF)

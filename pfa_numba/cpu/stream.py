@@ -2,12 +2,12 @@
 each K and V row is read once from the cache and used by every row of the item at once,
 instead of being packed into tiles that few rows would then read. Rows go through the explicit
 vector code of :mod:`._simd`, four query rows at a time; their elements are contiguous (the
-caller widens strided rows into a buffer first, :func:`.block_f32._stream_tile`).
+caller widens strided rows into a buffer first, :func:`.streaming._tile`).
 
 ``kv`` = (src, offs, code): the rows' array, element offsets (see :mod:`.kv`) and their storage
 code. int8 rows are read as their integer values: the caller folds
 their dequantization into the query rows and the weights (see
-:func:`.block_f32._block_stream`), so the products only convert.
+:func:`.streaming._run`), so the products only convert.
 """
 import numpy as np
 from numba import njit
@@ -16,7 +16,7 @@ from ..numerics.core import CODE_BF16, CODE_F16, F32_ONE, F32_ZERO
 from ._jit import LEAF, LEAF_INLINE
 from ._simd import (PF_ROWS, scores_bf16, scores_f16, scores_native, weighted_sum_bf16,
                     weighted_sum_f16, weighted_sum_native)
-from ._vector import wide_vectors
+from ._vector import own_unit, wide_vectors
 from .kv import KEY, VALUE
 from .rows import load_row, prefetch_row
 
@@ -40,6 +40,7 @@ def stream_scores(s, lds, q2, r0, nrow, kv, c0, nc, values):
     """s[r * lds + c] = q2[r0 + r] . K[c0 + c] for r < nrow, c < nc; the tile's V rows of
     ``values`` (kv's form) are prefetched into L2 on the way, so that the weighted sum that
     follows finds them there instead of waiting on memory row after row."""
+    own_unit()
     src, offs, code = kv
     for r in range(0, nrow, BLOCK):
         n = min(BLOCK, nrow - r)
@@ -61,6 +62,7 @@ def stream_pv(acc, ld, nrow, p, lds, kv, c0, nc, buf, next_keys):
     columns one at a time. The K rows the item reads next, next_keys = (src, offs, n; n = 0:
     none), are prefetched into L2 on the way (in the first four rows' pass), so that memory
     keeps working while the sums are computed."""
+    own_unit()
     for r in range(0, nrow, BLOCK):
         n = min(BLOCK, nrow - r)
         a, w = acc[r * ld:], p[r * lds:]

@@ -1,5 +1,5 @@
 """The guard of the tensor-core kernels: what decides on the device, before they run, that
-the portable kernel computes a call instead (``launch.guard_scans`` says which scans a call
+the portable kernel computes a call instead (the kernel variants' ``guard_scans`` say which scans a call
 gets), and the host's part of that rule for int8 caches.
 
 A value of V that is inf or NaN in a column some row drops would reach that row through

@@ -19,7 +19,7 @@ grows), a :class:`Launch` kept by a plan holds its own, copied once when the pla
 The tensor-core kernel (:mod:`.tc_kernel`) takes the float16 / bfloat16 problems it supports
 except where V holds inf or NaN (or, for an int8 cache, a token plane holds a value that could
 take a dequantized one beyond the query's type), and that is decided on the device: a scan
-(:func:`guard_scans`) writes the call's guard id into its stream's guard word where it finds
+(``variants``' guard_scans) writes the call's guard id into its stream's guard word where it finds
 one, the tensor-core kernel then returns at once and the portable kernel launched behind it
 computes the call (otherwise its blocks have no rows and no tiles). No host read decides. The
 decode kernel takes the guard where its rows may drop different columns of a tile, or for such
@@ -39,10 +39,9 @@ from . import device
 from . import guard as guard_kernels
 from ..interop.cuda_arrays import array_kind
 
-#: the kernel a call gets and why (INFO)
+#: the kernel a call gets and why, and what it queued (INFO)
 log = logging.getLogger("pfa_numba.cuda")
 
-TENSOR_CORE, DECODE, PORTABLE = "tensor-core", "decode", "portable"
 #: host arrays up to this many bytes travel in the packed buffer, larger ones on their own
 SMALL_BYTES = 1 << 20
 #: the packed buffer's alignment of each array (the tensor-core kernel's 16-byte rows)
@@ -229,10 +228,9 @@ class Launch:
     or a host array (packed when small, copied in by each call otherwise). Made per call, or
     once by a plan; :meth:`run` computes it."""
 
-    def __init__(self, p, meta, choice):
+    def __init__(self, p, meta, kernel, situation):
         self.p, self.on_device = p, meta is not None
-        self.kernel, self.choice = choice.kernel.name, choice
-        situation = choice.situation
+        self.kernel = kernel
         self.empty = situation.args is None
         if self.empty:
             return
@@ -258,11 +256,11 @@ class Launch:
                 self.sources[field] = ("host", x)
         self.packed = Packed(host)
         self.rows = int(a.lens[L_ROWS].max())
-        if self.kernel == DECODE:
+        if self.kernel.name == "decode":
             from .decode_kernel import split_plan
             self.splits, self.per_split = split_plan(p, a.lens, situation.sms)
         self.own_views = None
-        self.scans = guard_scans(p, self.kernel)
+        self.scans = self.kernel.guard_scans(p)
 
     def keep_arguments(self, stream):
         """Copy the packed arguments to a buffer of this launch's own, once (a plan's): its
@@ -275,7 +273,7 @@ class Launch:
         """Whether this launch's kernel may read its query, key and value (and a shared
         prefix's) at these argument pointers ({argument name: device pointer}): 16-byte-aligned
         rows for the tensor-core and decode kernels, any for the portable kernel."""
-        return self.kernel == PORTABLE or aligned(self.located, pointers)
+        return not self.kernel.reads_rows or aligned(self.located, pointers)
 
     def run(self, query=None, pointers=None):
         """(out, lse or None): NumPy arrays for NumPy inputs; for CUDA inputs arrays of
@@ -295,11 +293,13 @@ class Launch:
             tensors, uploads = self._tensors(views, pointers, stream)
             out, lse, d_out, d_lse = self._outputs(query, views, stream)
             guard_id = state.next_guard_id() if self.scans else 0
-            for kernel, grid, block, args in self._launches(tensors, views, d_out, d_lse,
-                                                            state, guard_id):
+            launches = self._launches(tensors, views, d_out, d_lse, state, guard_id)
+            for kernel, grid, block, args in launches:
                 device.launch(kernel, grid, block, stream, args)
             if self.on_device:
                 state.hold(uploads)
+        log.info("cuda %s queued %s", self.kernel.name,
+                 ", ".join(_kernel_name(kernel) for kernel, *_ in launches))
         if self.on_device:
             return out, lse
         device.download(d_out, out.reshape(-1).view(self.out_storage), stream)
@@ -342,49 +342,61 @@ class Launch:
         return out, lse, d_out, d_lse
 
     def _launches(self, t, views, d_out, d_lse, state, guard_id):
-        """(kernel, grid, block, arguments) of each launch, in order."""
-        from .kernels import kernel_for, launch_config
+        """(kernel, grid, block, arguments) of each launch, in order: the guard's scans, then
+        the kernel's own (:meth:`.variants.CudaKernel.launches`)."""
         p, guard = self.p, state.guard
-        int8 = p.dtype == np.int8
-        small = [views[name] for name in _SMALL]
-        tail = [views["fparams"], views["scale2"], views["offset2"], guard, guard_id]
-        head = [t["q"], t["k"], t["v"], d_out, d_lse, t["mask8"], t["mask16"], t["pse"]]
-        dpad, bq, bkv = launch_config(p)
-        qtiles = max(1, -(-self.rows // bq))
-        portable = head + small + [qtiles] + tail
-        if not int8:
-            portable += [t[field] for field in _CACHE]
+        from .tc_conditions import kind_of
         launches = []
-        from . import tc_conditions
-        from . import tc_kernel as tc
-        kind = tc_conditions.kind_of(p.dtype)
         for field, limit in self.scans:
             if limit is None:
-                launches.append((guard_kernels.nonfinite_scan(kind), *guard_kernels.SCAN_GRID,
-                                 [t[field], guard, guard_id]))
+                launches.append((guard_kernels.nonfinite_scan(kind_of(p.dtype)),
+                                 *guard_kernels.SCAN_GRID, [t[field], guard, guard_id]))
             else:
                 launches.append((guard_kernels.limit_scan(), *guard_kernels.SCAN_GRID,
                                  [t[field], np.float32(limit), guard, guard_id]))
-        if self.kernel == DECODE:
-            launches += self._decode_launches(kind, t, views, d_out, d_lse, state, guard_id)
-        elif self.kernel == TENSOR_CORE:
-            tc_tiles = max(1, -(-self.rows // tc.ROWS))
-            launches.append((tc.tc_kernel_for(kind, p.D, tc_conditions.masked_variant(p),
-                                              tc_conditions.walks(p),
-                                              guard_kernels.dequantizes(p),
-                                              p.softcap != 0, p.sinks is not None),
-                             (p.B * tc_tiles, p.N), tc.THREADS,
-                             head + small + [tc_tiles] + tail + [t[field] for field in _CACHE]))
-        if self.kernel == PORTABLE or guard_id != 0:
-            launches.append((kernel_for(dpad, bq, bkv, int8=int8), (p.B * qtiles, p.N), bq,
-                             portable))
-        return launches
+        return launches + self.kernel.launches(self, t, views, (d_out, d_lse), state, guard_id)
 
-    def _decode_launches(self, kind, t, views, d_out, d_lse, state, guard_id):
-        """The split kernel's and the finish kernel's launches."""
+    def _head_and_tail(self, t, views, outs, guard, guard_id):
+        """The arguments every forward kernel begins and ends with."""
+        head = [t["q"], t["k"], t["v"], *outs, t["mask8"], t["mask16"], t["pse"]]
+        tail = [views["fparams"], views["scale2"], views["offset2"], guard, guard_id]
+        return head, [views[name] for name in _SMALL], tail
+
+    def portable_launch(self, t, views, outs, state, guard_id):
+        """The portable kernel's launch (:mod:`.kernels`)."""
+        from .kernels import kernel_for, launch_config
+        p = self.p
+        head, small, tail = self._head_and_tail(t, views, outs, state.guard, guard_id)
+        dpad, bq, bkv = launch_config(p)
+        qtiles = max(1, -(-self.rows // bq))
+        args = head + small + [qtiles] + tail
+        if p.dtype != np.int8:
+            args += [t[field] for field in _CACHE]
+        return (kernel_for(dpad, bq, bkv, int8=p.dtype == np.int8), (p.B * qtiles, p.N), bq,
+                args)
+
+    def tensor_core_launch(self, t, views, outs, state, guard_id):
+        """The tensor-core kernel's launch (:mod:`.tc_kernel`): the specialisation of the
+        call's dtype, head dim, mask, kv walk, int8 cache, softcap and sinks."""
+        from . import tc_conditions
+        from . import tc_kernel as tc
+        p = self.p
+        head, small, tail = self._head_and_tail(t, views, outs, state.guard, guard_id)
+        tc_tiles = max(1, -(-self.rows // tc.ROWS))
+        kernel = tc.tc_kernel_for(tc_conditions.kind_of(p.dtype), p.D,
+                                  tc_conditions.masked_variant(p), tc_conditions.walks(p),
+                                  guard_kernels.dequantizes(p), p.softcap != 0,
+                                  p.sinks is not None)
+        return (kernel, (p.B * tc_tiles, p.N), tc.THREADS,
+                head + small + [tc_tiles] + tail + [t[field] for field in _CACHE])
+
+    def decode_launches(self, t, views, outs, state, guard_id):
+        """The decode kernel's launches: its split kernel's and its finish kernel's."""
         from . import decode_kernel as dk
-        from .tc_conditions import masked_variant, walks
+        from .tc_conditions import kind_of, masked_variant, walks
         p, splits = self.p, self.splits
+        kind = kind_of(p.dtype)
+        d_out, d_lse = outs
         split, finish = dk.decode_kernels_for(kind, p.D, walks(p), masked_variant(p),
                                               guard_kernels.dequantizes(p), p.softcap != 0)
         ws = state.workspace(dk.workspace_floats(p, splits))
@@ -400,22 +412,10 @@ class Launch:
                                          *planes])]
 
 
-def guard_scans(p, kernel):
-    """[(tensor argument, limit)] the guard scans before ``kernel`` runs planned problem
-    ``p``, each writing the call's guard id where it finds what the portable kernel must
-    compute: a value of V (and of a shared prefix's values) that is inf or NaN (limit None)
-    for the tensor-core kernel, and for the decode kernel where its rows may drop different
-    columns (``decode_kernel.needs_guard``); for an int8 cache instead, its token planes
-    beyond their limits (``guard.antiquant_limits``); none for the portable kernel."""
-    from .decode_kernel import needs_guard
-    from .guard import antiquant_limits, dequantizes
-    if kernel == PORTABLE:
-        return []
-    if dequantizes(p):
-        return antiquant_limits(p)
-    if kernel == DECODE and not needs_guard(p):
-        return []
-    return [("v", None)] + ([("vp", None)] if p.cache is not None and p.cache.P else [])
+def _kernel_name(kernel):
+    """A compiled CUDA kernel's name (its Python function's)."""
+    fn = getattr(kernel, "py_func", kernel)
+    return getattr(fn, "__name__", type(kernel).__name__)
 
 
 def _empty_results(p, query):
@@ -428,15 +428,11 @@ def _empty_results(p, query):
     return to_kind(out, query), (to_kind(lse, query) if lse is not None else None)
 
 
-def prepare(p, meta, choice):
-    """The :class:`Launch` of planned problem ``p`` on the kernel of ``choice`` (a
-    ``dispatch.Choice``), over the CUDA arrays ``meta`` made metadata of
-    (:class:`..interop.cuda_arrays.Meta`; None for NumPy inputs); the choice, with why each
-    other kernel was not taken, is logged."""
-    launch = Launch(p, meta, choice)
-    if not launch.empty:
-        log.info("%s", choice)
-    return launch
+def prepare(p, meta, kernel, situation):
+    """The :class:`Launch` of planned problem ``p`` on ``kernel`` (a CUDA kernel of
+    ``dispatch.KERNELS``) in its :class:`Situation`, over the CUDA arrays ``meta`` made
+    metadata of (:class:`..interop.cuda_arrays.Meta`; None for NumPy inputs)."""
+    return Launch(p, meta, kernel, situation)
 
 
 # ---------------------------------------------------------------------------------------------

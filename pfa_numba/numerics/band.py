@@ -153,8 +153,9 @@ def fully_masked_band(inner_precise, i, pre_e, next_e, kl):
 @jit
 def block_kv_range(i0, i1, pre_e, next_e, kl):
     """The kv columns [jstart, jend) that any row of [i0, i1) may keep; tiles outside them
-    (wholly outside the band, or past kL) are never visited."""
-    return max(i0 - pre_e, 0), min(i1 - 1 + next_e + 1, kl)
+    (wholly outside the band, or past kL) are never visited. (NumPy's maximum and minimum: its
+    ``py_func`` takes arrays of blocks.)"""
+    return np.maximum(i0 - pre_e, 0), np.minimum(i1 - 1 + next_e + 1, kl)
 
 
 @jit
