@@ -22,6 +22,10 @@ from .numerics.kernel_args import flat_view, storage
 from .interop.cuda_arrays import interface
 
 _QKV = ("query", "key", "value")
+#: what a plan runs instead of its planned launch (explain says it of every call)
+PLAN_FALLBACK = ("a plan (PfaPlan, FiaPlan) runs whole calls for arrays its planned kernels "
+                 "cannot read as planned (other strides, misaligned rows, key / value lists, "
+                 "NumPy inputs on CUDA)")
 
 
 class Plan:
@@ -42,13 +46,20 @@ class Plan:
         self._like = tuple(_like(x) for x in (query, key, value))
 
     @classmethod
-    def explain(cls, query, key, value, *args, **kwargs):
-        """Which kernel ``operator(query, key, value, *args, **kwargs)`` gets and why every
-        other kernel of its device was not taken, as text (the call is checked and planned,
-        raising the operator's errors, and not run)."""
+    def explain(cls, query, key, value, *args, compute_capability=None, sms=None, **kwargs):
+        """Which kernel ``operator(query, key, value, *args, **kwargs)`` gets, what can run
+        beside it or instead, and why every other kernel of its device was not taken, as text
+        (the call is checked and planned, raising the operator's errors, and not run). With
+        ``compute_capability`` ((major, minor)) and ``sms`` (multiprocessors), a
+        ``device="cuda"`` call is explained for such a GPU, none needed here."""
         problem, staged, _, device = cls._checked(
             cls._bound(query, key, value, *args, **kwargs))
-        return str(dispatch.choose(problem, device, staged))
+        machine = None
+        if compute_capability is not None or sms is not None:
+            machine = dict(compute_capability=compute_capability, sms=sms)
+        choice = dispatch.choose(problem, device, staged, machine)
+        choice.fallbacks.append(PLAN_FALLBACK)
+        return str(choice)
 
     @classmethod
     def _bound(cls, *args, **kwargs):

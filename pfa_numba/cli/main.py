@@ -80,72 +80,19 @@ def demo(args):
 
 
 def warmup(args):
-    """Compile every CPU kernel specialisation into Numba's on-disk cache (a deployment image
-    runs this once at build time; later processes load the kernels in well under a second)."""
-    import numba
-
-    from pfa_numba import prompt_flash_attention
-    q16 = np.ones((1, 1, 4, 16), np.float16)
-    q32 = np.ones((1, 1, 4, 16), np.float32)
-    q8 = np.ones((1, 1, 4, 32), np.int8)
-    scales = dict(deq_scale1=np.ones(1, np.float32), quant_scale1=np.ones(1, np.float32),
-                  deq_scale2=np.ones(1, np.float32))
+    """Compile every CPU kernel specialisation into Numba's cache (a deployment image runs this
+    once at build time; later processes load the kernels in well under a second)."""
     from pfa_numba import config
-    from pfa_numba.cpu import _amx
-
-    def float32_tiles():          # float16 / bfloat16 where AMX is off or not offered
-        amx = config.CPU_AMX
-        config.CPU_AMX = False
-        try:
-            prompt_flash_attention(q16, q16, q16, num_heads=1, input_layout="BNSD")
-        finally:
-            config.CPU_AMX = amx
-
-    def split_kv():               # decode with fewer work items than threads
-        items = config.CPU_SPLIT_KV_ITEMS
-        config.CPU_SPLIT_KV_ITEMS = 2
-        try:
-            kv_len = 2 * config.CPU_SPLIT_KV_MIN_COLS
-            for dt in (np.float32, np.float16):
-                kv = np.ones((1, 1, kv_len, 16), dt)
-                prompt_flash_attention(kv[:, :, :1], kv, kv, num_heads=1, input_layout="BNSD")
-        finally:
-            config.CPU_SPLIT_KV_ITEMS = items
-
-    def int8_kv_cache():          # fused_infer_attention_score's int8 key/value, whole and split
-        from pfa_numba import fused_infer_attention_score
-        items = config.CPU_SPLIT_KV_ITEMS
-        kv = np.ones((1, 1, 2 * config.CPU_SPLIT_KV_MIN_COLS, 16), np.int8)
-        try:
-            for split in (0, 2):
-                config.CPU_SPLIT_KV_ITEMS = split
-                for dt in (np.float32, np.float16):
-                    fused_infer_attention_score(np.ones((1, 1, 1, 16), dt), kv, kv,
-                                                antiquant_scale=np.ones(2, dt),
-                                                input_layout="BNSD")
-        finally:
-            config.CPU_SPLIT_KV_ITEMS = items
-
-    jobs = [("uint16 storage (float16, bfloat16)", float32_tiles),
-            ("float32 storage", lambda: prompt_flash_attention(
-                q32, q32, q32, num_heads=1, input_layout="BNSD")),
-            ("int8 pipeline", lambda: prompt_flash_attention(
-                q8, q8, q8, num_heads=1, input_layout="BNSD", **scales)),
-            ("int8 output quantization", lambda: [prompt_flash_attention(
-                x, x, x, num_heads=1, input_layout="BNSD", quant_scale2=scales["deq_scale1"])
-                for x in (q16, q32)]),
-            ("split-kv merge (decode)", split_kv),
-            ("int8 kv caches (FIA)", int8_kv_cache)]
-    if _amx.available():
-        jobs.append(("float16 and bfloat16 on AMX", lambda: prompt_flash_attention(
-            q16, q16, q16, num_heads=1, input_layout="BNSD")))
-    cache = numba.config.CACHE_DIR or "next to the package's modules (__pycache__)"
-    print(f"compiling the CPU kernels into Numba's cache ({cache}):")
-    for name, job in jobs:
-        t0 = time.perf_counter()
-        job()
-        print(f"  {name:36s} {time.perf_counter() - t0:6.1f} s")
-    print("CUDA kernels are compiled by numba-cuda at their first launch in each process.")
+    from pfa_numba.cache import cache_folder
+    from pfa_numba.cpu.warmup import warm
+    print(f"compiling the CPU kernels into Numba's cache ({cache_folder()}):", flush=True)
+    notices, config.COMPILE_NOTICES = config.COMPILE_NOTICES, False
+    try:
+        seconds = warm(lambda line: print(line, flush=True))
+    finally:
+        config.COMPILE_NOTICES = notices
+    print(f"done in {seconds:.0f} s. CUDA kernels are compiled by numba-cuda at their first "
+          "launch in each process.")
     return 0
 
 

@@ -156,10 +156,11 @@ def _score_gradients(blas, bufs, qkv, dims, tile, rows, grads, want_dbias):
 
 
 @njit(**LEAF)
-def kv_pass(t, qkv, dims, p, rows, grads, switches, items, scratch):
+def kv_pass(t, args):
     """The backward's kv pass worker (thread t): dK and dV, one item a (batch, kv head, kv
     tile), or (switches[0], dQ added here) one item a (batch, kv head), which then owns its
     query heads' dQ rows too and adds into them; the pse gradient's dS tiles (switches[1])."""
+    qkv, dims, p, rows, grads, switches, items, scratch = args[0]
     B, N, Nkv, Sq, Skv, D = dims
     tiles = (Skv + TILE_K - 1) // TILE_K
     whole_heads, want_dbias = switches[0] != 0, switches[1] != 0
@@ -208,10 +209,11 @@ def _kv_tile(qkv, dims, p, rows, grads, blas, bufs, with_dq, want_dbias, b, hk, 
 
 
 @njit(**LEAF)
-def query_pass(t, qkv, dims, p, rows, grads, switches, items, scratch):
+def query_pass(t, args):
     """The backward's query pass worker (thread t): one item a (batch, query head, query tile):
     with switches[0], the softmax weights P (B, N, Sq, Skv) into grads.weights (it holds
     zeros, which the tiles outside the band keep); else dQ."""
+    qkv, dims, p, rows, grads, switches, items, scratch = args[0]
     B, N, Nkv, Sq, Skv, D = dims
     want_weights = switches[0] != 0
     bufs = _tile_buffers(scratch, t)

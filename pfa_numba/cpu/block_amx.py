@@ -18,9 +18,10 @@ from .tile import add_pv_exact, finish, tile_loop
 
 
 @njit(**LEAF)
-def amx(t, ins, outs, extras, geo, tuning, items, scratch, parts):
+def amx(t, args):
     """The amx kernel's worker (thread t): each item it takes is computed on AMX
     (:func:`_item`), or flagged in items.flags where AMX could get it wrong."""
+    ins, outs, extras, geo, tuning, items, scratch, parts = args[0]
     s = scratch
     bufs = AmxBuffers(s.cfg[t], s.qh[t], s.kt[t], s.vv[t], s.tmp[t], s.sb[t], s.pp[t], s.acc[t],
                       s.ro[t], s.rs[t])

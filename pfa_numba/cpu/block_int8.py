@@ -171,8 +171,9 @@ def _finish_int8(outs, v, geo, fparams, item, i1, a2, state, computed):
 
 
 @njit(**LEAF)
-def int8(t, ins, outs, extras, geo, tuning, items, scratch, parts):
+def int8(t, args):
     """The int8 kernel's worker (thread t): each item it takes by :func:`_block_int8`."""
+    ins, outs, extras, geo, tuning, items, scratch, parts = args[0]
     s = scratch
     bufs = (s.qb[t], s.sb[t], s.tb[t], s.acc[t], s.kb[t], s.vb[t])
     blas = (s.bi[t], s.bf[t], s.bc[t], tuning.blas)

@@ -23,7 +23,7 @@ from .amx_pack import AMX_MAX_SCALE
 from .block_int8 import INT8_MAX_KV_COLS
 from .items import (item_row_counts, kv_head_runs, prefetch_next_keys, seg_rows, stream_rows,
                     streams, sub_rows, tile_shape, work_items)
-from ..cache import Compiling, compile_notice
+from ..cache import Compiling
 from .launch import Worker, rows
 from .records import (AmxScratch, Extras, F32Scratch, Geometry, Inputs, Int8Scratch, Items,
                       MergeScratch, Outputs, Parts, StreamScratch, Tuning)
@@ -240,9 +240,11 @@ class Launch:
         float32 tiles, is not compiled)."""
         p = self.p
         out, lse = np.zeros(p.out_shape, self.direct_dtype), np.zeros(p.lse_shape, np.float32)
+        flags = np.zeros(p.lse_shape if self.int8_out else 1, dtype=np.uint8)
         if self.kernel is not None:
-            self.kernel.launch(Steps(self, self.records(out, lse, np.zeros(1, np.uint8)),
-                                     compile_only=True))
+            self.kernel.launch(Steps(self, self.records(out, lse, flags), compile_only=True))
+        if self.int8_out:
+            quantize_output(p, out, flags, compile_only=True)
 
     def records(self, out, lse, flags, q=None, k=None, v=None):
         """The kernels' (ins, outs, extras, geo) records over these results and flat query /
@@ -329,13 +331,9 @@ class Steps:
                   int8_scratch(threads, self.p, tuning))
 
     def _run(self, name, threads, tuning, items, scratch):
-        records = (*self.records, tuning, items, scratch, self.parts)
-        what = Compiling("CPU", name, self.launch.storage(), self.p.layout)
-        if self.compile_only:
-            with compile_notice(what):
-                worker(name).address(records)
-            return
-        worker(name).run(threads, records, what)
+        worker(name).run(threads, (*self.records, tuning, items, scratch, self.parts),
+                         Compiling("CPU", name, self.launch.storage(), self.p.layout),
+                         self.compile_only)
         self.ran.append((name, int(max(items.runs.shape[0], 1) if name != "merge"
                                    else items.work.shape[0])))
 
@@ -360,18 +358,18 @@ def _threads(n):
     return max(1, min(int(config.CPU_THREADS or numba.get_num_threads()), n))
 
 
-def quantize_output(p, out, flags):
+def quantize_output(p, out, flags, compile_only=False):
     """contract 'Quantization' output quantization of the float result ``out`` (float16 or
     float32, in the output layout) into a new int8 array; rows that are structural zeros
-    (flags 0) stay 0. Inside the caller's parallel region."""
+    (flags 0) stay 0. Inside the caller's parallel region (``compile_only``: see
+    :meth:`.launch.Worker.run`)."""
     s2, o2 = output_scales(p.quant)
     code = CODE_F16 if out.dtype == np.float16 else CODE_F32
     y = np.zeros(p.out_shape, dtype=np.int8)
     o = p.out_view(out).view(np.uint16 if code == CODE_F16 else np.float32)
     worker("quantize-output").run(
-        _threads(p.B), (o, flags, s2, o2, p.out_view(y), np.zeros(1, np.int64), np.int64(code),
-                        np.int64(0)),
-        Compiling("CPU", "quantize-output", "int8 output", p.layout))
+        _threads(p.B), (o, flags, s2, o2, p.out_view(y), np.zeros(1, np.int64), np.int64(code)),
+        Compiling("CPU", "quantize-output", "int8 output", p.layout), compile_only)
     return y
 
 

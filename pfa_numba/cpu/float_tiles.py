@@ -191,8 +191,9 @@ _blas_items = item_loop(_blas_walk)
 
 
 @njit(**LEAF)
-def avx512_tiles(t, ins, outs, extras, geo, tuning, items, scratch, parts):
+def avx512_tiles(t, args):
     """The avx512-tiles kernel's worker (thread t): products on the register blocks."""
+    ins, outs, extras, geo, tuning, items, scratch, parts = args[0]
     bufs = thread_buffers(scratch, t)
     params = geo.params
     kernel = RegisterProducts(bufs, has_user_terms(params, extras), scratch.p3[t], params[P_D],
@@ -202,8 +203,9 @@ def avx512_tiles(t, ins, outs, extras, geo, tuning, items, scratch, parts):
 
 
 @njit(**LEAF)
-def blas_tiles(t, ins, outs, extras, geo, tuning, items, scratch, parts):
+def blas_tiles(t, args):
     """The blas-tiles kernel's worker (thread t): products on BLAS sgemm."""
+    ins, outs, extras, geo, tuning, items, scratch, parts = args[0]
     bufs = thread_buffers(scratch, t)
     params = geo.params
     kernel = BlasProducts(bufs, (scratch.bi[t], scratch.bf[t], scratch.bc[t], tuning.blas),

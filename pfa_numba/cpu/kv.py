@@ -79,10 +79,10 @@ def kv_tile_rows(ins, geo, b, g, j0, nc, ro, rs):
                 rs[KEY, c], rs[KEY + 1, c] = F32_ONE, F32_ZERO
                 rs[VALUE, c], rs[VALUE + 1, c] = F32_ONE, F32_ZERO
         else:
-            _token_rows(ins.key_scales, ins.key_offsets, geo, table, T_KT, params[P_KTOK],
-                        b, g, j0 - P, nc, ro[2], rs, KEY)
-            _token_rows(ins.value_scales, ins.value_offsets, geo, table, T_VT,
-                        params[P_VTOK], b, g, j0 - P, nc, ro[2], rs, VALUE)
+            _token_rows(ins.key_scales, ins.key_offsets, geo, table, np.int64(T_KT),
+                        params[P_KTOK], b, g, j0 - P, nc, ro[2], rs, np.int64(KEY))
+            _token_rows(ins.value_scales, ins.value_offsets, geo, table, np.int64(T_VT),
+                        params[P_VTOK], b, g, j0 - P, nc, ro[2], rs, np.int64(VALUE))
     if prefix:
         return True, strides[T_PK, S_ELEM], strides[T_PV, S_ELEM]
     return False, strides[T_K, S_ELEM], strides[T_V, S_ELEM]
@@ -107,12 +107,13 @@ def _kv_rows(geo, table, t_prefix, t_own, b, g, j0, nc, out):
             out[c] = (boff[t_prefix, b] + g * strides[t_prefix, S_HEAD]
                       + (j0 + c) * strides[t_prefix, S_ROW])
         return True
-    _own_rows(out, geo, table, params[P_BLOCK], t_own, b, j0 - P, nc,
+    # np.int64: the tensor's row as a number, not a literal (a call of each would compile anew)
+    _own_rows(out, geo, table, params[P_BLOCK], np.int64(t_own), b, j0 - P, nc,
               g * strides[t_own, S_HEAD])
     return False
 
 
-@njit(**LEAF_INLINE)
+@njit(**LEAF)
 def _own_rows(out, geo, table, block, t, b, j0, nc, head):
     """out[c] = the element offset of own row j0 + c of batch b in tensor t, plus ``head``
     (kv_row's rows): one run of consecutive rows a paged block (all of them without paging),
@@ -129,7 +130,7 @@ def _own_rows(out, geo, table, block, t, b, j0, nc, head):
         c += n
 
 
-@njit(**LEAF_INLINE)
+@njit(**LEAF)
 def _token_rows(scales, offsets, geo, table, t, mode, b, g, j0, nc, offs, rs, row):
     """rs[row, c], rs[row + 1, c] = (scale, offset) of own row j0 + c of kv head g in the
     token planes (geometry rows t, t + 1) of ``mode`` (1: by row, 2: by paged slot), or (1, 0)

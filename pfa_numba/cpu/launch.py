@@ -1,18 +1,22 @@
 """Running a CPU kernel on every thread of a call: the parallel region, the kernel's own
 compiled unit, its per-thread buffers.
 
-A kernel is a ``worker(t, a, b, c, d, e, f, g, h)``: a LEAF function (:mod:`._jit`) that thread
-``t`` runs once, taking work items from a shared counter until none is left, over eight records
-(namedtuples of arrays and numbers, :mod:`.records`). One small ``parallel=True`` function,
-:func:`_on_threads`, starts the threads and calls the worker through its address: Numba links
-what a function calls into that function's compiled code and optimises it again there, so a
-parallel function calling the worker directly would recompile the whole kernel twice more (its
-own code and the parallel loop's). Called by address, each worker is compiled once, as one
-unit, and only when a call runs it; the launcher is compiled once a record signature.
+A kernel is a ``worker(t, args)``: a LEAF function (:mod:`._jit`) that thread ``t`` runs once,
+taking work items from a shared counter until none is left, over the records ``args[0]``
+(a typed pointer to a tuple of records: namedtuples of arrays and numbers, :mod:`.records`).
+One small ``parallel=True`` function, :func:`_on_threads`, starts the threads and calls the
+worker through its address: Numba links what a function calls into that function's compiled
+code and optimises it again there, so a parallel function calling the worker directly would
+recompile the whole kernel twice more (its own code and the parallel loop's). Called by
+address, each worker is compiled once, as one unit, and only when a call runs it; the launcher
+takes integers only (the worker's address, the threads, the records' packed bytes,
+:func:`_packed`), so one compiled launcher serves every worker.
 
 A worker allocates nothing: its buffers are host arrays with one row a thread (:func:`rows`),
 each starting a cache line.
 """
+import math
+
 import numba
 import numpy as np
 from numba import njit, prange, types
@@ -23,32 +27,62 @@ from ._vector import LINE
 
 
 @intrinsic
-def _call(typingctx, address, *args):
-    """Call the Numba-compiled function at ``address`` (an int64) with ``args``, by Numba's own
-    calling convention (what a call of a linked function compiles to); it returns nothing."""
-    star = types.StarArgTuple.from_types(args)
-
+def _call(typingctx, address, t, args):
+    """Call the Numba-compiled ``worker(t, args)`` at ``address`` (int64s all three; ``args``
+    the address of its records' bytes, which the worker takes as a typed pointer: the same
+    register), by Numba's own calling convention (what a call of a linked function compiles
+    to); it returns nothing."""
     def codegen(context, builder, signature, llargs):
-        at, packed = llargs
-        values = [builder.extract_value(packed, i) for i in range(len(args))]
-        fnty = context.call_conv.get_function_type(types.none, list(args))
-        function = builder.inttoptr(at, fnty.as_pointer())
-        context.call_conv.call_function(builder, function, types.none, list(args), values)
+        at, index, records = llargs
+        argtypes = [types.int64, types.int64]
+        fnty = context.call_conv.get_function_type(types.none, argtypes)
+        worker = builder.inttoptr(at, fnty.as_pointer())
+        context.call_conv.call_function(builder, worker, types.none, argtypes, [index, records])
         return context.get_dummy_value()
 
-    return types.void(address, star), codegen
+    return types.void(address, t, args), codegen
 
 
 @njit(cache=True, _nrt=False, no_cpython_wrapper=True, no_cfunc_wrapper=True)
-def _call_worker(address, t, a, b, c, d, e, f, g, h):
-    _call(address, t, a, b, c, d, e, f, g, h)
+def _call_worker(address, t, args):
+    _call(address, t, args)
 
 
 @njit(parallel=True, cache=True)
-def _on_threads(address, threads, a, b, c, d, e, f, g, h):
-    """Run the worker at ``address`` once on each of ``threads`` threads."""
+def _on_threads(address, threads, args):
+    """Run the worker at ``address`` once on each of ``threads`` threads, over the records at
+    ``args`` (int64s all three: one specialisation serves every worker)."""
     for t in prange(threads):
-        _call_worker(address, np.int64(t), a, b, c, d, e, f, g, h)
+        _call_worker(address, np.int64(t), args)
+
+
+@intrinsic
+def _size_of(typingctx, value):
+    """The bytes of ``value``'s native form."""
+    def codegen(context, builder, signature, llargs):
+        size = context.get_abi_sizeof(context.get_value_type(value))
+        return context.get_constant(types.intp, size)
+    return types.intp(value), codegen
+
+
+@intrinsic
+def _store(typingctx, buffer, value):
+    """Write ``value``'s native form into ``buffer``'s bytes."""
+    def codegen(context, builder, signature, llargs):
+        data = context.make_array(buffer)(context, builder, llargs[0]).data
+        builder.store(llargs[1], builder.bitcast(data,
+                                                  context.get_value_type(value).as_pointer()))
+        return context.get_dummy_value()
+    return types.void(buffer, value), codegen
+
+
+@njit(cache=True)
+def _packed(records):
+    """The native bytes of ``records`` (a tuple of records: their arrays' descriptors, numbers),
+    which a worker reads through a pointer; the arrays themselves stay the caller's."""
+    out = np.empty(_size_of(records), np.uint8)
+    _store(out, records)
+    return out
 
 
 class Worker:
@@ -59,11 +93,19 @@ class Worker:
         self.function = function
         self._addresses = {}
 
-    def run(self, threads, records, compiling):
-        """Run the worker on ``threads`` threads over the eight ``records``; ``compiling``: what
-        is compiled, in words, should this call compile it (:class:`..cache.compile_notice`)."""
+    def run(self, threads, records, compiling, compile_only=False):
+        """Run the worker on ``threads`` threads over ``records`` (a tuple of records);
+        ``compiling``: what is compiled, in words, should this call compile it
+        (:class:`..cache.compile_notice`). ``compile_only``: compile (or load from Numba's
+        cache) what the run takes, and run nothing."""
         with compile_notice(compiling):
-            _on_threads(self.address(records), threads, *records)
+            address = self.address(records)
+            if compile_only:         # compiled, not run: it may be for another CPU
+                _packed.compile((numba.typeof(records),))
+                _on_threads.compile((types.int64,) * 3)
+                return
+            packed = _packed(records)          # held while the threads read it
+            _on_threads(address, threads, packed.ctypes.data)
 
     def address(self, records):
         """The address of the worker compiled for these records (compiled, or loaded from
@@ -75,7 +117,7 @@ class Worker:
         return address
 
     def _compiled(self, records):
-        signature = (types.int64,) + tuple(numba.typeof(r) for r in records)
+        signature = (types.int64, types.CPointer(numba.typeof(records)))
         self.function.compile(signature)
         result = self.function.overloads[signature]
         return result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
@@ -94,13 +136,16 @@ def _key(x):
 
 
 def rows(threads, shape, dtype, zero=False):
-    """An array of ``threads`` rows of ``shape`` (each a thread's buffer), each row starting a
-    cache line (a tile load 32 bytes past a line boundary takes several times as long,
-    docs/tuning.md); zeros where ``zero``."""
+    """A C-contiguous array of ``threads`` rows of ``shape`` (each a thread's buffer), each row
+    starting a cache line (a tile load 32 bytes past a line boundary takes several times as
+    long, docs/tuning.md): ``shape``'s last length is rounded up to fill whole lines. Zeros
+    where ``zero``."""
     dtype = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64))
-    step = -(-max(n, 1) * dtype.itemsize // LINE) * LINE // dtype.itemsize
-    raw = (np.zeros if zero else np.empty)(threads * step + LINE // dtype.itemsize, dtype)
+    shape = tuple(int(n) for n in shape)
+    lead = int(np.prod(shape[:-1], dtype=np.int64)) * dtype.itemsize
+    step = LINE // math.gcd(LINE, max(lead, 1))          # last-axis elements a whole line takes
+    last = -(-max(shape[-1], 1) // step) * step
+    n = int(np.prod(shape[:-1], dtype=np.int64)) * last
+    raw = (np.zeros if zero else np.empty)(threads * n + LINE // dtype.itemsize, dtype)
     skip = (-raw.ctypes.data % LINE) // dtype.itemsize
-    block = raw[skip:skip + threads * step].reshape(threads, step)
-    return block[:, :n].reshape((threads,) + tuple(shape))
+    return raw[skip:skip + threads * n].reshape((threads,) + shape[:-1] + (last,))

@@ -9,10 +9,11 @@ from ._vector import take_next
 
 
 @njit(**LEAF)
-def quantize(t, o, flags, scale2, offset2, y, taken, code, unused):
+def quantize(t, args):
     """The quantize-output worker (thread t): y[b, n, i, :] = numerics.core.quantize_output of
     the rows computed (flags 1), one batch b a take; the others stay 0. o, y: (B, N, Sq, D)
     views; scale2 / offset2: float16-rounded, 1 or N*D values; code: o's storage code."""
+    o, flags, scale2, offset2, y, taken, code = args[0]
     B, N, S, D = o.shape
     per_channel = scale2.size > 1
     b = take_next(taken)

@@ -22,9 +22,10 @@ from .tile import done, start_rows, tile_loop
 
 
 @njit(**LEAF)
-def streaming(t, ins, outs, extras, geo, tuning, items, scratch, parts):
+def streaming(t, args):
     """The streaming kernel's worker (thread t): the runs of items it takes, each computed by
     :func:`_run` and its items finished (or kept as pieces, split-kv)."""
+    ins, outs, extras, geo, tuning, items, scratch, parts = args[0]
     heads = RunBuffers(scratch.q[t], scratch.acc[t], scratch.m[t], scratch.l[t],
                        scratch.alpha[t], scratch.fold[t])
     bufs = F32Buffers(scratch.q[t], scratch.sb[t], scratch.tb[t], scratch.acc[t], scratch.kb[t],

@@ -190,10 +190,11 @@ def row_state(m, l, alpha, t):
 
 
 @njit(**LEAF)
-def merge(t, ins, outs, extras, geo, tuning, items, scratch, parts):
+def merge(t, args):
     """split-kv's merge worker (thread t): the groups of pieces it takes (items.work: rows of
     split_kv's G_* columns) merged into whole items (:func:`.split_kv.merge_rows`) and
     finished as :func:`finish` finishes a whole item."""
+    ins, outs, extras, geo, tuning, items, scratch, parts = args[0]
     params, groups, ld = geo.params, items.work, tuning.ld
     acc, tb = scratch.acc[t], scratch.tb[t]
     state = RowState(scratch.m[t], scratch.l[t], scratch.alpha[t])
