@@ -18,6 +18,7 @@ as the single call with ``sinks`` gives.
 import numpy as np
 from numba import njit
 
+from .cache import CACHE
 from .cpu.records import RowState
 from .cpu.split_kv import merge_rows
 from .frontend import checks
@@ -27,7 +28,7 @@ from .numerics.core import F32_NEG_INF, F32_ONE, row_total, sink_of
 from .numerics.dtypes import dtype_name
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def _merge(outs, lses, sinks, heads):
     """The merged rows of the parts' rows ``outs`` (P, R, D) and ``lses`` (P, R), float32:
     each part's row taken as a piece of online-softmax state (acc = out, m = lse, l = 1) and

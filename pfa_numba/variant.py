@@ -10,7 +10,6 @@ fallbacks can change what runs (:meth:`Kernel.fallbacks`), and prepares its own 
 import dataclasses
 
 from . import config
-from .frontend import checks
 from .numerics.dtypes import dtype_name
 
 FLOATS = ("float16", "bfloat16", "float32")
@@ -49,7 +48,7 @@ class Kernel:
     does: str                                 # in a line, for explanations and ``info``
     dtypes: tuple = FLOATS + ("int8",)        # query storage
     head_dims: tuple = ()                     # (): any the contract allows
-    layouts: tuple = checks.LAYOUTS
+    layouts: tuple = ()                       # (): any
     caches: tuple = tuple(CACHE_FORMS)
     features: tuple = ()                      # of the machine (Target.features)
     extensions: tuple = tuple(EXTENSIONS)     # of the SDPA drop-in's score terms it computes
@@ -71,7 +70,7 @@ class Kernel:
         if self.head_dims and problem.D not in self.head_dims:
             reasons.append(f"head dim {problem.D} (it takes "
                            f"{', '.join(map(str, self.head_dims))})")
-        if problem.layout not in self.layouts:
+        if self.layouts and problem.layout not in self.layouts:
             reasons.append(f"layout {problem.layout} (it takes {', '.join(self.layouts)})")
         reasons += [f"{CACHE_FORMS[form]} (it reads contiguous key / value)"
                     for form in cache_forms(problem) if form not in self.caches]

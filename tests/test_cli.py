@@ -25,7 +25,8 @@ def test_info_explains_a_call():
     out = _run("info", "--call", "1,8,2,1,512,64", "--dtype", "float32")
     explanation = out[out.index("the cpu "):].splitlines()
     assert explanation[0].startswith("the cpu streaming kernel runs this call")
-    assert sorted(line.split(":")[0].strip() for line in explanation[1:]) == sorted(
+    assert sorted(line.split(":")[0].strip() for line in explanation[1:]
+                  if line.startswith("  not ")) == sorted(
         f"not {k.name}" for k in dispatch.TARGETS["cpu"].kernels() if k.name != "streaming")
 
 
@@ -40,11 +41,19 @@ def test_a_closed_pipe_ends_the_output_quietly():
 
 
 def test_warmup_compiles_every_cpu_kernel():
+    """Every CPU kernel, for every storage it is specialised for, each a line of the output
+    as it starts and one as it ends."""
+    from pfa_numba.cli.warmup import STORAGES
+    from pfa_numba.cpu import _amx, driver
     out = _run("warmup")
-    for word in ("uint16 storage", "float32 storage", "int8 pipeline"):
-        assert word in out
-    from pfa_numba.cpu import _amx
-    assert ("float16 and bfloat16 on AMX" in out) == _amx.available()
+    tiles = "avx512-tiles" if driver.use_register_blocks() else "blas-tiles"
+    for what, _, _ in STORAGES:
+        assert f"  {tiles}, streaming and merge, {what} ...\n    " in out
+    for job in ("int8, int8 query, key and value", "backward kv pass and query pass",
+                "quantize-output, float16 result, BNSD", "quantize-output, float32 result, BSH"):
+        assert f"  {job}" in out
+    assert ("amx, float16 and bfloat16" in out) == _amx.available()
+    assert out.rstrip().splitlines()[-1].startswith("done in ")
 
 
 def test_import_and_cpu_work_without_numba_cuda():

@@ -58,7 +58,8 @@ class Shim:
                      "caller_stream", "span", "as_device", "empty", "upload", "copy_in", "download", "synchronize",
                      "launch", "mark", "done"):
             monkeypatch.setattr(device, name, getattr(self, name))
-        monkeypatch.setattr(dispatch.CudaTarget, "environment_problems", lambda self: [])
+        monkeypatch.setattr(dispatch.CudaTarget, "environment_problems",
+                            lambda self, machine=None: [])
         monkeypatch.setattr(L, "_STREAMS", type(L._STREAMS)())
 
     def reset(self):
@@ -266,15 +267,20 @@ def test_numpy_inputs_on_cuda_return_finished_arrays(shim):
 
 def test_the_log_says_which_kernel_and_why(shim, caplog):
     q, k, v = _qkv(np.float16)
-    with caplog.at_level(logging.INFO, logger="pfa_numba.cuda"):
+    with caplog.at_level(logging.DEBUG):
         pfa(q, k, v, **KW)
         pfa(*_qkv(np.float16, d=96), **KW)
         odd = FakeCuda(q.shape, np.float16, offset=8)
         pfa(odd, k, v, **KW)
-    lines = [r.getMessage().splitlines() for r in caplog.records]
+    ran = [r.getMessage() for r in caplog.records if r.name == "pfa_numba.cuda"]
+    assert ran == ["cuda tensor-core queued: guard scan of v (inf, NaN); tensor-core; portable, "
+                   "should the guard find what it cannot compute", "cuda portable queued: portable",
+                   "cuda portable queued: portable"]
+    lines = [r.getMessage().splitlines() for r in caplog.records if r.name == "pfa_numba.dispatch"]
     assert lines[0][0].startswith("the cuda tensor-core kernel runs this call: mma.sync")
-    assert lines[0][1].startswith("  not decode: 4 query heads a kv head x 256 query rows > 16")
-    assert lines[0][2] == "  not portable: it could; tensor-core comes first"
+    assert lines[0][1].startswith("  and: the guard scans for inf or NaN in v first")
+    assert lines[0][2].startswith("  not decode: 4 query heads a kv head x 256 query rows > 16")
+    assert lines[0][3] == "  not portable: it could; tensor-core comes first"
     assert lines[1][0].startswith("the cuda portable kernel runs this call")
     assert lines[1][1:3] == ["  not decode: head dim 96 (it takes 64, 128)",
                              "  not tensor-core: head dim 96 (it takes 64, 128)"]
@@ -283,7 +289,9 @@ def test_the_log_says_which_kernel_and_why(shim, caplog):
                              "key or value device pointer is not 16-byte aligned",
                              "  not tensor-core: a query, key or value device pointer is not "
                              "16-byte aligned"]
-    assert lines[0] == explain(q, k, v, **KW).splitlines()        # the log line is the text
+    # the log is the text explain gives (but for the plan's line, said of calls' text only)
+    assert lines[0] == [line for line in explain(q, k, v, **KW).splitlines()
+                        if "a plan (PfaPlan" not in line]
 
 
 def test_a_plan_given_misaligned_arrays_runs_whole_calls(shim):

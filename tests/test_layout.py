@@ -9,8 +9,9 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "pfa_numba"
 
 #: layers, lowest first: a module may import its own layer's modules and lower ones only
 LAYERS = [
-    ("config", "numerics", "reference", "interop"),   # numerics, the float64 meaning, arrays
-    ("cpu", "gpu"),                                   # the backends (packages)
+    ("config", "cache", "numerics", "reference", "interop"),   # numerics, the float64 meaning,
+                                                      # arrays, Numba's cache
+    ("variant", "cpu", "gpu"),                        # kernel variants; the backends (packages)
     ("frontend",),                                    # the call: checks, the problem
     ("dispatch", "plans"),                            # choosing a backend; plans of calls
     ("api", "fia", "merge", "sdpa"),                  # the public functions
@@ -18,7 +19,8 @@ LAYERS = [
     ("cli", "__main__"),                              # the command line and its benchmarks
 ]
 #: the top level: these modules beside the packages (dunder files aside)
-TOP_LEVEL = {"api", "fia", "sdpa", "merge", "config", "distributed", "dispatch", "plans"}
+TOP_LEVEL = {"api", "fia", "sdpa", "merge", "config", "cache", "variant", "distributed",
+             "dispatch", "plans"}
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 

@@ -430,6 +430,10 @@ def main(args):
     results = run(cases, repeats=args.repeats)
     peak = max(peak, sgemm_peak())           # before and after the cases
     table = markdown(results, peak) + "\n\n" + first_call_markdown(*first_call())
+    if args.cold:
+        from .cold import cold_first_calls, cold_markdown
+        print("first calls from an empty cache:", flush=True)
+        table += "\n\n" + cold_markdown(cold_first_calls())
     env = environment()
     stamp = time.strftime("%Y-%m-%d")
     text = f"# pfa_numba CPU benchmark ({stamp})\n\n{env}\n\n{table}\n"

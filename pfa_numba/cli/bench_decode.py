@@ -36,15 +36,16 @@ import numpy as np
 from numba import njit, prange
 
 from .. import FiaPlan, config, fused_infer_attention_score
-from .bench import environment, interleaved_times
+from ..cache import CACHE
 from ..cpu.driver import parallel_region
+from .bench import environment, interleaved_times
 
 N, NKV, D, BLOCK = 32, 8, 128, 128
 #: the eviction buffer's size where the last-level cache's is unknown
 _LLC_FALLBACK = 256 << 20
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=CACHE)
 def _read_once(words):
     """The sum of a 1-D uint64 array, on every thread: the time to read its bytes once."""
     total = np.uint64(0)

@@ -84,7 +84,7 @@ def warmup(args):
     once at build time; later processes load the kernels in well under a second)."""
     from pfa_numba import config
     from pfa_numba.cache import cache_folder
-    from pfa_numba.cpu.warmup import warm
+    from .warmup import warm
     print(f"compiling the CPU kernels into Numba's cache ({cache_folder()}):", flush=True)
     notices, config.COMPILE_NOTICES = config.COMPILE_NOTICES, False
     try:
@@ -137,7 +137,7 @@ def _takes(kernel):
     """What ``kernel`` takes, in words."""
     parts = ["/".join(kernel.dtypes),
              "D in " + ", ".join(map(str, kernel.head_dims)) if kernel.head_dims else "any D",
-             "layouts " + ", ".join(kernel.layouts),
+             "layouts " + ", ".join(kernel.layouts) if kernel.layouts else "any layout",
              "caches: contiguous" + "".join(f", {c}" for c in kernel.caches)]
     if kernel.features:
         parts.append("needs " + ", ".join(kernel.features))
@@ -200,6 +200,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="one shape only")
     p.add_argument("--filter", default="", help="only cases whose name contains this")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time first calls from an empty cache (minutes: each compiles)")
     p.set_defaults(fn=_bench)
     p = sub.add_parser("bench-decode", help="decode with fused_infer_attention_score vs torch "
                                             "SDPA and the memory-streaming floor")

@@ -68,23 +68,12 @@ def _elem_ptr(typingctx, arr, idx):
 
 
 @njit(inline="always")
-def scratch(address):
-    """Per-thread argument block for :func:`gemm_rm`: (ints, floats, transpose flags, sgemm
-    address from :func:`sgemm_address`, 0 where BLAS is not used)."""
-    ints = np.empty(6, np.int32)
-    flts = np.empty(2, np.float32)
-    chars = np.empty(2, np.uint8)
-    chars[0] = 78  # 'N'
-    chars[1] = 84  # 'T'
-    return ints, flts, chars, np.int64(address)
-
-
-@njit(inline="always")
 def gemm_rm(blas, m, n, k, a, a_off, lda, trans_b, b, b_off, ldb, c, c_off, ldc, beta):
     """C[m, n] = A[m, k] @ op(B) + beta * C, all row-major float32 in flat buffers.
 
     ``op(B)`` is B[k, n] (``trans_b`` False) or B[n, k]^T (``trans_b`` True). Row-major C is
-    column-major C^T, so this asks BLAS for C^T = op(B)^T @ A^T. ``blas``: :func:`scratch`.
+    column-major C^T, so this asks BLAS for C^T = op(B)^T @ A^T. ``blas``: (six int32, two
+    float32, the characters "NT", the sgemm address of :func:`sgemm_address`).
     """
     ints, flts, chars, address = blas
     ints[0] = n

@@ -1,5 +1,6 @@
 """Compiler options shared by the CPU kernels."""
 from .. import config
+from ..cache import CACHE
 
 #: fast-math flags of config.CPU_FASTMATH (they keep inf/NaN semantics)
 FASTMATH = set(config.CPU_FASTMATH)
@@ -10,7 +11,7 @@ FASTMATH = set(config.CPU_FASTMATH)
 #: address; a wrapper is compiled code of its own for every specialisation). A view a function
 #: returns holds no reference, so these functions are called only from one another.
 #: LEAF_EXACT: without fast-math, where a true division or an in-order sum is the rule.
-LEAF_EXACT = dict(cache=True, _nrt=False, no_cpython_wrapper=True, no_cfunc_wrapper=True)
+LEAF_EXACT = dict(cache=CACHE, _nrt=False, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 LEAF = dict(LEAF_EXACT, fastmath=FASTMATH)
 #: A LEAF function inlined into its caller at Numba's level: what a hot loop calls a few times
 #: an iteration (LLVM does not inline a call from a large kernel by itself; a call there cost

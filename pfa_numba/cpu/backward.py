@@ -338,7 +338,7 @@ def _run(p, name, items, records):
     threads = max(1, min(int(config.CPU_THREADS or numba.get_num_threads()), items))
     size = TILE_Q * TILE_K
     chars = launch_rows(threads, (2,), np.uint8)
-    chars[:] = (ord("N"), ord("T"))
+    chars[:, :2] = (ord("N"), ord("T"))
     scratch = BackwardScratch(*(launch_rows(threads, (size,), np.float32) for _ in range(4)),
                               launch_rows(threads, (6,), np.int32),
                               launch_rows(threads, (2,), np.float32), chars)

@@ -435,7 +435,7 @@ def int8_scratch(threads, p, tuning):
 def _blas_scratch(threads):
     """BLAS's per-thread arguments (:func:`._blas.gemm_rm`): six ints, two floats, 'N' 'T'."""
     chars = rows(threads, (2,), np.uint8)
-    chars[:] = (ord("N"), ord("T"))
+    chars[:, :2] = (ord("N"), ord("T"))
     return rows(threads, (6,), np.int32), rows(threads, (2,), np.float32), chars
 
 

@@ -82,12 +82,14 @@ def kv_head_runs(work, qlen, G, rows_per_head, stream_rows, max_heads):
     caches, and one head at a time would read them in short runs far apart. Every other item
     is a run of its own."""
     n = work.shape[0]
+    if n == 0:
+        return np.zeros((0, 2), np.int64)
     streams = item_row_counts(work, qlen, G, rows_per_head) <= stream_rows
     cols = [W_B, W_I0, W_JLO, W_JHI]
     joins = np.zeros(n, bool)
     joins[1:] = streams[1:] & streams[:-1] & (work[1:, cols] == work[:-1, cols]).all(axis=1)
     index = np.arange(n, dtype=np.int64)
-    chain_start = np.maximum.accumulate(np.where(joins, 0, index)) if n else index
+    chain_start = np.maximum.accumulate(np.where(joins, 0, index))
     starts = index[(index - chain_start) % max(1, max_heads) == 0]
     return np.stack([starts, np.append(starts[1:], n)], axis=1)
 

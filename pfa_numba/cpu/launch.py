@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ..cache import compile_notice
+from ..cache import CACHE, compile_notice
 from ._vector import LINE
 
 
@@ -43,12 +43,12 @@ def _call(typingctx, address, t, args):
     return types.void(address, t, args), codegen
 
 
-@njit(cache=True, _nrt=False, no_cpython_wrapper=True, no_cfunc_wrapper=True)
+@njit(cache=CACHE, _nrt=False, no_cpython_wrapper=True, no_cfunc_wrapper=True)
 def _call_worker(address, t, args):
     _call(address, t, args)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=CACHE)
 def _on_threads(address, threads, args):
     """Run the worker at ``address`` once on each of ``threads`` threads, over the records at
     ``args`` (int64s all three: one specialisation serves every worker)."""
@@ -76,7 +76,7 @@ def _store(typingctx, buffer, value):
     return types.void(buffer, value), codegen
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def _packed(records):
     """The native bytes of ``records`` (a tuple of records: their arrays' descriptors, numbers),
     which a worker reads through a pointer; the arrays themselves stay the caller's."""

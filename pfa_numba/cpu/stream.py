@@ -25,14 +25,15 @@ BLOCK = 4
 
 
 @njit(**LEAF)
-def _row(buf, t, kv, c, nc):
-    """Row c of the tile's nc, as float32, into buf[t, :D]; the row PF_ROWS on is prefetched
+def _row(buf, kv, c, nc):
+    """Row c of the tile's nc, as float32, into buf[0, :D]; the row PF_ROWS on is prefetched
     (paged rows jump from block to block, where the hardware prefetcher starts over)."""
     src, offs, code = kv
     D = buf.shape[1]
     if c + PF_ROWS < nc:
         prefetch_row(src, offs[c + PF_ROWS], D)
-    load_row(buf, t, src, offs[c], 1, D, code, F32_ONE)
+    # np.int64: numbers, not the literals 0 and 1 (a call typed with those compiles anew)
+    load_row(buf, np.int64(0), src, offs[c], np.int64(1), D, code, F32_ONE)
 
 
 @njit(**LEAF)
@@ -67,7 +68,7 @@ def stream_pv(acc, ld, nrow, p, lds, kv, c0, nc, buf, next_keys):
         n = min(BLOCK, nrow - r)
         a, w = acc[r * ld:], p[r * lds:]
         zeros = _any_zero(w, lds, n, nc)
-        c = 0
+        c = np.int64(0)      # not the literal 0 (a call typed with it compiles anew)
         while c < nc:
             e = _next_zero(w, lds, n, c, nc) if zeros else nc
             if e > c:
@@ -75,7 +76,7 @@ def stream_pv(acc, ld, nrow, p, lds, kv, c0, nc, buf, next_keys):
                 _weighted_sum(a, ld, n, w[c:], lds, kv, c0 + c, e - c, buf.shape[1],
                               (next_keys[0], next_keys[1], max(nk, 0)))
             if e < nc:
-                _row(buf, 0, kv, c0 + e, c0 + nc)
+                _row(buf, kv, c0 + e, c0 + nc)
                 _add_row(a, ld, n, w[e:], lds, buf)
             c = e + 1
 

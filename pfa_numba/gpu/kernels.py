@@ -18,6 +18,7 @@ import numba
 from numba import cuda, float32, int64, njit, uint16
 
 from .. import config
+from ..cache import CACHE
 from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, ROW_ZERO, block_kv_range, row_band, row_outcome
 from ..numerics.core import (CODE_BF16, CODE_F16, CODE_F32, CODE_I8, F16_MASK_SCALE, F32_NAN,
                              F32_NEG_INF, F32_ONE, F32_ZERO, MASK_ADD_F16, MASK_DISCARD, antiquant,
@@ -47,7 +48,7 @@ def array_function(fn):
     code)."""
     if numba.config.ENABLE_CUDASIM:
         return fn
-    return njit(inline="always", cache=True)(fn)
+    return njit(inline="always", cache=CACHE)(fn)
 
 
 def device_function(fn):
@@ -216,7 +217,7 @@ def _block_rows(lens, b, i0, i, bq, bkv, runs):
     return kl, pre_e, next_e, rows_b, i < ql and runs, jstart, jend, ntiles, lo, hi
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", cache=CACHE)
 def _block_place(bx, by, tid, qtiles, bq, G):
     """(batch, first query row of the block, query head, this thread's row, the query head's kv
     head) of thread tid of block (bx, by): the grid is (B x query-row blocks, N)."""
@@ -225,14 +226,14 @@ def _block_place(bx, by, tid, qtiles, bq, G):
     return b, i0, by, i0 + tid, by // G
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", cache=CACHE)
 def _tile(t, jstart, jend, bkv):
     """(first column, columns) of kv tile t of the columns [jstart, jend)."""
     j0 = jstart + t * bkv
     return j0, min(bkv, jend - j0)
 
 
-@njit(inline="always", cache=True)
+@njit(inline="always", cache=CACHE)
 def _tile_element(e, D, base, row_stride, sd):
     """Element e of a tile of rows of D values, as (row, column, index in the source): the
     block's threads take consecutive elements, so consecutive threads read consecutive

@@ -294,12 +294,11 @@ class Launch:
             out, lse, d_out, d_lse = self._outputs(query, views, stream)
             guard_id = state.next_guard_id() if self.scans else 0
             launches = self._launches(tensors, views, d_out, d_lse, state, guard_id)
-            for kernel, grid, block, args in launches:
+            for _, kernel, grid, block, args in launches:
                 device.launch(kernel, grid, block, stream, args)
             if self.on_device:
                 state.hold(uploads)
-        log.info("cuda %s queued %s", self.kernel.name,
-                 ", ".join(_kernel_name(kernel) for kernel, *_ in launches))
+        log.info("cuda %s queued: %s", self.kernel.name, "; ".join(role for role, *_ in launches))
         if self.on_device:
             return out, lse
         device.download(d_out, out.reshape(-1).view(self.out_storage), stream)
@@ -342,17 +341,19 @@ class Launch:
         return out, lse, d_out, d_lse
 
     def _launches(self, t, views, d_out, d_lse, state, guard_id):
-        """(kernel, grid, block, arguments) of each launch, in order: the guard's scans, then
-        the kernel's own (:meth:`.variants.CudaKernel.launches`)."""
+        """(what, kernel, grid, block, arguments) of each launch, in order: the guard's scans,
+        then the kernel's own (:meth:`.variants.CudaKernel.launches`)."""
         p, guard = self.p, state.guard
         from .tc_conditions import kind_of
         launches = []
         for field, limit in self.scans:
             if limit is None:
-                launches.append((guard_kernels.nonfinite_scan(kind_of(p.dtype)),
+                launches.append((f"guard scan of {field} (inf, NaN)",
+                                 guard_kernels.nonfinite_scan(kind_of(p.dtype)),
                                  *guard_kernels.SCAN_GRID, [t[field], guard, guard_id]))
             else:
-                launches.append((guard_kernels.limit_scan(), *guard_kernels.SCAN_GRID,
+                launches.append((f"guard scan of {field} (limit {limit})",
+                                 guard_kernels.limit_scan(), *guard_kernels.SCAN_GRID,
                                  [t[field], np.float32(limit), guard, guard_id]))
         return launches + self.kernel.launches(self, t, views, (d_out, d_lse), state, guard_id)
 
@@ -372,8 +373,8 @@ class Launch:
         args = head + small + [qtiles] + tail
         if p.dtype != np.int8:
             args += [t[field] for field in _CACHE]
-        return (kernel_for(dpad, bq, bkv, int8=p.dtype == np.int8), (p.B * qtiles, p.N), bq,
-                args)
+        return ("portable", kernel_for(dpad, bq, bkv, int8=p.dtype == np.int8),
+                (p.B * qtiles, p.N), bq, args)
 
     def tensor_core_launch(self, t, views, outs, state, guard_id):
         """The tensor-core kernel's launch (:mod:`.tc_kernel`): the specialisation of the
@@ -387,7 +388,7 @@ class Launch:
                                   tc_conditions.masked_variant(p), tc_conditions.walks(p),
                                   guard_kernels.dequantizes(p), p.softcap != 0,
                                   p.sinks is not None)
-        return (kernel, (p.B * tc_tiles, p.N), tc.THREADS,
+        return ("tensor-core", kernel, (p.B * tc_tiles, p.N), tc.THREADS,
                 head + small + [tc_tiles] + tail + [t[field] for field in _CACHE])
 
     def decode_launches(self, t, views, outs, state, guard_id):
@@ -403,19 +404,13 @@ class Launch:
         geo = [t["table"], views["strides"], views["boff"], views["lens"], views["params"]]
         planes = [t[field] for field in ("channel", "kts", "kto", "vts", "vto")]
         (sgrid, sblock), (fgrid, fblock) = dk.grids(p, splits)
-        return [(split, sgrid, sblock, [t["q"], t["k"], t["v"], t["kp"], t["vp"], t["mask8"],
-                                        t["mask16"], t["pse"], *geo, views["fparams"], ws,
-                                        p.Sq, self.per_split, splits, state.guard, guard_id,
-                                        *planes]),
-                (finish, fgrid, fblock, [ws, d_out, d_lse, t["v"], t["vp"], *geo,
-                                         views["fparams"], p.Sq, splits, state.guard, guard_id,
-                                         *planes])]
-
-
-def _kernel_name(kernel):
-    """A compiled CUDA kernel's name (its Python function's)."""
-    fn = getattr(kernel, "py_func", kernel)
-    return getattr(fn, "__name__", type(kernel).__name__)
+        split_args = [t["q"], t["k"], t["v"], t["kp"], t["vp"], t["mask8"], t["mask16"], t["pse"],
+                      *geo, views["fparams"], ws, p.Sq, self.per_split, splits, state.guard,
+                      guard_id, *planes]
+        finish_args = [ws, d_out, d_lse, t["v"], t["vp"], *geo, views["fparams"], p.Sq, splits,
+                       state.guard, guard_id, *planes]
+        return [("decode split", split, sgrid, sblock, split_args),
+                ("decode finish", finish, fgrid, fblock, finish_args)]
 
 
 def _empty_results(p, query):

@@ -3,7 +3,6 @@ fallbacks can change what runs, and its launches (:class:`.launch.Launch` queues
 
 Imported by :mod:`pfa_numba.dispatch`; it imports nothing of numba-cuda until a kernel is
 prepared."""
-from ..frontend import checks
 from ..variant import FLOATS, HALVES, Kernel
 from . import HEAD_DIMS
 
@@ -25,8 +24,8 @@ class CudaKernel(Kernel):
     reads_rows = True
 
     def launches(self, launch, t, views, outs, state, guard_id):
-        """This kernel's (kernel, grid, block, arguments) launches of ``launch`` (after the
-        guard's scans; see :meth:`.launch.Launch.run`)."""
+        """This kernel's (what, kernel, grid, block, arguments) launches of ``launch`` (after
+        the guard's scans; see :meth:`.launch.Launch.run`)."""
         raise NotImplementedError
 
     def guard_scans(self, p):
@@ -53,7 +52,8 @@ class _Guarded(CudaKernel):
     def launches(self, launch, t, views, outs, state, guard_id):
         own = self.own_launches(launch, t, views, outs, state, guard_id)
         if guard_id:
-            own.append(launch.portable_launch(t, views, outs, state, guard_id))
+            _, *portable = launch.portable_launch(t, views, outs, state, guard_id)
+            own.append(("portable, should the guard find what it cannot compute", *portable))
         return own
 
     def fallbacks(self, problem, situation):
@@ -109,7 +109,7 @@ class Portable(CudaKernel):
 KERNELS = (
     Decode("decode", "split-kv decode on tensor cores: one block a kv head's G x Sq <= 16 rows, "
            "its kv range split across the multiprocessors", dtypes=HALVES, head_dims=HEAD_DIMS,
-           layouts=tuple(x for x in checks.LAYOUTS if x != "TND"), features=(SM80,),
+           layouts=("BSH", "BNSD", "BSND", "BNSD_BSND"), features=(SM80,),
            switch="CUDA_TENSOR_CORES"),
     TensorCore("tensor-core", "mma.sync m16n8k16 tiles of 64 query rows x 64 keys, K / V "
                "through a cp.async pipeline", dtypes=HALVES, head_dims=HEAD_DIMS,

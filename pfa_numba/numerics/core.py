@@ -34,6 +34,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from ..cache import CACHE
+
 # ---------------------------------------------------------------------------------------------
 # constants
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +140,7 @@ u32_as_f32 = _bitcast_intrinsic(types.uint32, types.float32)
 f32_as_i32 = _bitcast_intrinsic(types.float32, types.int32)
 i32_as_f32 = _bitcast_intrinsic(types.int32, types.float32)
 
-jit = njit(inline="always", cache=True)
+jit = njit(inline="always", cache=CACHE)
 
 
 # ---------------------------------------------------------------------------------------------

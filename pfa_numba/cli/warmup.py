@@ -12,10 +12,10 @@ import time
 import numpy as np
 
 from .. import config
-from ..fia import FiaPlan
 from ..api import PfaPlan
-from . import _amx, backward, driver
-from .variants import KERNELS
+from ..cpu import _amx, backward, driver
+from ..cpu.variants import KERNELS
+from ..fia import FiaPlan
 
 #: the storages of query and key / value a float kernel is compiled for
 STORAGES = (("float16", np.float16, None), ("float32", np.float32, None),
