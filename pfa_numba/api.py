@@ -220,8 +220,13 @@ def explain(query, key, value, *args, **kwargs):
     errors) and planned, not run::
 
         >>> print(explain(q, k, v, num_heads=8, input_layout="BNSD"))   # doctest: +SKIP
-        the cpu float32-tiles kernel runs this call: tiles of query rows x kv columns ...
+        the cpu avx512-tiles kernel runs this call: tiles of query rows x kv columns, ...
+          and: a plan (PfaPlan, FiaPlan) runs whole calls for arrays its planned kernels ...
           not int8: float16 inputs (it takes int8)
           ...
+
+    The ``and:`` lines say what can run beside the kernel or instead of it. Keyword-only
+    ``compute_capability`` ((major, minor)) and ``sms`` explain a ``device="cuda"`` call for
+    such a GPU, none needed here.
     """
     return PfaPlan.explain(query, key, value, *args, **kwargs)

@@ -165,3 +165,34 @@ def test_explain_fia_over_an_int8_cache(monkeypatch):
                        num_key_value_heads=2, input_layout="BNSD")
     assert text.startswith(f"the cpu {_host_tiles()} kernel")
     assert "not amx: an int8 kv cache (it reads contiguous key / value)" in text
+
+
+def test_every_declared_kernel_is_reachable_and_explained(monkeypatch):
+    """Each kernel of both devices is the one explain names for some call, on this machine or,
+    for what it lacks, on one described (AMX, AVX-512 and the switches; a GPU by its compute
+    capability and multiprocessors, none needed here)."""
+    from pfa_numba.cpu import _amx, _gemm
+    monkeypatch.setattr(_amx, "available", lambda: True)
+    monkeypatch.setattr(_gemm, "available", lambda: True)
+    monkeypatch.setattr(config, "CPU_SPLIT_KV_ITEMS", 1)
+    seen = set()
+    for kernel in KERNEL_STEPS:
+        monkeypatch.setattr(config, "CPU_SPLIT_KV_ITEMS", 4 if kernel == "split-kv" else 1)
+        monkeypatch.setattr(config, "CPU_AMX", kernel == "amx")
+        monkeypatch.setattr(config, "CPU_AVX512_GEMM", kernel != "blas-tiles")
+        args, kw = _call(kernel)
+        first = explain(*args, **kw).splitlines()[0]
+        assert first.startswith(f"the cpu {kernel} kernel runs this call"), first
+        seen.add(("cpu", kernel))
+    if dispatch.TARGETS["cuda"].environment_problems(machine={"compute_capability": (9, 0)}):
+        pytest.skip("numba-cuda cannot compile here: the CUDA kernels are explained elsewhere")
+    gpu = dict(device="cuda", compute_capability=(9, 0), sms=132)
+    prefill, decode = _arrays(np.float16, 1, 8, 2, 96, 300, 64), \
+        _arrays(np.float16, 1, 8, 2, 1, 300, 64)
+    kw = dict(num_heads=8, num_key_value_heads=2, input_layout="BNSD")
+    for args, cc, kernel in ((prefill, (9, 0), "tensor-core"), (decode, (9, 0), "decode"),
+                             (prefill, (7, 5), "portable")):
+        text = explain(*args, **kw, **dict(gpu, compute_capability=cc))
+        assert text.startswith(f"the cuda {kernel} kernel runs this call"), text
+        seen.add(("cuda", kernel))
+    assert seen == {(k.device, k.name) for k in dispatch.KERNELS}
