@@ -84,8 +84,8 @@ class Target:
         """What the kernels' conditions read of ``problem`` here (or on ``machine``)."""
         return None
 
-    def kernels(self):
-        return tuple(k for k in KERNELS if k.device == self.name)
+    def kernels(self, operation="forward"):
+        return tuple(k for k in KERNELS if k.device == self.name and k.operation == operation)
 
     def run(self, launch, staged):
         """(out, lse or None) of a prepared launch."""
@@ -193,9 +193,10 @@ def reasons_against(kernel, problem, situation):
     return kernel.not_supported_reasons(problem, situation, target.features(situation))
 
 
-def choose(problem, device, staged=None, machine=None):
+def choose(problem, device, staged=None, machine=None, operation="forward"):
     """The :class:`Choice` of planned problem ``problem`` on ``device`` ('cpu' or 'cuda'):
-    its first kernel that nothing rules out, or a RuntimeError with every kernel's reasons.
+    its first kernel of ``operation`` ('forward', or 'backward': the SDPA drop-in's
+    gradients) that nothing rules out, or a RuntimeError with every kernel's reasons.
     ``machine``: for CUDA, a device described by ``compute_capability`` and ``sms`` (the
     choice such a device would make, here, without one)."""
     target = TARGETS[device]
@@ -204,8 +205,9 @@ def choose(problem, device, staged=None, machine=None):
         raise RuntimeError(f"no pfa_numba kernel can run this call on device={device!r}:\n  "
                            + "\n  ".join(f"{device}: {r}" for r in broken))
     situation = target.situation(problem, staged, machine)
-    reasons = {k.name: reasons_against(k, problem, situation) for k in target.kernels()}
-    chosen = next((k for k in target.kernels() if not reasons[k.name]), None)
+    kernels = target.kernels(operation)
+    reasons = {k.name: reasons_against(k, problem, situation) for k in kernels}
+    chosen = next((k for k in kernels if not reasons[k.name]), None)
     if chosen is None:
         raise RuntimeError(f"no pfa_numba kernel can run this call on device={device!r}:\n  "
                            + "\n  ".join(f"{name}: {'; '.join(why)}"

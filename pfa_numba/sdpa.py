@@ -136,12 +136,12 @@ def _operator_backward(state, dout, want_dbias):
     """The operator's backward on NumPy arrays: (dq, dk, dv, dbias in the scores' shape or
     None, dsinks or None), float32, from the call's arguments, its output and lse (``state``)
     and the output's gradient ``dout``."""
-    from .cpu.backward import attention_gradients      # the CPU kernels, as a call needs them
     query, key, value, attn_mask, sinks, out, lse, options = state
     p = attention_problem(query, key, value, attn_mask, sinks, dropout_p=0.0, **options)
     bnsd = (p.B, p.N, p.Sq, p.D)
-    dq, dk, dv, dbias, dsinks = attention_gradients(p, out.reshape(bnsd), dout.reshape(bnsd),
-                                                    lse.reshape(bnsd[:3]), want_dbias)
+    kernel = dispatch.choose(p, "cpu", operation="backward").kernel
+    dq, dk, dv, dbias, dsinks = kernel.gradients(p, out.reshape(bnsd), dout.reshape(bnsd),
+                                                 lse.reshape(bnsd[:3]), want_dbias)
     scores = query.shape[:-1] + key.shape[-2:-1]
     return dq, dk, dv, (None if dbias is None else dbias.reshape(scores)), dsinks
 

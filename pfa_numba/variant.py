@@ -54,6 +54,7 @@ class Kernel:
     extensions: tuple = tuple(EXTENSIONS)     # of the SDPA drop-in's score terms it computes
     switch: str = ""                          # the config attribute that turns it off
     device = ""                               # 'cpu' or 'cuda' (each subclass's)
+    operation = "forward"                     # or 'backward' (the SDPA drop-in's gradients)
 
     def not_supported_reasons(self, problem=None, situation=None, features=()):
         """Why this kernel cannot run planned problem ``problem`` (None: any problem) on a

@@ -3,6 +3,7 @@
 import logging
 
 import ml_dtypes
+import numba
 import numpy as np
 import pytest
 
@@ -195,4 +196,12 @@ def test_every_declared_kernel_is_reachable_and_explained(monkeypatch):
         text = explain(*args, **kw, **dict(gpu, compute_capability=cc))
         assert text.startswith(f"the cuda {kernel} kernel runs this call"), text
         seen.add(("cuda", kernel))
+    from pfa_numba.sdpa import attention_problem
+    for nkv, kernel in ((4, "backward-heads"), (1, "backward-tiles")):
+        q, k, v = _arrays(np.float32, 1, 4, nkv, 20, 30, 16)
+        p = attention_problem(q, k, v, None, None, dropout_p=0.0, is_causal=False, scale=None,
+                              softcap=None, enable_gqa=True)
+        monkeypatch.setattr(numba, "get_num_threads", lambda: 2)
+        assert dispatch.choose(p, "cpu", operation="backward").kernel.name == kernel
+        seen.add(("cpu", kernel))
     assert seen == {(k.device, k.name) for k in dispatch.KERNELS}

@@ -72,13 +72,8 @@ def _run(code, cache):
 
 def runnable(case):
     """Whether ``case`` can run here (the SDPA case needs torch)."""
-    if "torch" not in case:
-        return True
-    try:
-        import torch  # noqa: F401
-        return True
-    except ImportError:
-        return False
+    import importlib.util
+    return "torch" not in case or importlib.util.find_spec("torch") is not None
 
 
 def cold_first_calls(cases=None, progress=print):
@@ -102,7 +97,8 @@ def cold_markdown(results):
     rows = ["First calls from an empty Numba cache (fresh process, `NUMBA_CACHE_DIR` empty; "
             "the call alone, then the whole process), then a later process's first call "
             "(cache hit):", "",
-            "| first call | cold call s | cold process s | cache hit call s | cache hit process s |",
+            "| first call | cold call s | cold process s | cache hit call s | "
+            "cache hit process s |",
             "|---|---|---|---|---|"]
     for case, (cc, cp, wc, wp) in results.items():
         rows.append(f"| {case} | {cc:.1f} | {cp:.1f} | {wc:.2f} | {wp:.2f} |")

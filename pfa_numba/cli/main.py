@@ -119,7 +119,7 @@ def info(args):
     for target in dispatch.TARGETS.values():
         broken = target.environment_problems()
         features = set() if broken else target.features()
-        for kernel in target.kernels():
+        for kernel in target.kernels() + target.kernels("backward"):
             why = broken or kernel.not_supported_reasons(None, None, features)
             print(f"  {target.name} {kernel.name:14s} " + ("available" if not why else
                                                         "unavailable: " + "; ".join(why)))

@@ -59,7 +59,8 @@ def _backward():
     p = _problem(np.float32)
     out = np.zeros(p.out_shape, np.float32)
     lse = np.zeros(p.lse_shape, np.float32)
-    backward.attention_gradients(p, out, out, lse)
+    for whole_heads in (True, False):
+        backward.attention_gradients(p, out, out, lse, False, whole_heads)
     backward.attention_weights(p, lse)
 
 

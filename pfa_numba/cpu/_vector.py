@@ -17,10 +17,9 @@ import functools
 import itertools
 
 import numba
-import numpy as np
 from llvmlite import binding as _llvm
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 

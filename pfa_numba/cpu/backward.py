@@ -257,19 +257,33 @@ def _float32(x):
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
+def unsupported(p):
+    """Why the backward cannot take planned problem ``p``: it takes floating-point BNSD problems
+    with a discard mask (what scaled_dot_product_attention plans)."""
+    reasons = []
+    if p.layout != "BNSD":
+        reasons.append(f"layout {p.layout} (it takes BNSD)")
+    if p.cache is not None:
+        reasons.append("a kv cache (it reads contiguous key / value)")
+    if p.quant is not None:
+        reasons.append("quantization (it takes floating-point calls)")
+    if p.mask is not None and p.mask_kind != MASK_DISCARD:
+        reasons.append("an additive float16 attn_mask (it takes a discard mask)")
+    return reasons
+
+
+def owns_whole_heads(p):
+    """Whether the kv pass's items can be whole (batch, kv head)s, each adding into its query
+    heads' dQ rows too (five tile products a tile, not seven): where there are as many as the
+    threads. Either way each dQ row sums its kv tiles in the same order, so the gradients are
+    the same bits."""
+    return p.B * p.Nkv >= numba.get_num_threads()
+
+
 def _problem_record(p):
     """What the kernels read of planned problem ``p`` beside the arrays: (bias (Bp, N, Sq,
     Skv) float32, discard mask (Bm, Sq, Skv) bool, lens (4, B) int64 of (qL, kL, preE,
     nextE), scale, softcap), an empty bias / mask where there is none."""
-    if p.layout != "BNSD" or p.cache is not None or p.quant is not None or \
-            (p.mask is not None and p.mask_kind != MASK_DISCARD):
-        raise NotImplementedError(
-            "the CPU backward takes floating-point BNSD problems with a discard mask (what "
-            f"scaled_dot_product_attention plans), got layout {p.layout}"
-            + (", a kv cache" if p.cache is not None else "")
-            + (", quantization" if p.quant is not None else "")
-            + (", an additive float16 attn_mask" if p.mask is not None
-               and p.mask_kind != MASK_DISCARD else ""))
     bias = _float32(p.pse) if p.pse is not None else np.zeros((1, 0, 0, 0), np.float32)
     mask = np.ascontiguousarray(p.mask != 0) if p.mask is not None \
         else np.zeros((1, 0, 0), np.bool_)
@@ -277,12 +291,14 @@ def _problem_record(p):
     return BackwardTerms(bias, mask, lens, np.float32(p.scale), np.float32(p.softcap))
 
 
-def attention_gradients(p, out, dout, lse, want_dbias=False):
+def attention_gradients(p, out, dout, lse, want_dbias, whole_heads):
     """The gradients of planned problem ``p`` (BNSD, floating point) given its output ``out``
     and softmax_lse ``lse`` ((B, N, Sq) or (B, N, Sq, 1)) from the forward and the output's
     gradient ``dout`` (B, N, Sq, D): (dq, dk, dv, dbias, dsinks) as float32 arrays in the
     shapes of p.q, p.k, p.v, (B, N, Sq, Skv) (None unless ``want_dbias``: the gradient of the
-    scores' additive terms, per batch) and (N,) (None without sinks)."""
+    scores' additive terms, per batch) and (N,) (None without sinks). ``whole_heads``: the kv
+    pass takes whole (batch, kv head)s and adds dQ too (:func:`owns_whole_heads`; the
+    backward-heads kernel), else a kv pass and a query pass (backward-tiles)."""
     terms = _problem_record(p)
     q, k, v, dout = (_float32(x) for x in (p.q, p.k, p.v, dout))
     delta = np.einsum("bnsd,bnsd->bns", dout, _float32(out), dtype=np.float64)
@@ -294,7 +310,6 @@ def attention_gradients(p, out, dout, lse, want_dbias=False):
         qkv = BackwardInputs(*(x.reshape(-1) for x in (q, k, v, dout)))
         grads = Gradients(dq.reshape(-1), dk.reshape(-1), dv.reshape(-1), dbias,
                           np.zeros((1, 1, 1, 1), np.float32))
-        whole_heads = _owns_whole_heads(p)
         rows = BackwardRows(lse, delta)
         with parallel_region(blas=True):
             _run(p, "kv_pass", p.B * p.Nkv * (1 if whole_heads else -(-p.Skv // TILE_K)),
@@ -349,14 +364,6 @@ def _run(p, name, items, records):
                                  switches, items_, scratch),
                        Compiling("CPU", f"backward-{name.replace('_', '-')}",
                                  "float32 gradients", p.layout))
-
-
-def _owns_whole_heads(p):
-    """Whether the kv pass's items are whole (batch, kv head)s, each adding into its query
-    heads' dQ rows too (five tile products a tile, not seven): where there are as many as the
-    threads. Either way each dQ row sums its kv tiles in the same order, so the gradients are
-    the same bits."""
-    return p.B * p.Nkv >= numba.get_num_threads()
 
 
 def _dims(p):

@@ -128,7 +128,7 @@ def _finish_int8(outs, v, geo, fparams, item, i1, a2, state, computed):
     """The int8 item's output rows: deq2 * A / l rounded once to float16 (A the exact sums
     P8 . V in a2, float64), softmax_lse, and the rows of contract 'Empty rows'."""
     out, lse, flags = outs
-    strides, boff, lens, params = geo.strides, geo.boff, geo.lens, geo.params
+    strides, boff, params = geo.strides, geo.boff, geo.params
     b, g, i0 = item
     m, l = state
     D = params[P_D]

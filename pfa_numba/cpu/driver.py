@@ -15,7 +15,8 @@ import numpy as np
 from .. import config
 from ..numerics.core import CODE_F16, CODE_F32
 from ..numerics.dtypes import dtype_name
-from ..numerics.kernel_args import F_SINKS, F_SOFTCAP, kernel_args, output_scales, scale_factors
+from ..numerics.kernel_args import (F_SINKS, F_SOFTCAP, kernel_args, output_scales,
+                                    scale_factors, storage)
 from . import _gemm
 from ._amx import padded
 from ._blas import sgemm_address
@@ -26,7 +27,7 @@ from .items import (item_row_counts, kv_head_runs, prefetch_next_keys, seg_rows,
 from ..cache import Compiling
 from .launch import Worker, rows
 from .records import (AmxScratch, Extras, F32Scratch, Geometry, Inputs, Int8Scratch, Items,
-                      MergeScratch, Outputs, Parts, StreamScratch, Tuning)
+                      MergeScratch, Outputs, StreamScratch, Tuning)
 from .split_kv import partial_buffers, runs_wanted, split_work
 
 log = logging.getLogger("pfa_numba.cpu")
@@ -391,12 +392,12 @@ def stream_scratch(threads, p, tuning, longest):
     head's part of at most tuning.stream rows, for runs of ``longest`` heads."""
     D, ld, cols = max(p.D, 1), tuning.ld, tuning.cols
     n = longest * max(1, min(tuning.stream, p.G * max(1, tuning.rows // max(p.G, 1))))
-    f32 = np.float32
+    f32, kv = np.float32, storage(p.k.dtype)
     return StreamScratch(rows(threads, (n * D,), f32), rows(threads, (n * ld,), f32),
                          *(rows(threads, (n,), f32) for _ in range(3)),
                          rows(threads, (4, n), f32), rows(threads, (n * cols,), f32),
-                         rows(threads, (16 * D,), f32), rows(threads, (cols * D,), f32),
-                         rows(threads, (cols * ld,), f32), rows(threads, (n,), np.int32),
+                         rows(threads, (16 * D,), f32), rows(threads, (cols * D,), kv),
+                         rows(threads, (cols * D,), kv), rows(threads, (n,), np.int32),
                          rows(threads, (4, cols), np.int64), rows(threads, (4, cols), f32),
                          rows(threads, (1, 2, 1), np.uint16))
 

@@ -4,7 +4,7 @@ import numpy as np
 from numba import njit
 from .. import config
 from ..numerics.band import BAND_INF, block_kv_range, tile_inside_band
-from ..numerics.kernel_args import L_KLEN, L_NEXT, L_PRE, L_QLEN, P_COLS, P_D, P_G, P_ROWS
+from ..numerics.kernel_args import L_KLEN, L_NEXT, L_PRE, L_QLEN, P_G, P_ROWS
 from ._amx import BLOCK
 from ._gemm import PANEL
 from ._jit import LEAF, LEAF_INLINE

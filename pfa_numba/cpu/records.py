@@ -58,10 +58,14 @@ F32Scratch = namedtuple("F32Scratch", ["qb", "sb", "tb", "acc", "kb", "vb", "kx"
 F32Buffers = namedtuple("F32Buffers", ["qb", "sb", "tb", "acc", "kb", "vb", "kx", "ro", "rs"])
 
 #: the streaming runs' buffers, one row a thread: each head's query rows, sums, row state
-#: (m, l, alpha) and an int8 cache's folded sums, then the tile buffers of F32Scratch that
-#: streaming uses
+#: (m, l, alpha) and an int8 cache's folded sums, then a thread's StreamBuffers and the empty
+#: bf16 parts of an in-place softmax
 StreamScratch = namedtuple("StreamScratch", ["q", "acc", "m", "l", "alpha", "fold", "sb", "tb",
-                                             "kb", "vb", "kx", "ro", "rs", "p3"])
+                                             "kg", "vg", "kx", "ro", "rs", "p3"])
+
+#: a thread's streaming tile buffers: scores, scratch rows, a strided tile's K and V rows
+#: gathered (in the cache's own storage), the order keys, kv row offsets, token scales
+StreamBuffers = namedtuple("StreamBuffers", ["sb", "tb", "kg", "vg", "kx", "ro", "rs"])
 
 #: a thread's buffers for the streaming items of a run, each head's part in turn: query rows,
 #: sums, the row state's (m, l, alpha) and an int8 cache's folded sums

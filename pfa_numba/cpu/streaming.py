@@ -9,14 +9,13 @@ the weights and the final sums (see :func:`.stream.fold_query`).
 """
 from numba import njit
 
-from ..numerics.core import CODE_F32, F32_ONE
+from ..numerics.core import F32_ONE
 from ..numerics.kernel_args import P_COLS, P_D, P_DEQUANT, P_KVCODE
 from ._jit import LEAF, LEAF_INLINE
 from ._vector import readonly, take_next
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, item_rows
 from .kv import KEY, VALUE, kv_key_rows, kv_tile_end, kv_tile_rows
-from .records import F32Buffers, RowState, RunBuffers, StreamProducts
-from .rows import load_row
+from .records import RowState, RunBuffers, StreamBuffers, StreamProducts
 from .stream import fold_query, fold_weights, stream_pv, stream_scores, unfold_scores, unfold_values
 from .tile import done, start_rows, tile_loop
 
@@ -28,8 +27,8 @@ def streaming(t, args):
     ins, outs, extras, geo, tuning, items, scratch, parts = args[0]
     heads = RunBuffers(scratch.q[t], scratch.acc[t], scratch.m[t], scratch.l[t],
                        scratch.alpha[t], scratch.fold[t])
-    bufs = F32Buffers(scratch.q[t], scratch.sb[t], scratch.tb[t], scratch.acc[t], scratch.kb[t],
-                      scratch.vb[t], scratch.kx[t], scratch.ro[t], scratch.rs[t])
+    bufs = StreamBuffers(scratch.sb[t], scratch.tb[t], scratch.kg[t], scratch.vg[t],
+                         scratch.kx[t], scratch.ro[t], scratch.rs[t])
     work, runs, ld = items.work, items.runs, tuning.ld
     D = geo.params[P_D]
     x = take_next(items.taken)
@@ -97,17 +96,17 @@ def head(heads, hh, R, D, ld):
 @njit(**LEAF_INLINE)
 def _tile(ins, extras, geo, tuning, item, tile, heads, hh, bufs, no_p3, then):
     """Kv tile tile = (i1, R, j0, j1) of streaming item ``item`` (b, g, i0), head hh of the
-    run's buffers: scores, softmax, P V. Rows whose elements are not contiguous are widened to
-    float32 rows first (in the K and V tile buffers), so that the products take every cache
-    through the same vector code, in the same order of operations: a strided view gives the
-    bits of its contiguous copy. The K rows of the tile read next, then = (kv head, j0, j1),
+    run's buffers: scores, softmax, P V. Rows whose elements are not contiguous are gathered
+    first (into kg, vg: the cache's own storage), so that the products take every cache
+    through the same vector code, in the same order of operations (a strided view gives the
+    bits of its contiguous copy), one specialisation a storage. The K rows of the tile read next, then = (kv head, j0, j1),
     are prefetched during P V where tuning.next_keys asks, unless they are one run of rows
     (which the hardware prefetcher follows by itself)."""
     k, v, kp, vp = ins.k, ins.v, ins.kp, ins.vp
     params = geo.params
     b, g, i0 = item
     _, _, j0, j1 = tile
-    kb, vb, ro = bufs.kb, bufs.vb, bufs.ro
+    kg, vg, ro = bufs.kg, bufs.vg, bufs.ro
     D, kvcode = params[P_D], params[P_KVCODE]
     prefix, sdk, sdv = kv_tile_rows(ins, geo, b, g, j0, j1 - j0, ro, bufs.rs)
     n_next = then[2] - then[1] if sdk == 1 and tuning.next_keys != 0 else 0
@@ -115,25 +114,23 @@ def _tile(ins, extras, geo, tuning, item, tile, heads, hh, bufs, no_p3, then):
     if n_next and ro[3, n_next - 1] - ro[3, 0] == (n_next - 1) * D:
         n_next = 0              # one run of rows: the hardware prefetcher follows it
     next_keys = (kp if next_prefix else k, ro[3], n_next)
-    if sdk == 1 and sdv == 1:
-        _segments(extras, geo, tuning, item, tile, heads, hh, bufs, no_p3,
-                  (kp if prefix else k, ro[0], kvcode), (vp if prefix else v, ro[1], kvcode),
-                  next_keys)
-        return
-    nc = j1 - j0
-    _widen_rows(kb, kp if prefix else k, ro[0], nc, sdk, D, kvcode)
-    _widen_rows(vb, vp if prefix else v, ro[1], nc, sdv, D, kvcode)
-    _segments(extras, geo, tuning, item, tile, heads, hh, bufs, no_p3,
-              (readonly(kb), ro[0], CODE_F32), (readonly(vb), ro[1], CODE_F32), next_keys)
+    keys, values = (kp, vp) if prefix else (k, v)
+    if sdk != 1 or sdv != 1:
+        _gather_rows(kg, keys, ro[0], j1 - j0, sdk, D)
+        _gather_rows(vg, values, ro[1], j1 - j0, sdv, D)
+        keys, values = readonly(kg), readonly(vg)
+    _segments(extras, geo, tuning, item, tile, heads, hh, bufs, no_p3, (keys, ro[0], kvcode),
+              (values, ro[1], kvcode), next_keys)
 
 
 @njit(**LEAF_INLINE)
-def _widen_rows(dst, src, offs, nc, sd, D, code):
-    """dst[c * D:][:D] = kv row c of a tile (element offsets offs, element stride sd) as
-    float32 (exact), and offs[c] = c * D, c < nc."""
-    rows = dst[:nc * D].reshape(nc, D)
+def _gather_rows(dst, src, offs, nc, sd, D):
+    """dst[c * D:][:D] = kv row c of a tile (element offsets offs, element stride sd), and
+    offs[c] = c * D, c < nc: strided rows made contiguous, in their own storage."""
     for c in range(nc):
-        load_row(rows, c, src, offs[c], sd, D, code, F32_ONE)
+        base = offs[c]
+        for d in range(D):
+            dst[c * D + d] = src[base + d * sd]
         offs[c] = c * D
 
 

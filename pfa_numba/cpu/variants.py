@@ -121,12 +121,51 @@ class Int8(CpuKernel):
         steps.int8(steps.work.runs)
 
 
+class Backward(CpuKernel):
+    """The SDPA drop-in's gradients: a kv pass (dK, dV) and a query pass (dQ), each tile's P
+    and dS formed again from the forward's lse (:mod:`.backward`)."""
+    operation = "backward"
+    #: the kv pass takes whole (batch, kv head)s and adds dQ too (no query pass)
+    whole_heads = False
+
+    def conditions(self, problem, work):
+        from .backward import unsupported
+        return unsupported(problem)
+
+    def uses_blas(self, launch):
+        return True
+
+    def gradients(self, p, out, dout, lse, want_dbias):
+        """(dq, dk, dv, dbias or None, dsinks or None) of planned problem ``p``
+        (:func:`.backward.attention_gradients`); the ``pfa_numba.cpu`` log says it ran."""
+        from .backward import attention_gradients
+        results = attention_gradients(p, out, dout, lse, want_dbias, self.whole_heads)
+        from .driver import log
+        log.info("cpu %s ran float32 gradients: %s", self.name,
+                 "kv pass with dQ" if self.whole_heads else "kv pass; query pass")
+        return results
+
+
+class BackwardHeads(Backward):
+    """One pass, an item a (batch, kv head) owning its dK, dV and its query heads' dQ rows."""
+    whole_heads = True
+
+    def conditions(self, problem, work):
+        from .backward import owns_whole_heads
+        reasons = super().conditions(problem, work)
+        if not reasons and not owns_whole_heads(problem):
+            import numba
+            reasons.append(f"{problem.B * problem.Nkv} (batch, kv head)s, fewer than the "
+                           f"{numba.get_num_threads()} threads: each would own dQ rows alone")
+        return reasons
+
+
 def _register_blocks():
     from .driver import use_register_blocks
     return use_register_blocks()
 
 
-#: every CPU kernel, in dispatch's order of preference
+#: every CPU kernel, in dispatch's order of preference (the forward's, then the backward's)
 KERNELS = (
     Int8("int8", "int8 query, key and value: int8 products on BLAS, the softmax quantized "
          "against its row max", dtypes=("int8",), caches=(), extensions=()),
@@ -142,4 +181,10 @@ KERNELS = (
                features=(AVX512,), switch="CPU_AVX512_GEMM"),
     FloatTiles("blas-tiles", "tiles of query rows x kv columns, every float storage widened to "
                "float32, the products on BLAS sgemm", dtypes=FLOATS),
+    BackwardHeads("backward-heads", "gradients in one pass over whole (batch, kv head)s, dQ "
+                  "added by each; products on BLAS sgemm", dtypes=FLOATS, layouts=("BNSD",),
+                  caches=()),
+    Backward("backward-tiles", "gradients in a kv pass (dK, dV) and a query pass (dQ) over "
+             "(query tile, kv tile) pairs; products on BLAS sgemm", dtypes=FLOATS,
+             layouts=("BNSD",), caches=()),
 )

@@ -256,9 +256,7 @@ class Launch:
                 self.sources[field] = ("host", x)
         self.packed = Packed(host)
         self.rows = int(a.lens[L_ROWS].max())
-        if self.kernel.name == "decode":
-            from .decode_kernel import split_plan
-            self.splits, self.per_split = split_plan(p, a.lens, situation.sms)
+        self.kernel.plan(self, a, situation)
         self.own_views = None
         self.scans = self.kernel.guard_scans(p)
 

@@ -33,6 +33,10 @@ class CudaKernel(Kernel):
         ``p`` (none: it computes every input exactly)."""
         return []
 
+    def plan(self, launch, args, situation):
+        """What this kernel's launches need of ``launch`` beyond its arguments (``args``: its
+        KernelArgs), set on it once, when it is made."""
+
 
 class _Guarded(CudaKernel):
     """A tensor-core kernel: the guard's scans run first (:func:`.launch.guard_scans`), and
@@ -79,6 +83,11 @@ class Decode(_Guarded):
         from .decode_kernel import needs_guard
         from .guard import dequantizes
         return super().guard_scans(p) if dequantizes(p) or needs_guard(p) else []
+
+    def plan(self, launch, args, situation):
+        """The split of each kv range across the multiprocessors (decode_kernel.split_plan)."""
+        from .decode_kernel import split_plan
+        launch.splits, launch.per_split = split_plan(launch.p, args.lens, situation.sms)
 
     def own_launches(self, launch, t, views, outs, state, guard_id):
         return launch.decode_launches(t, views, outs, state, guard_id)
