@@ -160,3 +160,27 @@ def test_every_parallel_kernel_runs_inside_the_parallel_region(monkeypatch):
     _bench_decode._read_each([np.ones(64, np.uint64)])
     assert {"_on_threads", "_read_once"} <= set(calls)
     assert numba.get_num_threads() >= 1
+
+
+def test_blas_is_held_to_one_thread_in_a_region_that_calls_it():
+    """A kernel that calls BLAS runs with every BLAS library at one thread, SciPy's among them
+    (the kernels' sgemm), although a fresh process loads it only when the first such call
+    runs: a BLAS with threads of its own inside the parallel region oversubscribes the cores."""
+    code = textwrap.dedent("""
+        import sys
+        from threadpoolctl import threadpool_info
+        from pfa_numba.cpu._blas import sgemm_address
+        from pfa_numba.cpu.driver import parallel_region
+        assert "scipy.linalg.cython_blas" not in sys.modules
+        with parallel_region(True):
+            sgemm_address()                 # what preparing a BLAS kernel's call does
+            held = [(i["filepath"], i["num_threads"]) for i in threadpool_info()
+                    if i["user_api"] == "blas"]
+        print(held)
+        assert any("scipy" in path for path, _ in held), held
+        assert all(n == 1 for _, n in held), held
+    """)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -307,7 +307,7 @@ def test_one_pass_and_two_pass_plans_give_the_same_bits(monkeypatch):
                                          v=(2, 2, 150, 32), sinks=(4,)), ["q", "k", "v", "sinks"])
     runs = []
     for whole in (True, False):
-        monkeypatch.setattr(backward, "_owns_whole_heads", lambda p, whole=whole: whole)
+        monkeypatch.setattr(backward, "owns_whole_heads", lambda p, whole=whole: whole)
         out = scaled_dot_product_attention(inputs["q"], inputs["k"], inputs["v"],
                                            enable_gqa=True, softcap=4.0, sinks=inputs["sinks"])
         runs.append(torch.autograd.grad(out.square().sum(), list(inputs.values())))

@@ -66,7 +66,10 @@ class _ParallelRegion:
             yield
             return
         if self._controller is None:
+            # the controller limits the libraries loaded when it is made: SciPy's BLAS, which
+            # the kernels call, first
             from threadpoolctl import ThreadpoolController
+            sgemm_address()
             self._controller = ThreadpoolController()
         limit = self._controller.limit(limits=1, user_api="blas")
         try:

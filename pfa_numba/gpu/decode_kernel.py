@@ -225,22 +225,35 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False, capped=F
                           STAGE_AT + F.swizzle(row, 16 * k + 8, D), r, 16 * k, j < jend, scale,
                           offset, dq)
 
-    def make_tile_step(band):
-        """One tile: S from K(t) in its buffer, the softmax, P V from V(t) in the next load's
-        buffer (``band``: the tile crosses some row's band)."""
-        def tile_step(ring, u, t0, nt, jstart, jend, j0, at, frag, lane_at, rows, fold, ex, dq):
+    # One tile is four phases the kernel calls one after another, not one function: Numba
+    # inlines a device function by copying its IR whole at each call site, at a cost of its
+    # blocks times its variables, so one function holding the four would cost the front end
+    # several times what the four cost apart.
+    def landed(ring, u, r, t0, nt, jstart, jend, j0, at, lane_at, dq):
+        """K (r = 0: load ``u`` of the run) or V (r = 1: load u + 1) of the tile at key j0
+        landed and every warp done with the buffer the next load fills: that load staged;
+        the buffer the tile is read from (the int8 variant: the warp's rows dequantized into
+        it). (The buffers' indices as two expressions, not one of u + r: the modulo of a sum
+        costs the kv loop instructions.)"""
+        X.cp_async_wait(AHEAD)
+        cuda.syncthreads()
+        fill, here = ((u + NBUF - 1) % NBUF, u % NBUF) if r == 0 else (u % NBUF, (u + 1) % NBUF)
+        stage(ring, fill * RAW_TILE, u + NBUF - 1 + r, t0, nt, jstart, jend, at)
+        if INT8:
+            X.syncwarp()                 # the warp's lanes are past their reads of the tile
+            w, lane = lane_at[4], lane_at[2] * 4 + lane_at[3]
+            dequantize(ring, here * RAW_TILE, r, j0, jend, w, lane, dq)
+            X.syncwarp()
+            return STAGE_AT
+        return here * TILE
+
+    def make_tile_softmax(band):
+        """The tile's weights from K in ``kbuf``: S = Q K^T, the band (``band``: the tile
+        crosses some row's band; the masked variant: the band, pse and masks made per
+        accumulator), the online softmax and P packed as A fragments."""
+        def tile_softmax(ring, kbuf, j0, frag, lane_at, rows, fold, ex):
             qa, o, s, pa, mr, lr = frag
-            a_at, b_at, g4, t4, w = lane_at
-            kbuf = (u % NBUF) * TILE
-            X.cp_async_wait(AHEAD)
-            cuda.syncthreads()           # K(t) landed; every warp is done with the buffer
-            stage(ring, ((u + NBUF - 1) % NBUF) * RAW_TILE, u + NBUF - 1, t0, nt, jstart, jend,
-                  at)
-            if INT8:
-                X.syncwarp()             # the warp's lanes are past their reads of the tile
-                dequantize(ring, (u % NBUF) * RAW_TILE, 0, j0, jend, w, g4 * 4 + t4, dq)
-                X.syncwarp()
-                kbuf = STAGE_AT
+            b_at, t4, w = lane_at[1], lane_at[3], lane_at[4]
             for x in range(8):
                 s[x] = F32_ZERO
             for kk in range(KT):
@@ -263,23 +276,19 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False, capped=F
             for reg in range(4):
                 nt2, x = F.p_from_s(reg)
                 pa[reg] = pack(s[4 * nt2 + x], s[4 * nt2 + x + 1])
-            vbuf = ((u + 1) % NBUF) * TILE
-            X.cp_async_wait(AHEAD)
-            cuda.syncthreads()           # V(t) landed; every warp is done with K(t)'s buffer
-            stage(ring, (u % NBUF) * RAW_TILE, u + NBUF, t0, nt, jstart, jend, at)
-            if INT8:
-                X.syncwarp()
-                dequantize(ring, ((u + 1) % NBUF) * RAW_TILE, 1, j0, jend, w, g4 * 4 + t4, dq)
-                X.syncwarp()
-                vbuf = STAGE_AT
-            for dp in range(KT):
-                mma_pair(o, 8 * dp, pa, 0, X.ldmatrix_x4_trans(
-                    ring, vbuf + F.swizzle_step(a_at, WARP_KEYS * w, 16 * dp, D)))
-        return device_function(tile_step)
+        return device_function(tile_softmax)
+
+    def tile_values(ring, vbuf, frag, lane_at):
+        """O += P V from V in ``vbuf``."""
+        pa, o, a_at, w = frag[3], frag[1], lane_at[0], lane_at[4]
+        for dp in range(KT):
+            mma_pair(o, 8 * dp, pa, 0, X.ldmatrix_x4_trans(
+                ring, vbuf + F.swizzle_step(a_at, WARP_KEYS * w, 16 * dp, D)))
 
     stage = device_function(stage)
     dequantize = device_function(dequantize)
-    tile_inside, tile_edge = make_tile_step(False), make_tile_step(True)
+    landed, tile_values = device_function(landed), device_function(tile_values)
+    softmax_inside, softmax_edge = make_tile_softmax(False), make_tile_softmax(True)
 
     def load_q(qa, q, boff, strides, b, gh, G, sq, ql, lane):
         """Q's A fragments (rows g, g + 8 of the lane; idle rows and rows at or past qL
@@ -373,16 +382,27 @@ def decode_kernel_source(kind, d, walk=False, masked=False, int8=False, capped=F
             # the run's tiles before the band's interior, inside it (no band test), after it
             a = min(max(ta - t0, 0), nt)
             z = min(max(tb - t0, a), nt)
+            # a tile: K(t) landed, the softmax, V(t) landed, O += P V (the edges' softmax
+            # with the band)
             for idx in range(a):
-                tile_edge(ring, 2 * idx, t0, nt, jstart, jend, jstart + (t0 + idx) * BKV, at,
-                          frag, lane_at, rows, fold, ex, dq)
+                j0 = jstart + (t0 + idx) * BKV
+                kbuf = landed(ring, 2 * idx, 0, t0, nt, jstart, jend, j0, at, lane_at, dq)
+                softmax_edge(ring, kbuf, j0, frag, lane_at, rows, fold, ex)
+                vbuf = landed(ring, 2 * idx, 1, t0, nt, jstart, jend, j0, at, lane_at, dq)
+                tile_values(ring, vbuf, frag, lane_at)
             if not MASKED:
                 for idx in range(a, z):
-                    tile_inside(ring, 2 * idx, t0, nt, jstart, jend, jstart + (t0 + idx) * BKV,
-                                at, frag, lane_at, rows, fold, ex, dq)
+                    j0 = jstart + (t0 + idx) * BKV
+                    kbuf = landed(ring, 2 * idx, 0, t0, nt, jstart, jend, j0, at, lane_at, dq)
+                    softmax_inside(ring, kbuf, j0, frag, lane_at, rows, fold, ex)
+                    vbuf = landed(ring, 2 * idx, 1, t0, nt, jstart, jend, j0, at, lane_at, dq)
+                    tile_values(ring, vbuf, frag, lane_at)
             for idx in range(z, nt):
-                tile_edge(ring, 2 * idx, t0, nt, jstart, jend, jstart + (t0 + idx) * BKV, at,
-                          frag, lane_at, rows, fold, ex, dq)
+                j0 = jstart + (t0 + idx) * BKV
+                kbuf = landed(ring, 2 * idx, 0, t0, nt, jstart, jend, j0, at, lane_at, dq)
+                softmax_edge(ring, kbuf, j0, frag, lane_at, rows, fold, ex)
+                vbuf = landed(ring, 2 * idx, 1, t0, nt, jstart, jend, j0, at, lane_at, dq)
+                tile_values(ring, vbuf, frag, lane_at)
         # the warps' states merged: each warp's sums over its keys, rescaled to the block's max
         for h in range(2):
             for sh in (1, 2):
