@@ -99,9 +99,9 @@ def _tile(ins, extras, geo, tuning, item, tile, heads, hh, bufs, no_p3, then):
     run's buffers: scores, softmax, P V. Rows whose elements are not contiguous are gathered
     first (into kg, vg: the cache's own storage), so that the products take every cache
     through the same vector code, in the same order of operations (a strided view gives the
-    bits of its contiguous copy), one specialisation a storage. The K rows of the tile read next, then = (kv head, j0, j1),
-    are prefetched during P V where tuning.next_keys asks, unless they are one run of rows
-    (which the hardware prefetcher follows by itself)."""
+    bits of its contiguous copy), one specialisation a storage. The K rows of the tile read
+    next, then = (kv head, j0, j1), are prefetched during P V where tuning.next_keys asks,
+    unless they are one run of rows (which the hardware prefetcher follows by itself)."""
     k, v, kp, vp = ins.k, ins.v, ins.kp, ins.vp
     params = geo.params
     b, g, i0 = item

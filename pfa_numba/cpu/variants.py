@@ -132,9 +132,6 @@ class Backward(CpuKernel):
         from .backward import unsupported
         return unsupported(problem)
 
-    def uses_blas(self, launch):
-        return True
-
     def gradients(self, p, out, dout, lse, want_dbias):
         """(dq, dk, dv, dbias or None, dsinks or None) of planned problem ``p``
         (:func:`.backward.attention_gradients`); the ``pfa_numba.cpu`` log says it ran."""
