@@ -184,3 +184,56 @@ def test_blas_is_held_to_one_thread_in_a_region_that_calls_it():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+#: with torch loaded first (its OpenMP runtime the process's first) and Numba set to a thread
+#: count torch does not have: the thread counts of torch and of every BLAS and OpenMP library,
+#: before and after calls of a decode step (first: a kernel without BLAS), a BLAS kernel, a
+#: half-precision kernel and the SDPA drop-in's forward and backward
+HOST_SETTINGS = textwrap.dedent("""
+    import os, sys
+    import torch
+    os.environ["NUMBA_NUM_THREADS"] = str(torch.get_num_threads() + 1)
+    import numba, numpy as np
+    from threadpoolctl import threadpool_info
+    import pfa_numba
+
+    def settings():
+        return (torch.get_num_threads(), torch.get_num_interop_threads(),
+                sorted((i["filepath"], i["num_threads"]) for i in threadpool_info()))
+
+    before = settings()
+    rng = np.random.default_rng(0)
+    d, c = (rng.standard_normal(s).astype(np.float16) for s in ((1, 2, 1, 32), (1, 2, 700, 32)))
+    split, pfa_numba.config.CPU_SPLIT_KV_ITEMS = pfa_numba.config.CPU_SPLIT_KV_ITEMS, 0
+    pfa_numba.fused_infer_attention_score(d, c, c, num_heads=2, input_layout="BNSD")  # no BLAS
+    pfa_numba.config.CPU_SPLIT_KV_ITEMS = split
+    q = rng.standard_normal((1, 2, 300, 32)).astype(np.float32)
+    pfa_numba.prompt_flash_attention(q, q, q, num_heads=2, input_layout="BNSD")
+    h = q.astype(np.float16)
+    pfa_numba.prompt_flash_attention(h, h, h, num_heads=2, input_layout="BNSD")
+    t = torch.tensor(q, requires_grad=True)
+    pfa_numba.scaled_dot_product_attention(t, t, t, is_causal=True).sum().backward()
+    after = settings()
+    known = {path for path, _ in before[2]}
+    after = after[:2] + ([(p, n) for p, n in after[2] if p in known],)
+    assert after == before, (before, after)
+    print(numba.threading_layer())
+""")
+
+
+@pytest.mark.parametrize("layer", ["workqueue", "omp", "tbb"])
+def test_a_call_leaves_the_hosts_thread_settings_as_it_found_them(layer):
+    """Numba's OpenMP layer sets OpenMP's thread count when it starts its pool, which lands in
+    torch's runtime where torch was loaded first; a pfa_numba call must leave torch's and the
+    BLAS libraries' thread counts as they were, under each threading layer this machine loads
+    (libraries a call loads itself, SciPy's BLAS and the layer's own runtime, are new)."""
+    pytest.importorskip("torch")
+    if not _loads(layer):
+        assert layer != "workqueue", "Numba's workqueue layer always loads"
+        pytest.skip(f"this machine cannot load Numba's {layer} threading layer")
+    env = {**os.environ, "NUMBA_THREADING_LAYER": layer}
+    res = subprocess.run([sys.executable, "-c", HOST_SETTINGS], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert res.stdout.split()[-1] == layer

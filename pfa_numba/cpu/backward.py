@@ -21,17 +21,16 @@ one pass over them, each item owning its kv head's dK, dV rows and its query hea
 dV) and one over query tiles (dQ), both forming the tile's P and dS. The products are SciPy's
 BLAS sgemm (:mod:`._blas`), in float32 whatever the inputs' dtype.
 """
-import numba
 import numpy as np
 from numba import njit
 
 from ..numerics.band import block_kv_range, row_band
 from ..numerics.core import F32_NEG_INF, F32_ONE, F32_ZERO, MASK_DISCARD
-from .. import config
 from ._blas import gemm_rm, sgemm_address
 from ._jit import LEAF, LEAF_INLINE
 from ._vector import take_next
 from .driver import parallel_region
+from .threads import pool_size, threads_for
 from .launch import Worker
 from .launch import rows as launch_rows
 from .records import (BackwardInputs, BackwardRows, BackwardScratch, BackwardTerms, Gradients,
@@ -277,7 +276,7 @@ def owns_whole_heads(p):
     heads' dQ rows too (five tile products a tile, not seven): where there are as many as the
     threads. Either way each dQ row sums its kv tiles in the same order, so the gradients are
     the same bits."""
-    return p.B * p.Nkv >= numba.get_num_threads()
+    return p.B * p.Nkv >= pool_size()
 
 
 def _problem_record(p):
@@ -350,7 +349,7 @@ def _run(p, name, items, records):
     qkv, terms, rows_, grads, (switch, want_dbias) = records
     if name not in _WORKERS:
         _WORKERS[name] = Worker(globals()[name])
-    threads = max(1, min(int(config.CPU_THREADS or numba.get_num_threads()), items))
+    threads = threads_for(items)
     size = TILE_Q * TILE_K
     chars = launch_rows(threads, (2,), np.uint8)
     chars[:, :2] = (ord("N"), ord("T"))

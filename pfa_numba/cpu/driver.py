@@ -29,6 +29,7 @@ from .launch import Worker, rows
 from .records import (AmxScratch, Extras, F32Scratch, Geometry, Inputs, Int8Scratch, Items,
                       MergeScratch, Outputs, StreamScratch, Tuning)
 from .split_kv import partial_buffers, runs_wanted, split_work
+from .threads import start_pool, threads_for
 
 log = logging.getLogger("pfa_numba.cpu")
 
@@ -52,6 +53,7 @@ class _ParallelRegion:
 
     @contextlib.contextmanager
     def __call__(self, blas=False):
+        start_pool()
         with self._lock:
             self._depth.n = getattr(self._depth, "n", 0) + 1
             try:
@@ -293,14 +295,14 @@ class Steps:
         blocks where the host has them, else on BLAS."""
         name = "avx512-tiles" if self.register else "blas-tiles"
         tuning = self._tuning(seg_rows(False))
-        threads = _threads(len(runs))
+        threads = threads_for(len(runs))
         self._run(name, threads, tuning, self._items(self.work.items, runs),
                   f32_scratch(threads, self.p, tuning))
 
     def streaming(self, runs):
         """The streaming kernel over ``runs``."""
         tuning = self._tuning(seg_rows(False))
-        threads = _threads(len(runs))
+        threads = threads_for(len(runs))
         longest = int((runs[:, 1] - runs[:, 0]).max(initial=1))
         self._run("streaming", threads, tuning, self._items(self.work.items, runs),
                   stream_scratch(threads, self.p, tuning, longest))
@@ -309,7 +311,7 @@ class Steps:
         """split-kv's merge of the pieces of every split item."""
         groups = self.work.groups
         tuning = self._tuning(seg_rows(False))
-        threads = _threads(groups.shape[0])
+        threads = threads_for(groups.shape[0])
         n = self.p.G * self.work.rows_per_head
         scratch = MergeScratch(rows(threads, (n * tuning.ld,), np.float32),
                                *(rows(threads, (n,), np.float32) for _ in range(3)),
@@ -321,7 +323,7 @@ class Steps:
         """The AMX kernel over ``runs``; returns the runs of the items it left to the float32
         tiles."""
         tuning = self._tuning(seg_rows(True))
-        threads = _threads(len(runs))
+        threads = threads_for(len(runs))
         items = self._items(self.work.items, runs)
         self._run("amx", threads, tuning, items, amx_scratch(threads, self.p, tuning))
         left = np.flatnonzero(items.flags).astype(np.int64)
@@ -330,7 +332,7 @@ class Steps:
     def int8(self, runs):
         """The int8 kernel over ``runs``."""
         tuning = self._tuning(seg_rows(False))
-        threads = _threads(len(runs))
+        threads = threads_for(len(runs))
         self._run("int8", threads, tuning, self._items(self.work.items, runs),
                   int8_scratch(threads, self.p, tuning))
 
@@ -357,11 +359,6 @@ class Steps:
                       int(prefetch_next_keys()))
 
 
-def _threads(n):
-    """The threads a step of ``n`` runs takes (config.CPU_THREADS; None: Numba's)."""
-    return max(1, min(int(config.CPU_THREADS or numba.get_num_threads()), n))
-
-
 def quantize_output(p, out, flags, compile_only=False):
     """contract 'Quantization' output quantization of the float result ``out`` (float16 or
     float32, in the output layout) into a new int8 array; rows that are structural zeros
@@ -372,7 +369,7 @@ def quantize_output(p, out, flags, compile_only=False):
     y = np.zeros(p.out_shape, dtype=np.int8)
     o = p.out_view(out).view(np.uint16 if code == CODE_F16 else np.float32)
     worker("quantize-output").run(
-        _threads(p.B), (o, flags, s2, o2, p.out_view(y), np.zeros(1, np.int64), np.int64(code)),
+        threads_for(p.B), (o, flags, s2, o2, p.out_view(y), np.zeros(1, np.int64), np.int64(code)),
         Compiling("CPU", "quantize-output", "int8 output", p.layout), compile_only)
     return y
 
