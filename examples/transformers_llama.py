@@ -8,7 +8,8 @@ try:
     import torch
     import transformers
 except ImportError:
-    print("SKIP: needs torch and transformers (pip install 'pfa_numba[transformers]')")
+    print("SKIP: needs torch and transformers (the transformers extra: "
+          "python -m pip install -e '.[transformers]' in a checkout)")
     raise SystemExit(0)
 
 import pfa_numba.integrations.transformers as pfa_hf

@@ -4,6 +4,7 @@ import numpy as np
 from .frontend import checks
 
 from .frontend import pfa as PV
+from .frontend.fia import FIA_NAMES
 from . import dispatch
 from .frontend.problem import plan
 from .interop import torch_tensors
@@ -11,6 +12,7 @@ from .interop.cuda_arrays import Staged
 from .plans import Plan
 
 
+@checks.spelled(FIA_NAMES)
 def prompt_flash_attention(query, key, value, attn_mask=None, actual_seq_lengths=None,
                            actual_seq_lengths_kv=None, pse_shift=None, deq_scale1=None,
                            quant_scale1=None, deq_scale2=None, quant_scale2=None,

@@ -112,7 +112,8 @@ class CudaTarget(Target):
 
     def environment_problems(self, machine=None):
         if not _numba_cuda_installed():
-            return ["numba-cuda is not installed (pip install 'pfa_numba[cuda]')"]
+            return ["numba-cuda is not installed (the cuda extra: python -m pip install -e "
+                    "'.[cuda]' in a checkout)"]
         reasons = []
         broken = _numba_cuda_compile_problem()
         if broken:

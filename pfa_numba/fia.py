@@ -23,6 +23,7 @@ from .interop.cuda_arrays import Staged, checked, to_host
 from .plans import Plan
 
 
+@checks.spelled(FV.PFA_NAMES)
 def fused_infer_attention_score(
         query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
         actual_seq_lengths_kv=None, dequant_scale1=None, quant_scale1=None,

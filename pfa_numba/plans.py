@@ -67,8 +67,9 @@ class Plan:
         try:
             bound = inspect.signature(cls.operator).bind(*args, **kwargs)
         except TypeError as e:
-            raise TypeError(f"{cls.__name__} takes {cls.operator.__name__}'s arguments: "
-                            f"{e}") from None
+            hint = checks.spelling_hint(cls.operator, kwargs)
+            raise TypeError(f"{cls.__name__} takes {cls.operator.__name__}'s arguments: " + (
+                f"got an unexpected keyword argument {hint}" if hint else str(e))) from None
         return {**_defaults(cls.operator), **bound.arguments}
 
     @classmethod

@@ -199,9 +199,9 @@ def _planned(query, key, value, attn_mask, sinks, *, dropout_p, is_causal, scale
         if x.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dimensions (..., L, E), got shape "
                              f"{checks.shape_str(x.shape)}")
-        if _dtype(x).kind != "f" and not is_bf16(_dtype(x)):
-            raise TypeError(f"{name} must be float32, float16 or bfloat16 (the SDPA drop-in "
-                            f"has no quantized inputs), got {dtype_name(_dtype(x))}")
+        if _dtype(x) not in (np.float16, np.float32) and not is_bf16(_dtype(x)):
+            raise TypeError(f"{name} dtype must be float16, bfloat16 or float32 (the SDPA "
+                            f"drop-in's dtypes), got {dtype_name(_dtype(x))}")
     softcap = _softcap(softcap)
     _check_dropout(dropout_p)
     if is_causal and mask is not None:

@@ -1,8 +1,9 @@
 """Run the whole pfa_numba test suite: every pytest process, in two lanes at once.
 
-* lane "cpu": the CPU tests (tests/, one process), then the notebooks (executed with nbmake),
-  then the docs site (Sphinx, warnings as errors, into a fresh folder, so the notebooks run
-  again), which share the CPU kernels' Numba cache the CPU tests fill; then the
+* lane "cpu": the CPU tests (tests/, one process; the notebooks among them, executed and
+  their figures checked), then the docs site (Sphinx, warnings as errors, into a fresh
+  folder, so the notebooks run again) and a check that its notebook pages show their
+  figures, which share the CPU kernels' Numba cache the CPU tests fill; then the
   CUDA-simulator tests (tests/cudasim, when present: NUMBA_ENABLE_CUDASIM=1 must be set
   before Numba is imported, so they get a process of their own).
 * lane "cuda": the PTX checks (tests/ptx: ``cuda.compile_ptx`` needs the real numba.cuda): they
@@ -28,9 +29,10 @@ def lanes(site):
     steps in order."""
     py = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     cpu = [("cpu", py + ["tests", "--ignore=tests/ptx", "--ignore=tests/cudasim"], {}, True),
-           ("notebooks", py + ["--nbmake", "--nbmake-timeout=600", "notebooks"], {}, True),
            ("docs", [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-                     "docs", site], {}, False)]
+                     "docs", site], {}, False),
+           ("figures", [sys.executable, os.path.join(ROOT, "scripts", "check_site.py"), site],
+            {}, False)]
     if os.path.isdir(os.path.join(ROOT, "tests", "cudasim")):
         cpu.append(("cudasim", py + ["tests/cudasim"], {"NUMBA_ENABLE_CUDASIM": "1"}, True))
     return {"cpu": cpu, "cuda": [("ptx", py + ["tests/ptx"], {}, True)]}

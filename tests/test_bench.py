@@ -127,3 +127,48 @@ def test_decode_benchmark_times_only_the_call_after_eviction_and_another_layer()
     cold = _bench_decode._cold_cache(lambda: order.append("call"),
                                      np.ones(1024, np.uint64), lambda: order.append("other"))
     assert cold() >= 0 and order == ["other", "call"]
+
+
+#: ``python -m pfa_numba ARGS`` with the packages named in HIDE not importable
+HIDDEN_RUN = """
+import sys, importlib.abc
+HIDE = set(sys.argv[1].split(","))
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in HIDE:
+            raise ImportError(f"No module named {name!r}", name=name.split(".")[0])
+sys.meta_path.insert(0, Hide())
+from pfa_numba.cli.main import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _run_without(hidden, *args):
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-c", HIDDEN_RUN, ",".join(hidden), *args],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+@pytest.mark.parametrize("hidden", [("matplotlib",), ("torch", "matplotlib", "tqdm")])
+def test_bench_runs_on_a_base_install(hidden, tmp_path):
+    """The bare benchmark commands need none of the bench extra's packages: without
+    matplotlib the table is written and the plot left out with a note; without torch the
+    torch columns are left out too, and bench-decode (which imports it otherwise) runs."""
+    out = _run_without(hidden, "bench", "--quick", "--repeats", "1", "--no-cold", "--filter",
+                       "fp32 causal", "--out", str(tmp_path))
+    row = [r for r in (tmp_path / "results.md").read_text().splitlines()
+           if r.startswith("| fp32 causal")]
+    assert len(row) == 1 and not (tmp_path / "results.png").exists()
+    if "torch" in hidden:
+        assert "torch is not installed: no torch column" in out
+        assert "no plot: it draws torch's time" in out and row[0].split("|")[6].strip() == "-"
+        decode = _run_without(hidden, "bench-decode", "--quick", "--repeats", "1")
+        assert "torch is not installed: no torch column" in decode
+        assert "  decode float16 B=1 kv 1024: " in decode      # progress as the cases end
+        table = [r for r in decode.splitlines() if r.startswith("| float16 | 1 | 1024")]
+        assert len(table) == 1 and table[0].split("|")[12].strip() == "-"
+    else:
+        assert "no plot: matplotlib is not installed" in out

@@ -41,6 +41,36 @@ def test_masked_array_is_refused():
         prompt_flash_attention(q, np.ma.masked_array(k, mask=k > 1), v, **KW)
 
 
+#: every array argument of each operator, with a value it takes: (operator, name, value)
+_ONE = np.ones(1, np.float32)
+_ARRAY_ARGUMENTS = [
+    ("pfa", "attn_mask", np.zeros((8, 8), bool)), ("pfa", "pse_shift", np.zeros((1, 2, 8, 8),
+                                                                                 np.float32)),
+    ("pfa", "actual_seq_lengths", np.array([8])), ("pfa", "actual_seq_lengths_kv", np.array([8])),
+    ("pfa", "quant_scale2", _ONE), ("pfa", "quant_offset2", _ONE),
+    ("fia", "atten_mask", np.zeros((1, 8), bool)), ("fia", "actual_seq_lengths_kv", np.array([8])),
+    ("fia", "block_table", np.zeros((1, 1), np.int32)),
+    ("fia", "kv_padding_size", np.array([0])),
+    ("fia", "key_shared_prefix", np.zeros((1, 2, 2, 16), np.float32)),
+    ("fia", "actual_shared_prefix_len", np.array([2])),
+    ("fia", "key_antiquant_scale", _ONE)]
+
+
+@pytest.mark.parametrize("operator, name, value", _ARRAY_ARGUMENTS,
+                         ids=[f"{o}-{n}" for o, n, _ in _ARRAY_ARGUMENTS])
+def test_a_masked_array_is_refused_for_every_array_argument(operator, name, value):
+    """Its data would be read and its mask dropped: a TypeError naming the argument, whatever
+    else the call holds."""
+    from pfa_numba import fused_infer_attention_score
+    q = np.ones((1, 2, 1 if operator == "fia" else 8, 16), np.float32)
+    k = np.ones((1, 2, 8, 16), np.float32)
+    call = fused_infer_attention_score if operator == "fia" else prompt_flash_attention
+    masked = np.ma.masked_array(value, mask=np.ones(value.shape, bool))
+    with pytest.raises(TypeError, match=rf"^{name} must be a plain NumPy array, got a masked "
+                                        rf"array \(np.ma.MaskedArray of shape"):
+        call(q, k, k, num_heads=2, input_layout="BNSD", **{name: masked})
+
+
 @pytest.mark.parametrize("name", ["num_heads", "num_key_value_heads", "pre_tokens",
                                   "next_tokens", "sparse_mode", "inner_precise"])
 @pytest.mark.parametrize("value", [True, np.True_, False])

@@ -79,3 +79,18 @@ except RuntimeError as e:
     assert res.returncode == 0, res.stderr
     assert "REFUSED" in res.stdout and "cuda:" in res.stdout
     assert "numba-cuda" in res.stdout or "numba.cuda" in res.stdout
+
+
+def test_a_bare_command_prints_the_help():
+    out = _run()
+    assert out.startswith("usage: python -m pfa_numba")
+    for command in ("demo", "bench", "bench-decode", "warmup", "info", "cuda-ptx"):
+        assert command in out
+
+
+def test_the_console_script_is_the_same_command():
+    import shutil
+    script = shutil.which("pfa-numba", path=f"{sys.prefix}/bin")
+    assert script, "the pfa-numba console script is installed with the package"
+    res = subprocess.run([script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("usage: pfa-numba"), res.stderr

@@ -396,3 +396,20 @@ def test_a_torch_tensor_on_another_device_is_a_runtime_error(dtype, where):
     with pytest.raises(RuntimeError, match=f"{where} is a torch tensor on device 'meta'"):
         fia(args.pop("query"), args.pop("key"), args.pop("value"), **kw,
             actual_seq_lengths_kv=[3, 4], **args)
+
+
+@pytest.mark.parametrize("pfa_name, fia_name", [
+    ("attn_mask", "atten_mask"), ("deq_scale1", "dequant_scale1"),
+    ("deq_scale2", "dequant_scale2"), ("scale_value", "scale"),
+    ("return_softmax_lse", "softmax_lse_flag")])
+def test_a_keyword_the_other_operator_spells_names_this_ones(pfa_name, fia_name):
+    """prompt_flash_attention's name of an argument FIA spells differently (and the other way
+    round), given to the other operator or its plan, is a TypeError naming its own spelling."""
+    from pfa_numba import FiaPlan, PfaPlan, prompt_flash_attention
+    (q, k, v), kw = _base()
+    calls = [(fia, pfa_name, fia_name), (FiaPlan, pfa_name, fia_name),
+             (prompt_flash_attention, fia_name, pfa_name), (PfaPlan, fia_name, pfa_name)]
+    for operator, given, own in calls:
+        with pytest.raises(TypeError, match=rf"unexpected keyword argument '{given}': "
+                                            rf"\w+ spells it '{own}'"):
+            operator(q, k, v, **kw, **{given: None})

@@ -86,7 +86,10 @@ def test_numpy_in_numpy_out_matches_the_reference():
     (dict(scale="0.5"), TypeError, "scale must be a real number"),
     (dict(scale=float("inf")), ValueError, "scale must be finite"),
     (dict(head_dim=0), RuntimeError, "D"),
-    (dict(dtype=torch.int8), TypeError, "query must be float32, float16 or bfloat16"),
+    (dict(dtype=torch.int8), TypeError, r"query dtype must be float16, bfloat16 or float32 "
+                                        r"\(the SDPA drop-in's dtypes\), got int8"),
+    (dict(dtype=torch.float64), TypeError, r"query dtype must be float16, bfloat16 or float32 "
+                                           r"\(the SDPA drop-in's dtypes\), got float64"),
 ])
 @pytest.mark.parametrize("kind", ["tensor", "ndarray"])
 def test_refusals(bad, error, match, kind):

@@ -7,6 +7,7 @@ PNG plot. ``python -m pfa_numba bench`` runs it; ``benchmarks/run.py`` is the sa
 """
 import dataclasses
 import functools
+import importlib
 import os
 import platform
 import subprocess
@@ -422,7 +423,22 @@ def plot(results, path):
     plt.close(fig)
 
 
+#: where the optional packages of the benchmarks come from
+EXTRA_HINT = 'the bench extra has it: python -m pip install -e ".[bench]"'
+
+
+def torch_note():
+    """A line saying the torch column is left out, or "" where torch is installed."""
+    try:
+        importlib.import_module("torch")
+        return ""
+    except ImportError:
+        return f"torch is not installed: no torch column ({EXTRA_HINT})"
+
+
 def main(args):
+    if torch_note():
+        print(torch_note(), flush=True)
     cases = default_cases(quick=args.quick)
     if args.filter:
         cases = [c for c in cases if args.filter in c.name]
@@ -439,8 +455,16 @@ def main(args):
     text = f"# pfa_numba CPU benchmark ({stamp})\n\n{env}\n\n{table}\n"
     print("\n" + text)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
+    written = [os.path.join(args.out, "results.md")]
+    with open(written[0], "w") as f:
         f.write(text)
-    plot(results, os.path.join(args.out, "results.png"))
-    print(f"written: {args.out}/results.md, {args.out}/results.png")
+    if not any("torch" in r["ratio"] for r in results):
+        print("no plot: it draws torch's time over pfa_numba's, and torch is not installed")
+    else:
+        try:
+            plot(results, os.path.join(args.out, "results.png"))
+            written.append(os.path.join(args.out, "results.png"))
+        except ImportError as e:
+            print(f"no plot: {e.name} is not installed ({EXTRA_HINT})")
+    print("written: " + ", ".join(written))
     return 0

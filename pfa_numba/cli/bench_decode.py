@@ -38,7 +38,8 @@ from numba import njit, prange
 from .. import FiaPlan, config, fused_infer_attention_score
 from ..cache import CACHE
 from ..cpu.driver import parallel_region
-from .bench import environment, interleaved_times
+from ..cpu.threads import pool_size
+from .bench import environment, interleaved_times, torch_note
 
 N, NKV, D, BLOCK = 32, 8, 128, 128
 #: the eviction buffer's size where the last-level cache's is unknown
@@ -131,13 +132,10 @@ def _called(layouts):
 
 
 def _calls(bnsd, bsh, table):
-    """The timed calls of one decode case, by column."""
-    import torch
+    """The timed calls of one decode case, by column (torch's where torch is installed)."""
     q, k, v = bnsd
     B, S = k.shape[0], k.shape[2]
     kw = dict(num_heads=N, num_key_value_heads=NKV, scale=D ** -0.5)
-    tq, tk, tv = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
-                  if x.dtype == ml_dtypes.bfloat16 else torch.from_numpy(x) for x in (q, k, v))
     raw = [x.reshape(-1).view(np.uint64) for x in (k, v)]
     k8, v8 = (np.clip(np.round(x.astype(np.float32) * 40), -127, 127).astype(np.int8)
               for x in (k, v))
@@ -147,17 +145,28 @@ def _calls(bnsd, bsh, table):
     layouts = _layouts(bnsd, bsh, table)
     planned = {f"{name} planned": functools.partial(FiaPlan(*arrays, **kw), *arrays)
                for name, (arrays, kw) in layouts.items() if name.startswith("BNSD")}
-    return {
+    calls = {
         **_called(layouts),
         **planned,
         "int8": lambda: fused_infer_attention_score(q, k8, v8, input_layout="BNSD", **kw, **aq),
-        "torch": lambda: torch.nn.functional.scaled_dot_product_attention(
-            tq, tk, tv, enable_gqa=True),
         "stream": lambda: _read_each(raw),
     }
+    if not torch_note():
+        calls["torch"] = _torch_sdpa(q, k, v)
+    return calls
 
 
-def run(batches, lengths, dtypes, repeats):
+def _torch_sdpa(q, k, v):
+    """torch's SDPA of BNSD arrays ``q``, ``k``, ``v`` (GQA)."""
+    import torch
+    tq, tk, tv = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+                  if x.dtype == ml_dtypes.bfloat16 else torch.from_numpy(x) for x in (q, k, v))
+    return lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+
+
+def run(batches, lengths, dtypes, repeats, progress=print):
+    """Rows (dtype, B, S, K+V bytes, medians by column) of the decode table, each case
+    reported to ``progress`` as it ends."""
     rows = []
     rng = np.random.default_rng(0)
     evict = np.ones(2 * last_level_cache_bytes() // 8, np.uint64)
@@ -176,13 +185,16 @@ def run(batches, lengths, dtypes, repeats):
                             times[name].append(elapsed)
                 med = {name: statistics.median(t) for name, t in times.items()}
                 rows.append((np.dtype(dtype).name, B, S, 2 * bnsd[1].nbytes, med))
+                progress(f"  decode {np.dtype(dtype).name} B={B} kv {S}: "
+                         f"{med['BNSD'] * 1e3:.2f} ms")
                 del calls
     return rows
 
 
-def run_prefill(cases, dtypes, repeats):
+def run_prefill(cases, dtypes, repeats, progress=print):
     """Rows (dtype, Sq, Skv, medians by column) of the prefill table: B = 1, query row i at
-    kv position Skv - Sq + i (causal at the cache's end), warm calls alternating."""
+    kv position Skv - Sq + i (causal at the cache's end), warm calls alternating; each case
+    reported to ``progress`` as it ends."""
     rows = []
     rng = np.random.default_rng(1)
     for dtype in dtypes:
@@ -193,6 +205,8 @@ def run_prefill(cases, dtypes, repeats):
             times = interleaved_times(calls, repeats)
             rows.append((np.dtype(dtype).name, sq, S,
                          {name: statistics.median(t) for name, t in times.items()}))
+            progress(f"  prefill {np.dtype(dtype).name} {sq} rows, kv {S}: "
+                     f"{rows[-1][3]['BNSD'] * 1e3:.2f} ms")
     return rows
 
 
@@ -228,24 +242,27 @@ def markdown(rows, repeats):
              "| cache | B | kv tokens | K+V MiB | " + " | ".join(head) + " |",
              "|---" * (4 + len(head)) + "|"]
     for dt, B, S, nbytes, t in rows:
-        cells = ([f"{t[c] * 1e3:.2f}" for c, _ in _TIMES]
-                 + [f"{t[a] / t[b]:.2f}" for a, b in _RATIOS])
+        cells = ([f"{t[c] * 1e3:.2f}" if c in t else "-" for c, _ in _TIMES]
+                 + [f"{t[a] / t[b]:.2f}" if a in t and b in t else "-" for a, b in _RATIOS])
         lines.append(f"| {dt} | {B} | {S} | {nbytes / 2**20:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(args):
     """The decode benchmark for parsed ``args`` (quick, repeats, out)."""
-    import numba
-    import torch
-    torch.set_num_threads(int(config.CPU_THREADS or numba.get_num_threads()))
+    if torch_note():
+        print(torch_note(), flush=True)
+    else:
+        import torch
+        torch.set_num_threads(int(config.CPU_THREADS or pool_size()))
+    progress = functools.partial(print, flush=True)
     dtypes = (np.float16,) if args.quick else (np.float16, ml_dtypes.bfloat16)
     if args.quick:
-        rows = run((1,), (1024,), dtypes, args.repeats)
-        prefill = run_prefill(((64, 512),), dtypes, args.repeats)
+        rows = run((1,), (1024,), dtypes, args.repeats, progress)
+        prefill = run_prefill(((64, 512),), dtypes, args.repeats, progress)
     else:
-        rows = run((1, 8), (1024, 4096, 16384, 32768), dtypes, args.repeats)
-        prefill = run_prefill(((256, 4096), (1024, 1024)), dtypes, args.repeats)
+        rows = run((1, 8), (1024, 4096, 16384, 32768), dtypes, args.repeats, progress)
+        prefill = run_prefill(((256, 4096), (1024, 1024)), dtypes, args.repeats, progress)
     text = markdown(rows, args.repeats) + "\n\n" + markdown_prefill(prefill, args.repeats)
     print(text)
     if args.out:

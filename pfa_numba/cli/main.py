@@ -1,6 +1,6 @@
-"""``python -m pfa_numba demo | bench | bench-decode | warmup | info | cuda-ptx``: the main job,
-the benchmarks, cache warm-up for deployment images, a look at this installation, and the
-tensor-core kernel's PTX."""
+"""``python -m pfa_numba demo | bench | bench-decode | warmup | info | cuda-ptx`` (or
+``pfa-numba ...``): the main job, the benchmarks, cache warm-up for deployment images, a look
+at this installation, and the tensor-core kernel's PTX."""
 import argparse
 import os
 import platform
@@ -189,8 +189,12 @@ def _bench_decode_module():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m pfa_numba", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    prog = "pfa-numba" if os.path.basename(sys.argv[0]) == "pfa-numba" else "python -m pfa_numba"
+    parser = argparse.ArgumentParser(
+        prog=prog, description="pfa_numba's commands: the demo, the benchmarks, compiling the "
+        "CPU kernels ahead (images, CI), this installation and its kernels, the CUDA kernels' "
+        "PTX. Each takes --help.")
+    sub = parser.add_subparsers(dest="cmd")
     p = sub.add_parser("demo", help="the seed example and a realistic prefill, checked and timed")
     p.add_argument("--seq", type=int, default=1024, help="sequence length of the prefill")
     p.add_argument("--repeats", type=int, default=5)
@@ -221,6 +225,9 @@ def main(argv=None):
     p.add_argument("--filter", default="", help="only files whose name contains this")
     p.set_defaults(fn=cuda_ptx)
     args = parser.parse_args(argv)
+    if args.cmd is None:                # a bare command: what it can do
+        parser.print_help()
+        return 0
     try:
         return args.fn(args)
     except BrokenPipeError:

@@ -8,6 +8,7 @@ make no sense (layout names, ranks, lengths, non-finite scale), RuntimeError for
 argument rules the Ascend kernel enforces. Checks never use ``assert`` (it vanishes under -O).
 """
 import dataclasses
+import functools
 import math
 import numbers
 
@@ -92,6 +93,30 @@ def check_device(value):
     return value
 
 
+def spelled(own):
+    """An operator whose keyword arguments, spelled as the other operator spells them (``own``:
+    {that spelling: this operator's}), are a TypeError naming this operator's spelling, not
+    Python's bare "unexpected keyword argument"."""
+    def wrap(operator):
+        @functools.wraps(operator)
+        def call(*args, **kwargs):
+            if kwargs.keys() & own.keys():
+                raise TypeError(f"{operator.__name__}() got an unexpected keyword argument "
+                                f"{spelling_hint(call, kwargs)}")
+            return operator(*args, **kwargs)
+        call.spellings = own
+        return call
+    return wrap
+
+
+def spelling_hint(operator, kwargs):
+    """'name': how ``operator`` (made by :func:`spelled`) spells the first of ``kwargs`` it
+    spells otherwise; "" where there is none."""
+    own = getattr(operator, "spellings", {})
+    name = next((n for n in kwargs if n in own), None)
+    return "" if name is None else f"{name!r}: {operator.__name__} spells it {own[name]!r}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Arguments:
     """What a call's record of its arguments (:class:`.pfa.Call`, :class:`.fia.FiaCall`: frozen
@@ -117,6 +142,10 @@ class Arguments:
     device: Any = None
 
     TENSORS = ()
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            refuse_masked(field.name, getattr(self, field.name))
 
     def tensors(self):
         """{name: array or None} of the tensor arguments."""
@@ -237,13 +266,27 @@ def plain(name, x):
     would be silently dropped: pass attn_mask instead). Anything else is returned as it is."""
     if x is None or type(x) is np.ndarray:           # the common cases, quickly
         return x
-    if isinstance(x, np.ma.MaskedArray):
-        raise TypeError(f"{name} must be a plain NumPy array, got a masked array "
-                        f"(np.ma.MaskedArray of shape {shape_str(x.shape)}); pass the positions "
-                        f"to drop as attn_mask")
+    refuse_masked(name, x)
     if isinstance(x, np.ndarray):
         return x.view(np.ndarray)
     return x
+
+
+def refuse_masked(name, x):
+    """A masked array (or a list of arrays holding one) is a TypeError: the kernels would read
+    its data and drop its mask."""
+    if isinstance(x, (list, tuple)):
+        for item in x:
+            refuse_masked(name, item)
+    elif isinstance(x, np.ma.MaskedArray):
+        hint = ("pass the positions to drop in the attention mask" if name in MASKABLE
+                else "its mask would be ignored")
+        raise TypeError(f"{name} must be a plain NumPy array, got a masked array "
+                        f"(np.ma.MaskedArray of shape {shape_str(x.shape)}); {hint}")
+
+
+#: the arguments whose masked positions an attention mask can drop instead
+MASKABLE = ("query", "key", "value", "pse_shift")
 
 
 def check_qkv_dtypes(query, key, value):

@@ -25,9 +25,13 @@ from ..numerics.dtypes import F16, F32, I8, dtype_name, is_bf16
 #: array arguments are small: lengths, scales, the block table; read on the host)
 TENSORS = ("query", "key", "value", "atten_mask", "pse_shift", "key_shared_prefix",
            "value_shared_prefix")
-#: the arguments whose names differ from prompt_flash_attention's, whose checks FIA's reuse
+#: the arguments whose names differ from prompt_flash_attention's ({PFA's: FIA's}), whose
+#: checks FIA's reuse
 PFA_NAMES = {"attn_mask": "atten_mask", "deq_scale1": "dequant_scale1",
-             "deq_scale2": "dequant_scale2", "scale_value": "scale"}
+             "deq_scale2": "dequant_scale2", "scale_value": "scale",
+             "return_softmax_lse": "softmax_lse_flag"}
+#: ... and the other way round ({FIA's: PFA's})
+FIA_NAMES = {fia: pfa for pfa, fia in PFA_NAMES.items()}
 _PFA_NAME = re.compile(r"\b(" + "|".join(PFA_NAMES) + r")\b")
 #: a padding size beyond any frame: every larger one leaves the same empty window
 _PAD_BEYOND = 1 << 62
