@@ -230,7 +230,7 @@ def _planned(query, key, value, attn_mask, sinks, *, dropout_p, is_causal, scale
                    num_key_value_heads=hkv, scale_value=scale, input_layout="BNSD",
                    sparse_mode=0 if discard is None else 1, inner_precise=2,
                    return_softmax_lse=want_lse)
-    valid = PV.validate(call, stage=None if xp is np else Staged)
+    valid = PV.validate(call, stage=None if xp is np else Staged, ascend_head_dims=False)
     if is_causal:
         valid = dataclasses.replace(valid, sparse_mode=2, has_mask=True)   # the band j <= i
     elif band is not None:

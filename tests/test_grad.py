@@ -1,6 +1,7 @@
 """Grad mode on the SDPA drop-in: its backward (pfa_numba.cpu.backward) against torch's autograd
 through the eager attention written out below, in float64 on the same (rounded) inputs; the
 tolerance is twice the error of that same eager attention run in the inputs' dtype."""
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -167,6 +168,22 @@ def test_16bit_gradients_within_twice_eagers_own_error(dtype):
                         _eager(softcap=4.0))
     check_against_eager(dtype, dict(q=(2, 3, 67, 16), k=(2, 3, 67, 16), v=(2, 3, 67, 16)),
                         "qkv", _sdpa(is_causal=True), _eager(causal=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("d", [1, 4, 8, 24, 100])
+def test_every_head_dim_in_every_dtype(d, dtype):
+    """The drop-in takes any head dim in each float dtype (whisper's 4, bert's and granite's
+    8), bfloat16's too, which Ascend's operators refuse unless a multiple of 16: the output and
+    its gradients, causal, GQA, Sq != Skv."""
+    shapes = dict(q=(2, 4, 37, d), k=(2, 2, 45, d), v=(2, 2, 45, d))
+    check_against_eager(dtype, shapes, "qkv", _sdpa(is_causal=True), _eager(causal=True),
+                        seed=d)
+    if dtype == torch.bfloat16 and d % 16:
+        q = torch.zeros(1, 2, 4, d).numpy().astype(ml_dtypes.bfloat16)
+        with pytest.raises(RuntimeError, match="bfloat16 needs head dim D % 16 == 0"):
+            prompt_flash_attention(q, q, q, num_heads=2, input_layout="BNSD")
 
 
 @pytest.mark.parametrize("shapes", [dict(q=(9, 16), k=(12, 16), v=(12, 16)),

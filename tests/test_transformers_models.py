@@ -1,6 +1,6 @@
 """The decoder families of transformers on pfa_numba against their own "eager" attention: tiny
 random configs built with transformers' classes (nothing is downloaded), sliding windows shorter
-than the prompts, prefill logits with and without padding, in float32 and bfloat16, with grad
+than the prompts, head dims 16 and 8 (bfloat16 below Ascend's multiple of 16), prefill logits with and without padding, in float32 and bfloat16, with grad
 mode off and on, greedy generation with the KV cache, and a fine-tuning step's gradients.
 
 Tolerances: float32 results within 32 float32 ulps of the eager result's largest magnitude;
@@ -25,6 +25,7 @@ def _configs():
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   pad_token_id=0)
+    small = dict(common, hidden_size=32, bos_token_id=1, eos_token_id=2)
     return {
         "llama": lambda: transformers.LlamaConfig(head_dim=16, **common),
         "mistral": lambda: transformers.MistralConfig(head_dim=16, sliding_window=WINDOW,
@@ -40,6 +41,10 @@ def _configs():
         "gpt_oss": lambda: transformers.GptOssConfig(head_dim=16, sliding_window=WINDOW,
                                                      layer_types=LAYERS, num_local_experts=4,
                                                      num_experts_per_tok=2, **common),
+        # head dim 8: bfloat16 below Ascend's multiple of 16, which the drop-in takes
+        "granite": lambda: transformers.GraniteConfig(**small),
+        "cohere2": lambda: transformers.Cohere2Config(sliding_window=WINDOW, layer_types=LAYERS,
+                                                      **small),
     }
 
 

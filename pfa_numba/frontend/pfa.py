@@ -83,13 +83,14 @@ class ValidCall:
     staged: Any = None               # the CUDA arguments' Staged, or None
 
 
-def validate(call, stage=None):
+def validate(call, stage=None, ascend_head_dims=True):
     """Check every argument of ``call`` (contract 'Errors') and return it as a :class:`ValidCall`.
 
     The device comes first; then ``stage(call, device)`` (from the API) gives the host-readable
     arrays the other checks read where the call holds CUDA arrays or torch tensors (or None). They
     run in a fixed order (scalars before tensors), so a call with several faults
-    always reports the same one."""
+    always reports the same one. ``ascend_head_dims``: Ascend's rule that a bfloat16 head dim is
+    a multiple of 16 (the SDPA drop-in takes every head dim, as torch does; the kernels do)."""
     device = check_placement(call)
     staged = None if stage is None else stage(call, device)
     if staged is not None:
@@ -139,7 +140,7 @@ def validate(call, stage=None):
                            f"{shape_str(query.shape)})")
     _check_limit("head dim D", d, MAX_HEAD_DIM, "",
                  f" (query shape {shape_str(query.shape)})")
-    if is_bf16(dtype) and d % 16:
+    if ascend_head_dims and is_bf16(dtype) and d % 16:
         raise RuntimeError(f"bfloat16 needs head dim D % 16 == 0, got D = {d} (query shape "
                            f"{shape_str(query.shape)})")
 
