@@ -1,7 +1,8 @@
 """The decoder families of transformers on pfa_numba against their own "eager" attention: tiny
 random configs built with transformers' classes (nothing is downloaded), sliding windows shorter
 than the prompts, head dims 16 and 8 (bfloat16 below Ascend's multiple of 16), prefill logits with and without padding, in float32 and bfloat16, with grad
-mode off and on, greedy generation with the KV cache, and a fine-tuning step's gradients.
+mode off and on, greedy generation with the KV cache, and a fine-tuning step's gradients; and
+an encoder-decoder, Whisper (head dim 4, cross-attention).
 
 Tolerances: float32 results within 32 float32 ulps of the eager result's largest magnitude;
 bfloat16 logits within twice the error of eager's own bfloat16 run (both against eager in
@@ -214,3 +215,55 @@ def test_output_attentions_under_torch_compile():
         got = compiled(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
     rows = mask.bool()[:, None, :, None].expand_as(want[0])
     assert all((a - b)[rows].abs().max() <= F32_TOL for a, b in zip(got, want))
+
+
+def _whisper(dtype=torch.float32):
+    """A tiny random Whisper (head dim 4): an encoder, a causal decoder and its cross-attention
+    over the encoder's states, the same weights for every dtype."""
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=30, max_target_positions=40,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=3)
+    torch.manual_seed(0)
+    return transformers.WhisperForConditionalGeneration(config).eval().to(dtype)
+
+
+def _whisper_logits(model, attn, dtype, grad=False):
+    """Logits of two clips' features and their left-padded decoder tokens (row 1 loses 2),
+    at the decoder's real positions."""
+    g = torch.Generator().manual_seed(1)
+    features = torch.randn(2, 8, 60, generator=g).to(dtype)
+    tokens = torch.randint(4, VOCAB, (2, 7), generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :2] = 0
+    model.set_attn_implementation(attn)
+    with torch.set_grad_enabled(grad):
+        logits = model(input_features=features, decoder_input_ids=tokens,
+                       decoder_attention_mask=mask).logits
+    return logits.detach().float()[mask.bool()]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_whisper_encoder_decoder_and_cross_attention_match_eager(grad):
+    """float32 within 32 ulps of eager's largest logit; bfloat16 at head dim 4 within twice
+    eager's own bfloat16 error."""
+    exact = _whisper_logits(_whisper(), "eager", torch.float32)
+    got = _whisper_logits(_whisper(), NAME, torch.float32, grad)
+    assert (got - exact).abs().max() <= F32_TOL * exact.abs().max()
+    half = _whisper(torch.bfloat16)
+    eager_error = (_whisper_logits(half, "eager", torch.bfloat16, grad) - exact).abs().max()
+    ours_error = (_whisper_logits(half, NAME, torch.bfloat16, grad) - exact).abs().max()
+    assert 0 < ours_error <= 2 * eager_error
+
+
+def test_whisper_generation_matches_eager():
+    model = _whisper()
+    features = torch.randn(2, 8, 60, generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for attn in ("eager", NAME):
+        model.set_attn_implementation(attn)
+        with torch.no_grad():
+            runs[attn] = model.generate(input_features=features, max_new_tokens=8,
+                                        do_sample=False)
+    assert torch.equal(runs[NAME], runs["eager"])
