@@ -1,8 +1,9 @@
 """The decoder families of transformers on pfa_numba against their own "eager" attention: tiny
 random configs built with transformers' classes (nothing is downloaded), sliding windows shorter
-than the prompts, head dims 16 and 8 (bfloat16 below Ascend's multiple of 16), prefill logits with and without padding, in float32 and bfloat16, with grad
-mode off and on, greedy generation with the KV cache, and a fine-tuning step's gradients; and
-an encoder-decoder, Whisper (head dim 4, cross-attention).
+than the prompts, head dims 16 and 8 (bfloat16 below Ascend's multiple of 16), prefill logits
+with and without padding, in float32 and bfloat16, with grad mode off and on, greedy
+generation with the KV cache, and a fine-tuning step's gradients; and an encoder-decoder,
+Whisper (head dim 4, cross-attention).
 
 Tolerances: float32 results within 32 float32 ulps of the eager result's largest magnitude;
 bfloat16 logits within twice the error of eager's own bfloat16 run (both against eager in
