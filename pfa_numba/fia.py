@@ -34,7 +34,8 @@ def fused_infer_attention_score(
         value_shared_prefix=None, actual_shared_prefix_len=None, num_heads=1, scale=1.0,
         pre_tokens=TOKENS_INF, next_tokens=TOKENS_INF, input_layout="BSH",
         num_key_value_heads=0, sparse_mode=0, inner_precise=1, block_size=0, antiquant_mode=0,
-        key_antiquant_mode=0, value_antiquant_mode=0, softmax_lse_flag=False, device=None):
+        key_antiquant_mode=0, value_antiquant_mode=0, softmax_lse_flag=False,
+        learnable_sink=None, device=None):
     """Fused attention for inference, as Ascend's FusedInferAttentionScore: the prefill branch
     (prompt_flash_attention, with FIA's argument names ``atten_mask``, ``scale``,
     ``dequant_scale1/2`` and its default ``next_tokens=2147483647``) and the decode branch
@@ -60,6 +61,11 @@ def fused_infer_attention_score(
     cache per call). int8 key/value with a float query: dequantized as they load, ``(int8 +
     offset) * scale`` per tensor, channel, head, token or paged slot (``antiquant_*``,
     ``key_antiquant_*``, ``value_antiquant_*``; docs/fia.md, 'KV antiquant').
+
+    ``learnable_sink`` (torch_npu's fused_infer_attention_score_v2 argument; None, or one real
+    number a query head, in the scaled scores' units): each head's sink logit joins the
+    softmax denominator (and softmax_lse) of every row that keeps a score, without a value row
+    (gpt-oss's attention sinks, as the SDPA drop-in's ``sinks``); float queries only.
 
     ``device`` as prompt_flash_attention's: on CUDA (CUDA arrays, or ``device='cuda'``) the
     portable CUDA kernel walks the same kv sequence; the tensors of a CUDA query are read in
@@ -93,7 +99,8 @@ def _results(query, out, lse, lse_flag, staged=None):
 def planned(valid):
     """The planned problem of a :class:`frontend.fia.ValidFia`: its prompt_flash_attention
     plan with the kv cache the kernels walk instead of the stand-in key and value."""
-    return plan(valid.pfa, valid.kv, valid.q_off)
+    problem = plan(valid.pfa, valid.kv, valid.q_off)
+    return problem if valid.sinks is None else dataclasses.replace(problem, sinks=valid.sinks)
 
 
 def _host(call):

@@ -287,3 +287,55 @@ def test_int8_kv_with_a_shared_prefix():
     pk, pv = _int8(rng, (1, NKV, 6, D)), _int8(rng, (1, NKV, 6, D))
     _check((q, k, v), _kw(key_shared_prefix=pk, value_shared_prefix=pv,
                           **_antiquant_args(rng, "merged per-channel", 20)), F16)
+
+
+#: learnable_sink: one logit a query head, large enough to take much of each row's weight
+SINKS = np.linspace(-2.0, 4.0, N).astype(np.float32)
+
+
+@pytest.mark.parametrize("sq, mode", [(1, 0), (21, 3)], ids=["decode", "prefill-causal"])
+@pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=["fp16", "bf16", "fp32"])
+def test_learnable_sink_on_a_contiguous_cache(tiles, sq, mode, dtype):
+    """Each head's sink logit joins the softmax denominators and softmax_lse; an empty kv
+    (batch 2) keeps nothing: zeros and lse -inf, the sink taking no row of its own."""
+    rng = np.random.default_rng(12)
+    q, k, v = _qkv(rng, "BNSD", dtype, sq, 40)
+    causal = np.triu(np.ones((2048, 2048), bool), 1) if mode == 3 else None
+    kw = _kw(sparse_mode=mode, atten_mask=causal, actual_seq_lengths_kv=[40, 17, 0],
+             learnable_sink=SINKS)
+    out, lse = _check((q, k, v), kw, dtype)
+    plain, _ = fia(q, k, v, **dict(kw, learnable_sink=None))
+    assert not np.array_equal(out, plain)
+    assert not out[2].any() and np.isneginf(lse[2]).all()
+
+
+@pytest.mark.parametrize("form", ["paged per-token", "per-head"])
+def test_learnable_sink_on_a_paged_int8_cache(tiles, form):
+    rng = np.random.default_rng(13)
+    nb, bs = 12, 8
+    table = rng.permutation(nb)[:B * 4].reshape(B, 4).astype(np.int32)
+    k, v = _int8(rng, (nb, NKV, bs, D)), _int8(rng, (nb, NKV, bs, D))
+    q = _x(rng, (B, N, 1, D), F16)
+    _check((q, k, v), _kw(block_table=table, block_size=bs, actual_seq_lengths_kv=[32, 9, 17],
+                          learnable_sink=SINKS.astype(F16),
+                          **_antiquant_args(rng, form, 32, nb, bs)), F16)
+
+
+def test_learnable_sink_refusals_and_plans():
+    """A sink a head (ValueError), real numbers (TypeError), float queries only
+    (RuntimeError); a plan keeps the sinks it was made with."""
+    from pfa_numba import FiaPlan
+    rng = np.random.default_rng(14)
+    q, k, v = _qkv(rng, "BNSD", F16, 1, 30)
+    with pytest.raises(ValueError, match=r"learnable_sink must have one value a query head, "
+                                         r"shape \(8,\), got shape \(2,\)"):
+        fia(q, k, v, **_kw(learnable_sink=np.zeros(2, np.float32)))
+    with pytest.raises(TypeError, match="learnable_sink must hold real numbers"):
+        fia(q, k, v, **_kw(learnable_sink=np.zeros(N, bool)))
+    q8, k8 = (rng.integers(-5, 5, x.shape).astype(np.int8) for x in (q, k))
+    with pytest.raises(RuntimeError, match="learnable_sink takes a float query"):
+        fia(q8, k8, k8, **_kw(learnable_sink=SINKS, dequant_scale1=np.ones(1, np.float32),
+                              quant_scale1=np.ones(1, np.float32),
+                              dequant_scale2=np.ones(1, np.float32)))
+    plan = FiaPlan(q, k, v, **_kw(learnable_sink=SINKS))
+    np.testing.assert_array_equal(plan(q, k, v)[0], fia(q, k, v, **_kw(learnable_sink=SINKS))[0])

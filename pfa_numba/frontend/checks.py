@@ -233,20 +233,20 @@ def is_cuda_array(x):
         return False
 
 
-def sink_logits(value, heads):
-    """Attention sinks as float32 (heads,) on the host: an array (NumPy, a torch tensor, a
-    CUDA array: copied here) of real numbers (TypeError) with one value a query head
-    (ValueError)."""
+def sink_logits(value, heads, name="sinks"):
+    """Attention sinks (argument ``name``) as float32 (heads,) on the host: an array (NumPy, a
+    torch tensor, a CUDA array: copied here) of real numbers (TypeError) with one value a query
+    head (ValueError)."""
     if is_cuda_array(value):
-        value = cuda_arrays.checked("sinks", cuda_arrays.to_host, value)
+        value = cuda_arrays.checked(name, cuda_arrays.to_host, value)
     elif torch_tensors.is_cpu_tensor(value):
-        value = torch_tensors.as_numpy("sinks", value)
-    arr = check_array("sinks", value)
+        value = torch_tensors.as_numpy(name, value)
+    arr = check_array(name, value)
     if arr.dtype.kind not in "fiu" and not is_bf16(arr.dtype):
-        raise TypeError(f"sinks must hold real numbers, got dtype {dtype_name(arr.dtype)}")
+        raise TypeError(f"{name} must hold real numbers, got dtype {dtype_name(arr.dtype)}")
     if arr.shape != (heads,):
-        raise ValueError(f"sinks must have one value a query head, shape ({heads},), got shape "
-                         f"{shape_str(arr.shape)}")
+        raise ValueError(f"{name} must have one value a query head, shape ({heads},), got "
+                         f"shape {shape_str(arr.shape)}")
     return arr.astype(np.float32)
 
 

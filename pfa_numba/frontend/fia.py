@@ -65,6 +65,7 @@ class FiaCall(checks.Arguments):
     key_antiquant_mode: Any = 0
     value_antiquant_mode: Any = 0
     softmax_lse_flag: Any = False
+    learnable_sink: Any = None
 
     TENSORS = TENSORS
 
@@ -98,6 +99,7 @@ class ValidFia:
     q_off: np.ndarray                      # int64[B]: first physical query row
     decode: bool
     lse_flag: bool
+    sinks: Optional[np.ndarray] = None     # float32 (N,): learnable_sink, or None
 
 
 def _real(name, x):
@@ -132,6 +134,17 @@ def _kv_arrays(name, x):
 def validate(call, device=None):
     """Check ``call`` (docs/fia.md, 'Errors') and return its :class:`ValidFia`; ``device``: the
     one it runs on, where the caller has placed it (else the call's own ``device``)."""
+    valid = _validate(call, device)
+    if call.learnable_sink is None:
+        return valid
+    if valid.pfa.dtype == I8:
+        raise RuntimeError("learnable_sink takes a float query (the int8 pipeline has no sink "
+                           "term), got an int8 query")
+    return dataclasses.replace(valid, sinks=checks.sink_logits(call.learnable_sink, valid.pfa.N,
+                                                               "learnable_sink"))
+
+
+def _validate(call, device):
     lse_flag = checks.check_bool("softmax_lse_flag", call.softmax_lse_flag)
     block_size = checks.check_int("block_size", call.block_size)
     for name in ("antiquant_mode", "key_antiquant_mode", "value_antiquant_mode"):

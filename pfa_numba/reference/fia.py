@@ -29,13 +29,16 @@ def fused_infer_attention_score(
         value_shared_prefix=None, actual_shared_prefix_len=None, num_heads=1, scale=1.0,
         pre_tokens=_INF, next_tokens=_INF, input_layout="BSH", num_key_value_heads=0,
         sparse_mode=0, inner_precise=1, block_size=0, antiquant_mode=0, key_antiquant_mode=0,
-        value_antiquant_mode=0, softmax_lse_flag=False, compute_dtype=None):
+        value_antiquant_mode=0, softmax_lse_flag=False, learnable_sink=None,
+        compute_dtype=None):
     """Reference FIA: MindSpore's arguments (the FIA contract), returning (out, lse) in float64.
 
     out is in the output layout, as the prompt_flash_attention reference returns it (the exact
     value before rounding for float outputs, the quantized model's values for int8 ones); lse
     is (B, N, Sq, 1) with -inf for rows that kept nothing, or zeros (1,) without
     ``softmax_lse_flag``. ``compute_dtype`` as in the prompt_flash_attention reference.
+    ``learnable_sink``: one logit a query head in every row's softmax denominator (the
+    prompt_flash_attention reference's ``sinks``).
     """
     query = np.asarray(query)
     pfa = dict(pse_shift=pse_shift, deq_scale1=dequant_scale1, quant_scale1=quant_scale1,
@@ -43,7 +46,8 @@ def fused_infer_attention_score(
                quant_offset2=quant_offset2, num_heads=num_heads, scale_value=scale,
                pre_tokens=pre_tokens, next_tokens=next_tokens, sparse_mode=sparse_mode,
                inner_precise=inner_precise, return_softmax_lse=True,
-               compute_dtype=compute_dtype)
+               compute_dtype=compute_dtype,
+               sinks=None if learnable_sink is None else np.asarray(learnable_sink, np.float64))
     if input_layout == "TND":                         # contiguous kv only: PFA as it is
         out, lse = prompt_flash_attention(query, _single(key), _single(value), atten_mask,
                                           actual_seq_lengths, actual_seq_lengths_kv,
