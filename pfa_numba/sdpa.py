@@ -76,8 +76,14 @@ def _attend(args, options, want_lse, device=None):
                                     if x is not None))
     problem, staged = _planned(*args, **options, want_lse=want_lse)
     out, lse = _run(problem, staged, device or "cpu")
-    out = out.reshape(np.shape(query))
+    out = out.reshape(_out_shape(query, value))
     return (torch_tensors.as_tensor(out) if torch_tensors.is_cpu_tensor(query) else out), lse
+
+
+def _out_shape(query, value):
+    """The result's shape: the query's, with value's head dim (which may differ from the
+    query's, as in multi-head latent attention)."""
+    return tuple(np.shape(query)[:-1]) + tuple(np.shape(value)[-1:])
 
 
 def _run(problem, staged, device):
@@ -129,7 +135,7 @@ def _operator_forward(query, key, value, attn_mask, sinks, options):
     problem, staged = _planned(query, key, value, attn_mask, sinks, dropout_p=0.0, **options,
                                want_lse=True)
     out, lse = _run(problem, staged, "cpu")
-    return out.reshape(query.shape), lse.reshape(query.shape[:-1])
+    return out.reshape(_out_shape(query, value)), lse.reshape(query.shape[:-1])
 
 
 def _operator_backward(state, dout, want_dbias):
@@ -138,7 +144,7 @@ def _operator_backward(state, dout, want_dbias):
     and the output's gradient ``dout``."""
     query, key, value, attn_mask, sinks, out, lse, options = state
     p = attention_problem(query, key, value, attn_mask, sinks, dropout_p=0.0, **options)
-    bnsd = (p.B, p.N, p.Sq, p.D)
+    bnsd = (p.B, p.N, p.Sq, p.Dv)
     kernel = dispatch.choose(p, "cpu", operation="backward").kernel
     dq, dk, dv, dbias, dsinks = kernel.gradients(p, out.reshape(bnsd), dout.reshape(bnsd),
                                                  lse.reshape(bnsd[:3]), want_dbias)
@@ -207,9 +213,6 @@ def _planned(query, key, value, attn_mask, sinks, *, dropout_p, is_causal, scale
     if is_causal and mask is not None:
         raise RuntimeError("is_causal=True takes no attn_mask (as torch), got an attn_mask of "
                            f"shape {checks.shape_str(np.shape(mask))}")
-    if v.shape[-1] != q.shape[-1]:
-        raise RuntimeError(f"value's head dim ({v.shape[-1]}) must equal query's "
-                           f"({q.shape[-1]}): the kernels compute P V with one head dim")
     q4, k4, v4 = (_bnsd(x) for x in (q, k, v))
     hq, hkv = q4.shape[1], k4.shape[1]
     sinks = None if sinks is None else checks.sink_logits(sinks, hq)

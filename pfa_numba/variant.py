@@ -48,6 +48,7 @@ class Kernel:
     does: str                                 # in a line, for explanations and ``info``
     dtypes: tuple = FLOATS + ("int8",)        # query storage
     head_dims: tuple = ()                     # (): any the contract allows
+    own_value_head_dim: bool = False          # takes a value head dim Dv other than D
     layouts: tuple = ()                       # (): any
     caches: tuple = tuple(CACHE_FORMS)
     features: tuple = ()                      # of the machine (Target.features)
@@ -71,6 +72,9 @@ class Kernel:
         if self.head_dims and problem.D not in self.head_dims:
             reasons.append(f"head dim {problem.D} (it takes "
                            f"{', '.join(map(str, self.head_dims))})")
+        if problem.Dv != problem.D and not self.own_value_head_dim:
+            reasons.append(f"value head dim Dv = {problem.Dv} with head dim D = {problem.D} "
+                           f"(it takes Dv = D)")
         if self.layouts and problem.layout not in self.layouts:
             reasons.append(f"layout {problem.layout} (it takes {', '.join(self.layouts)})")
         reasons += [f"{CACHE_FORMS[form]} (it reads contiguous key / value)"

@@ -120,12 +120,14 @@ def test_a_declaration_rules_out_what_it_does_not_take():
                              switch="CPU_AMX", extensions=("sinks",))
 
     class P:                       # what a declaration reads of a planned problem
-        dtype, D, layout = np.dtype(np.float32), 96, "TND"
+        dtype, D, Dv, layout = np.dtype(np.float32), 96, 80, "TND"
         cache = type("C", (), dict(block_table=None, P=3, antiquant=(1, 1)))()
         softcap, sinks = 30.0, np.zeros(2, np.float32)
     reasons = kernel.not_supported_reasons(P, None, features=set())
     assert reasons == ["needs AMX, which this machine lacks", "float32 inputs (it takes float16)",
-                       "head dim 96 (it takes 64)", "layout TND (it takes BNSD)",
+                       "head dim 96 (it takes 64)",
+                       "value head dim Dv = 80 with head dim D = 96 (it takes Dv = D)",
+                       "layout TND (it takes BNSD)",
                        "a shared prefix (it reads contiguous key / value)",
                        "an int8 kv cache (it reads contiguous key / value)",
                        "softcapped scores (it does not compute them)"]

@@ -80,3 +80,19 @@ def test_bad_input_fails_before_any_task(client):
     with pytest.raises(ValueError, match="kv_splits"):
         pfa_dist.prompt_flash_attention(client, q, k, v, num_heads=2, input_layout="BNSD",
                                         kv_splits=0)
+
+
+@pytest.mark.parametrize("layout", ["BNSD", "BSH"])
+def test_a_value_head_dim_of_its_own(client, layout):
+    """Value's head dim (24) other than query / key's (16): the parts and their merge."""
+    from _cases import to_layout
+    rng = np.random.default_rng(11)
+    q, k = (to_layout(rng.standard_normal(s).astype(np.float32), layout)
+            for s in ((2, 4, 30, 16), (2, 2, 80, 16)))
+    v = to_layout(rng.standard_normal((2, 2, 80, 24)).astype(np.float32), layout)
+    m = np.triu(np.ones((2048, 2048), bool), 1)
+    kw = dict(num_heads=4, num_key_value_heads=2, input_layout=layout, sparse_mode=3)
+    single = prompt_flash_attention(q, k, v, m, **kw)
+    out = pfa_dist.prompt_flash_attention(client, q, k, v, m, **kw, kv_splits=3, batch_splits=2)
+    assert out.shape == single.shape
+    _close(out, single, np.float32)

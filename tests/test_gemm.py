@@ -192,7 +192,7 @@ def test_kernel_buffers_start_a_cache_line():
     from pfa_numba.cpu import driver
     from pfa_numba.cpu.records import Tuning
     from pfa_numba.cpu._vector import LINE
-    p = type("P", (), dict(D=72, G=2, code=0))()
+    p = type("P", (), dict(D=72, Dv=72, G=2, code=0))()
     tuning = Tuning(64, 512, 80, 86, 128, 0, 16, 0)
     scratch = driver.f32_scratch(3, p, tuning)
     for name, buf in scratch._asdict().items():

@@ -372,3 +372,20 @@ def test_the_operators_pass_torchs_opcheck(mask):
                               (dout, *data, *options, want_dmask),
                               test_utils=("test_schema", "test_faketensor",
                                           "test_aot_dispatch_static"))
+
+
+@pytest.mark.parametrize("whole_heads", [True, False], ids=["backward-heads", "backward-tiles"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d, dv", [(24, 16), (16, 40), (192, 128)])
+def test_a_value_head_dim_of_its_own(d, dv, dtype, whole_heads, monkeypatch):
+    """Multi-head latent attention's shapes (DeepSeek's prefill: D 192, Dv 128): the output has
+    value's head dim, dV value's shape, dQ and dK the query's head dim; both backward
+    kernels, with a mask, sinks and a softcap."""
+    from pfa_numba.cpu import backward
+    monkeypatch.setattr(backward, "owns_whole_heads", lambda p: whole_heads)
+    shapes = dict(q=(2, 4, 37, d), k=(2, 2, 45, d), v=(2, 2, 45, dv))
+    check_against_eager(dtype, shapes, "qkv", _sdpa(is_causal=True), _eager(causal=True),
+                        seed=dv)
+    keep = torch.rand(37, 45, generator=torch.Generator().manual_seed(1)) < 0.7
+    check_against_eager(dtype, dict(shapes, sinks=(4,)), ["q", "k", "v", "sinks"],
+                        _sdpa(softcap=4.0), _eager(softcap=4.0), others=dict(mask=keep))

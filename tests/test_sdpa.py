@@ -79,7 +79,6 @@ def test_numpy_in_numpy_out_matches_the_reference():
 @pytest.mark.parametrize("bad, error, match", [
     (dict(dropout_p=0.1), RuntimeError, "dropout_p must be 0.0"),
     (dict(is_causal=True, attn_mask="mask"), RuntimeError, "is_causal=True takes no attn_mask"),
-    (dict(value_dim=16), RuntimeError, "value's head dim"),
     (dict(kv_heads=2), RuntimeError, "enable_gqa=True"),
     (dict(attn_mask="float64"), TypeError, "float attn_mask must have the query's dtype"),
     (dict(attn_mask="wrong shape"), RuntimeError, "does not broadcast"),

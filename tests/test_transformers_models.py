@@ -1,6 +1,7 @@
 """The decoder families of transformers on pfa_numba against their own "eager" attention: tiny
 random configs built with transformers' classes (nothing is downloaded), sliding windows shorter
-than the prompts, head dims 16 and 8 (bfloat16 below Ascend's multiple of 16), prefill logits
+than the prompts, head dims 16 and 8 (bfloat16 below Ascend's multiple of 16), multi-head latent
+attention (a value head dim of its own: DeepSeek-V3, MiniCPM3), prefill logits
 with and without padding, in float32 and bfloat16, with grad mode off and on, greedy
 generation with the KV cache, and a fine-tuning step's gradients; and an encoder-decoder,
 Whisper (head dim 4, cross-attention).
@@ -28,6 +29,9 @@ def _configs():
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   pad_token_id=0)
     small = dict(common, hidden_size=32, bos_token_id=1, eos_token_id=2)
+    mla = dict(common, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, bos_token_id=1,
+               eos_token_id=2)
     return {
         "llama": lambda: transformers.LlamaConfig(head_dim=16, **common),
         "mistral": lambda: transformers.MistralConfig(head_dim=16, sliding_window=WINDOW,
@@ -47,6 +51,11 @@ def _configs():
         "granite": lambda: transformers.GraniteConfig(**small),
         "cohere2": lambda: transformers.Cohere2Config(sliding_window=WINDOW, layer_types=LAYERS,
                                                       **small),
+        # multi-head latent attention: query / key head dim 16 + 8 (rope), value's 12
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, moe_intermediate_size=32, **mla),
+        "minicpm3": lambda: transformers.MiniCPM3Config(**mla),
     }
 
 

@@ -137,6 +137,7 @@ def _takes(kernel):
     """What ``kernel`` takes, in words."""
     parts = ["/".join(kernel.dtypes),
              "D in " + ", ".join(map(str, kernel.head_dims)) if kernel.head_dims else "any D",
+             "any value head dim Dv" if kernel.own_value_head_dim else "Dv = D",
              "layouts " + ", ".join(kernel.layouts) if kernel.layouts else "any layout",
              "caches: contiguous" + "".join(f", {c}" for c in kernel.caches)]
     if kernel.features:

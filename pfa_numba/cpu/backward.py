@@ -110,37 +110,37 @@ def _in_band(lens, tile):
 
 
 @njit(**LEAF)
-def _offsets(dims, tile):
-    """Flat offsets of the tile's first query (and dO) row and first key (and value) row."""
-    _, N, Nkv, Sq, Skv, D = dims
+def _offsets(dims, tile, width):
+    """Flat offsets of the tile's first query-side row and first kv-side row in arrays of rows
+    of ``width`` values: Q and K (D), or dO and V (Dv)."""
+    _, N, Nkv, Sq, Skv, _, _ = dims
     b, h, i0, _, j0, _ = tile
-    return ((b * N + h) * Sq + i0) * D, ((b * Nkv + h // (N // Nkv)) * Skv + j0) * D
+    return ((b * N + h) * Sq + i0) * width, ((b * Nkv + h // (N // Nkv)) * Skv + j0) * width
 
 
 @njit(**LEAF)
 def _query_tile(item, dims):
     """(b, h, i0, nq) of work item ``item`` of a pass over query tiles."""
-    _, N, _, Sq, _, _ = dims
+    _, N, _, Sq, _, _, _ = dims
     tiles = (Sq + TILE_Q - 1) // TILE_Q
     i0 = item % tiles * TILE_Q
     return item // (N * tiles), item // tiles % N, i0, min(TILE_Q, Sq - i0)
 
 
 @njit(**LEAF)
-def _row_products(blas, rows, cols, dims, tile, dst):
+def _row_products(blas, rows, cols, width, dims, tile, dst):
     """dst (the tile, row-major, TILE_K apart) = the tile's query rows of ``rows`` (Q or dO)
-    times its kv rows of ``cols`` (K or V), transposed."""
-    q_off, k_off = _offsets(dims, tile)
-    D = dims[5]
-    gemm_rm(blas, tile[3], tile[5], D, rows, q_off, D, True, cols, k_off, D, dst, 0, TILE_K,
-            F32_ZERO)
+    times its kv rows of ``cols`` (K or V), transposed; rows of ``width`` values."""
+    q_off, k_off = _offsets(dims, tile, width)
+    gemm_rm(blas, tile[3], tile[5], width, rows, q_off, width, True, cols, k_off, width, dst, 0,
+            TILE_K, F32_ZERO)
 
 
 @njit(**LEAF)
 def _probabilities(blas, bufs, qkv, dims, tile, p, lse):
     """The tile's P into bufs[0] and its slopes into bufs[1] (:func:`_tile_weights`)."""
     b, h, i0, nq, j0, nk = tile
-    _row_products(blas, qkv.q, qkv.k, dims, tile, bufs[0])
+    _row_products(blas, qkv.q, qkv.k, dims[5], dims, tile, bufs[0])
     _tile_weights(bufs[0], bufs[1], nq, nk, i0, j0, b, h, p, lse)
 
 
@@ -149,7 +149,7 @@ def _score_gradients(blas, bufs, qkv, dims, tile, rows, grads, want_dbias):
     """After :func:`_probabilities`: the gradient of the tile's Q K^T products into bufs[2]
     (:func:`_tile_score_gradients`)."""
     b, h, i0, nq, j0, nk = tile
-    _row_products(blas, qkv.do, qkv.v, dims, tile, bufs[2])
+    _row_products(blas, qkv.do, qkv.v, dims[6], dims, tile, bufs[2])
     _tile_score_gradients(bufs[0], bufs[1], bufs[2], nq, nk, i0, j0, b, h,
                           (rows.delta, grads.dbias), want_dbias)
 
@@ -160,7 +160,7 @@ def kv_pass(t, args):
     tile), or (switches[0], dQ added here) one item a (batch, kv head), which then owns its
     query heads' dQ rows too and adds into them; the pse gradient's dS tiles (switches[1])."""
     qkv, dims, p, rows, grads, switches, items, scratch = args[0]
-    B, N, Nkv, Sq, Skv, D = dims
+    B, N, Nkv, Sq, Skv, _, _ = dims
     tiles = (Skv + TILE_K - 1) // TILE_K
     whole_heads, want_dbias = switches[0] != 0, switches[1] != 0
     per_item = tiles if whole_heads else 1
@@ -186,10 +186,9 @@ def _kv_tile(qkv, dims, p, rows, grads, blas, bufs, with_dq, want_dbias, b, hk, 
     group's heads (adding into dQ where ``with_dq``)."""
     q, do = qkv.q, qkv.do
     dk, dv = grads.dk, grads.dv
-    B, N, Nkv, Sq, Skv, D = dims
+    B, N, Nkv, Sq, Skv, D, Dv = dims
     G = N // Nkv
     nk = min(TILE_K, Skv - j0)
-    k_off = ((b * Nkv + hk) * Skv + j0) * D
     tr = bufs[3]
     for h in range(hk * G, hk * G + G):
         for i0 in range(0, Sq, TILE_Q):
@@ -198,9 +197,11 @@ def _kv_tile(qkv, dims, p, rows, grads, blas, bufs, with_dq, want_dbias, b, hk, 
                 continue
             _probabilities(blas, bufs, qkv, dims, tile, p, rows.lse)
             _score_gradients(blas, bufs, qkv, dims, tile, rows, grads, want_dbias)
-            q_off, nq = _offsets(dims, tile)[0], tile[3]
+            nq = tile[3]
+            (o_off, v_off), (q_off, k_off) = _offsets(dims, tile, Dv), _offsets(dims, tile, D)
             _transpose(tr, bufs[0], nq, nk)
-            gemm_rm(blas, nk, D, nq, tr, 0, TILE_Q, False, do, q_off, D, dv, k_off, D, F32_ONE)
+            gemm_rm(blas, nk, Dv, nq, tr, 0, TILE_Q, False, do, o_off, Dv, dv, v_off, Dv,
+                    F32_ONE)
             _transpose(tr, bufs[2], nq, nk)
             gemm_rm(blas, nk, D, nq, tr, 0, TILE_Q, False, q, q_off, D, dk, k_off, D, F32_ONE)
             if with_dq:
@@ -213,7 +214,7 @@ def query_pass(t, args):
     with switches[0], the softmax weights P (B, N, Sq, Skv) into grads.weights (it holds
     zeros, which the tiles outside the band keep); else dQ."""
     qkv, dims, p, rows, grads, switches, items, scratch = args[0]
-    B, N, Nkv, Sq, Skv, D = dims
+    B, N, Nkv, Sq, Skv, _, _ = dims
     want_weights = switches[0] != 0
     bufs = _tile_buffers(scratch, t)
     blas = (scratch.bi[t], scratch.bf[t], scratch.bc[t], switches[2])
@@ -246,8 +247,8 @@ def _store_weights(probabilities, tile, weights):
 def _add_query_gradient(blas, bufs, qkv, dims, tile, dq):
     """dQ of the tile's query rows += its Q K^T products' gradient (bufs[2]) times its K rows
     (``dq`` flat, zeros before the first tile)."""
-    q_off, k_off = _offsets(dims, tile)
     D = dims[5]
+    q_off, k_off = _offsets(dims, tile, D)
     gemm_rm(blas, tile[3], D, tile[5], bufs[2], 0, TILE_K, False, qkv.k, k_off, D, dq, q_off,
             D, F32_ONE)
 
@@ -293,7 +294,7 @@ def _problem_record(p):
 def attention_gradients(p, out, dout, lse, want_dbias, whole_heads):
     """The gradients of planned problem ``p`` (BNSD, floating point) given its output ``out``
     and softmax_lse ``lse`` ((B, N, Sq) or (B, N, Sq, 1)) from the forward and the output's
-    gradient ``dout`` (B, N, Sq, D): (dq, dk, dv, dbias, dsinks) as float32 arrays in the
+    gradient ``dout`` (B, N, Sq, Dv): (dq, dk, dv, dbias, dsinks) as float32 arrays in the
     shapes of p.q, p.k, p.v, (B, N, Sq, Skv) (None unless ``want_dbias``: the gradient of the
     scores' additive terms, per batch) and (N,) (None without sinks). ``whole_heads``: the kv
     pass takes whole (batch, kv head)s and adds dQ too (:func:`owns_whole_heads`; the
@@ -366,7 +367,7 @@ def _run(p, name, items, records):
 
 
 def _dims(p):
-    return p.B, p.N, p.Nkv, p.Sq, p.Skv, p.D
+    return p.B, p.N, p.Nkv, p.Sq, p.Skv, p.D, p.Dv
 
 
 def _sink_gradient(p, lse, delta):

@@ -7,8 +7,8 @@ from ..numerics.band import ROW_MEAN, ROW_SOFTMAX, tile_inside_band
 from ..numerics.core import (CODE_F16, CODE_F32, F32_NAN, F32_NEG_INF, F32_ONE, F32_ZERO,
                              int8_out_f16, int8_score, int8_score_pse, int8_weight, lse_value,
                              max_nan, softmax_weight)
-from ..numerics.kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE16, P_COLS, P_D, P_FLAGS, P_G,
-                                    P_LSE, P_MASK, P_PSE, T_K, T_V)
+from ..numerics.kernel_args import (F_DEQ1, F_DEQ2, F_QS1, F_SCALE16, P_COLS, P_D, P_DV,
+                                    P_FLAGS, P_G, P_LSE, P_MASK, P_PSE, T_K, T_V)
 from ._blas import gemm_rm
 from ._jit import LEAF, LEAF_EXACT, LEAF_INLINE
 from ._vector import take_next
@@ -64,14 +64,14 @@ def _block_int8(ins, outs, extras, geo, fparams, item, bufs, state, blas):
     qb, sb, tb, acc, kb, vb = bufs
     m, l = state
     G = params[P_G]
-    D = params[P_D]
+    D, Dv = params[P_D], params[P_DV]
     mask_kind = params[P_MASK]
     has_pse = params[P_PSE] != 0
     tk = params[P_COLS]
     deq1, scale16, qs1 = fparams[F_DEQ1], fparams[F_SCALE16], fparams[F_QS1]
     band = band_of(lens, b)
     i1, R, jstart, jend = item_rows(params, lens, b, i0)
-    a2 = acc[:R * D].reshape(R, D)
+    a2 = acc[:R * Dv].reshape(R, Dv)
     k_base = boff[T_K, b] + g * strides[T_K, 0]
     v_base = boff[T_V, b] + g * strides[T_V, 0]
     if jstart < jend:
@@ -83,7 +83,7 @@ def _block_int8(ins, outs, extras, geo, fparams, item, bufs, state, blas):
             for j0 in range(jstart, jend, tk):
                 j1 = min(j0 + tk, jend)
                 nc = j1 - j0
-                _load_rows(kb, k, geo, T_K, k_base, j0, nc)
+                _load_rows(kb, k, geo, T_K, k_base, j0, nc, D)
                 s2 = sb[:R * nc].reshape(R, nc)
                 gemm_rm(blas, R, nc, D, qb, 0, D, True, kb, 0, D, sb, 0, nc, F32_ZERO)
                 inside = tile_inside_band(i0, i1, j0, j1, band[1], band[2])
@@ -101,22 +101,22 @@ def _block_int8(ins, outs, extras, geo, fparams, item, bufs, state, blas):
                     else:
                         l[rr] = _int8_weights(s2, rr, nc, m[rr], qs1, l[rr])
                 if step == 1:
-                    _load_rows(vb, v, geo, T_V, v_base, j0, nc)
-                    t2 = tb[:R * D].reshape(R, D)
-                    gemm_rm(blas, R, D, nc, sb, 0, nc, False, vb, 0, D, tb, 0, D, F32_ZERO)
+                    _load_rows(vb, v, geo, T_V, v_base, j0, nc, Dv)
+                    t2 = tb[:R * Dv].reshape(R, Dv)
+                    gemm_rm(blas, R, Dv, nc, sb, 0, nc, False, vb, 0, Dv, tb, 0, Dv, F32_ZERO)
                     for rr in range(R):
                         arow = a2[rr]
                         trow = t2[rr]
-                        for d in range(D):
+                        for d in range(Dv):
                             arow[d] += trow[d]
     _finish_int8(outs, v, geo, fparams, item, i1, a2, state, jstart < jend)
 
 
 @njit(**LEAF)
-def _load_rows(dst, src, geo, t, base, j0, n_rows):
+def _load_rows(dst, src, geo, t, base, j0, n_rows, D):
     """dst[r * D:][:D] = row j0 + r of the K or V head at ``base`` in src (tensor t of the
-    geometry: T_K or T_V) as float32, r < n_rows (rows of int8 values)."""
-    strides, D = geo.strides, geo.params[P_D]
+    geometry: T_K or T_V, rows of D values) as float32, r < n_rows (rows of int8 values)."""
+    strides = geo.strides
     d2 = dst[:n_rows * D].reshape(n_rows, D)
     for r in range(n_rows):
         load_row(d2, r, src, base + (j0 + r) * strides[t, 1], strides[t, 2], D, CODE_F32,
@@ -131,7 +131,7 @@ def _finish_int8(outs, v, geo, fparams, item, i1, a2, state, computed):
     strides, boff, params = geo.strides, geo.boff, geo.params
     b, g, i0 = item
     m, l = state
-    D = params[P_D]
+    D = params[P_DV]
     want_lse, want_flags = params[P_LSE] != 0, params[P_FLAGS] != 0
     qs1, deq2 = fparams[F_QS1], fparams[F_DEQ2]
     v_base = boff[T_V, b] + g * strides[T_V, 0]

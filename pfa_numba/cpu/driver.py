@@ -283,9 +283,9 @@ class Steps:
         self.compile_only = compile_only
         self.records = records
         self.register = use_register_blocks()
-        # the sums' row length of the float32 tiles, streaming and the merge alike (split-kv's
-        # pieces are any of theirs)
-        self.ld = _gemm.vector_width.py_func(self.p.D) if self.register else self.p.D
+        # the sums' (and V tiles') row length of the float32 tiles, streaming and the merge
+        # alike (split-kv's pieces are any of theirs): value's head dim
+        self.ld = _gemm.vector_width.py_func(self.p.Dv) if self.register else self.p.Dv
         self.parts = partial_buffers(self.work.groups, self.p.G * self.work.rows_per_head,
                                      self.ld)
         self.ran = []
@@ -315,7 +315,7 @@ class Steps:
         n = self.p.G * self.work.rows_per_head
         scratch = MergeScratch(rows(threads, (n * tuning.ld,), np.float32),
                                *(rows(threads, (n,), np.float32) for _ in range(3)),
-                               rows(threads, (max(self.p.D, 1),), np.float32))
+                               rows(threads, (_row_width(self.p),), np.float32))
         self._run("merge", threads, tuning, self._items(groups, np.zeros((groups.shape[0], 2),
                                                                          np.int64)), scratch)
 
@@ -379,12 +379,18 @@ def f32_scratch(threads, p, tuning):
     D, ld, n, cols = max(p.D, 1), tuning.ld, tuning.rows, tuning.cols
     f32 = np.float32
     return F32Scratch(rows(threads, (n * D,), f32, zero=True),    # rows past an item's: finite
-                      rows(threads, (n * cols,), f32), rows(threads, (16 * D,), f32),
+                      rows(threads, (n * cols,), f32),
+                      rows(threads, (16 * _row_width(p),), f32),
                       rows(threads, (n * ld,), f32), rows(threads, (cols * D,), f32),
                       rows(threads, (cols * ld,), f32), rows(threads, (n,), np.int32),
                       rows(threads, (4, cols), np.int64), rows(threads, (4, cols), f32),
                       *(rows(threads, (n,), f32) for _ in range(3)), *_blas_scratch(threads),
                       rows(threads, (1, 2, 1), np.uint16))
+
+
+def _row_width(p):
+    """The length of a scratch row that holds a query, key or value row."""
+    return max(p.D, p.Dv, 1)
 
 
 def stream_scratch(threads, p, tuning, longest):
@@ -396,8 +402,9 @@ def stream_scratch(threads, p, tuning, longest):
     return StreamScratch(rows(threads, (n * D,), f32), rows(threads, (n * ld,), f32),
                          *(rows(threads, (n,), f32) for _ in range(3)),
                          rows(threads, (4, n), f32), rows(threads, (n * cols,), f32),
-                         rows(threads, (16 * D,), f32), rows(threads, (cols * D,), kv),
-                         rows(threads, (cols * D,), kv), rows(threads, (n,), np.int32),
+                         rows(threads, (16 * _row_width(p),), f32),
+                         rows(threads, (cols * D,), kv), rows(threads, (cols * max(p.Dv, 1),), kv),
+                         rows(threads, (n,), np.int32),
                          rows(threads, (4, cols), np.int64), rows(threads, (4, cols), f32),
                          rows(threads, (1, 2, 1), np.uint16))
 
@@ -424,11 +431,11 @@ def amx_scratch(threads, p, tuning):
 
 def int8_scratch(threads, p, tuning):
     """The int8 kernel's :class:`.records.Int8Scratch` of ``threads`` threads."""
-    D, n, cols = max(p.D, 1), tuning.rows, tuning.cols
+    D, W, n, cols = max(p.D, 1), _row_width(p), tuning.rows, tuning.cols
     f32 = np.float32
     return Int8Scratch(rows(threads, (n * D,), f32), rows(threads, (n * cols,), f32),
-                       rows(threads, (max(n, 1) * D,), f32), rows(threads, (n * D,), np.float64),
-                       rows(threads, (cols * D,), f32), rows(threads, (cols * D,), f32),
+                       rows(threads, (max(n, 1) * W,), f32), rows(threads, (n * W,), np.float64),
+                       rows(threads, (cols * D,), f32), rows(threads, (cols * W,), f32),
                        rows(threads, (n,), f32), rows(threads, (n,), f32),
                        *_blas_scratch(threads))
 

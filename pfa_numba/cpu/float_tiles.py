@@ -13,7 +13,7 @@ Pieces of split items (see :mod:`.split_kv`) leave their state in ``parts`` for 
 from numba import njit
 
 from ..numerics.core import F32_NEG_INF, F32_ONE, F32_ZERO, order_key
-from ..numerics.kernel_args import P_D, P_DEQUANT, P_KVCODE
+from ..numerics.kernel_args import P_D, P_DEQUANT, P_DV, P_KVCODE
 from ._blas import gemm_rm
 from ._gemm import PANEL, accumulate, padded_rows, panels
 from ._gemm import scores as panel_scores
@@ -104,9 +104,9 @@ def _blas_tile(kernel, ins, item, cols, prefix, sdk, sdv):
 
 @njit(**LEAF_INLINE)
 def _load_values(kernel, ins, g, nc, prefix, sdv):
-    """The tile's nc V rows of kv head g into the buffers' vb, ld values a row (zeros past D),
-    dequantized where int8; whether every value is finite."""
-    bufs, D, ld = kernel.bufs, kernel.D, kernel.ld
+    """The tile's nc V rows of kv head g into the buffers' vb, ld values a row (zeros past
+    Dv), dequantized where int8; whether every value is finite."""
+    bufs, D, ld = kernel.bufs, kernel.Dv, kernel.ld
     ro, rs, channel = bufs.ro, bufs.rs, ins.channel
     vs = ins.vp if prefix else ins.v
     v2 = bufs.vb[:nc * ld].reshape(nc, ld)
@@ -162,7 +162,7 @@ def _register_weighted_sum(kernel, tile, seg, s2, acc, ld, state):
     r0, r1, c0, ns, _ = seg
     nrow, lds = r1 - r0, s2.shape[1]
     if not tile:
-        add_pv_exact(acc, ld, nrow, kernel.D, bufs.sb, lds, ns, bufs.vb[c0 * ld:], ld, 1)
+        add_pv_exact(acc, ld, nrow, kernel.Dv, bufs.sb, lds, ns, bufs.vb[c0 * ld:], ld, 1)
         return
     # the register blocks also add the padding rows' P (zero) to the rows below the segment:
     # + 0 changes nothing
@@ -178,9 +178,9 @@ def _blas_weighted_sum(kernel, tile, seg, s2, acc, ld, state):
     r0, r1, c0, ns, _ = seg
     nrow, lds = r1 - r0, s2.shape[1]
     if not tile:
-        add_pv_exact(acc, ld, nrow, kernel.D, bufs.sb, lds, ns, bufs.vb[c0 * ld:], ld, 1)
+        add_pv_exact(acc, ld, nrow, kernel.Dv, bufs.sb, lds, ns, bufs.vb[c0 * ld:], ld, 1)
         return
-    gemm_rm(kernel.blas, nrow, kernel.D, ns, bufs.sb, 0, lds, False, bufs.vb, c0 * ld, ld, acc,
+    gemm_rm(kernel.blas, nrow, kernel.Dv, ns, bufs.sb, 0, lds, False, bufs.vb, c0 * ld, ld, acc,
             0, ld, F32_ONE)
 
 
@@ -197,7 +197,7 @@ def avx512_tiles(t, args):
     bufs = thread_buffers(scratch, t)
     params = geo.params
     kernel = RegisterProducts(bufs, has_user_terms(params, extras), scratch.p3[t], params[P_D],
-                              tuning.ld, params[P_KVCODE], params[P_DEQUANT] != 0)
+                              params[P_DV], tuning.ld, params[P_KVCODE], params[P_DEQUANT] != 0)
     _register_items(kernel, PANEL, ins, outs, extras, geo, tuning, items, parts,
                row_state(scratch.m, scratch.l, scratch.alpha, t))
 
@@ -209,8 +209,8 @@ def blas_tiles(t, args):
     bufs = thread_buffers(scratch, t)
     params = geo.params
     kernel = BlasProducts(bufs, (scratch.bi[t], scratch.bf[t], scratch.bc[t], tuning.blas),
-                          scratch.p3[t], params[P_D], tuning.ld, params[P_KVCODE],
-                          params[P_DEQUANT] != 0)
+                          scratch.p3[t], params[P_D], params[P_DV], tuning.ld,
+                          params[P_KVCODE], params[P_DEQUANT] != 0)
     _blas_items(kernel, 1, ins, outs, extras, geo, tuning, items, parts,
                row_state(scratch.m, scratch.l, scratch.alpha, t))
 

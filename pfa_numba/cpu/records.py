@@ -91,11 +91,12 @@ MergeScratch = namedtuple("MergeScratch", ["acc", "m", "l", "alpha", "tb"])
 
 #: what the float32 tiles' products read (see .tile): the thread's F32Buffers, the BLAS
 #: arguments (products on BLAS), whether a user mask or pse applies (the register blocks take
-#: the row maxima only without), the empty bf16 parts of an in-place softmax, the head dim, the
-#: acc / V row length, the kv storage code and whether int8 rows are dequantized
-RegisterProducts = namedtuple("RegisterProducts", ["bufs", "any_user", "no_p3", "D", "ld",
+#: the row maxima only without), the empty bf16 parts of an in-place softmax, the head dims
+#: of query and key (D) and of value (Dv), the acc / V row length, the kv storage code and
+#: whether int8 rows are dequantized
+RegisterProducts = namedtuple("RegisterProducts", ["bufs", "any_user", "no_p3", "D", "Dv", "ld",
                                                    "code", "dequant"])
-BlasProducts = namedtuple("BlasProducts", ["bufs", "blas", "no_p3", "D", "ld", "code",
+BlasProducts = namedtuple("BlasProducts", ["bufs", "blas", "no_p3", "D", "Dv", "ld", "code",
                                            "dequant"])
 
 #: what the AMX kernel's products read: the thread's AmxBuffers, the head dim, its padded

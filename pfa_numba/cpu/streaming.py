@@ -10,7 +10,7 @@ the weights and the final sums (see :func:`.stream.fold_query`).
 from numba import njit
 
 from ..numerics.core import F32_ONE
-from ..numerics.kernel_args import P_COLS, P_D, P_DEQUANT, P_KVCODE
+from ..numerics.kernel_args import P_COLS, P_D, P_DEQUANT, P_DV, P_KVCODE
 from ._jit import LEAF, LEAF_INLINE
 from ._vector import readonly, take_next
 from .items import W_B, W_G, W_I0, W_JHI, W_JLO, item_rows
@@ -78,7 +78,8 @@ def _run(ins, extras, geo, tuning, run, span, heads, bufs, no_p3):
     if dequant:
         for hh in range(nh):
             _, acc, _, fold = head(heads, hh, R, D, ld)
-            unfold_values(acc, ld, R, D, channel[VALUE], channel[VALUE + 1], (g0 + hh) * D,
+            Dv = params[P_DV]
+            unfold_values(acc, ld, R, Dv, channel[VALUE], channel[VALUE + 1], (g0 + hh) * Dv,
                           fold)
     return i1, True
 
@@ -117,7 +118,7 @@ def _tile(ins, extras, geo, tuning, item, tile, heads, hh, bufs, no_p3, then):
     keys, values = (kp, vp) if prefix else (k, v)
     if sdk != 1 or sdv != 1:
         _gather_rows(kg, keys, ro[0], j1 - j0, sdk, D)
-        _gather_rows(vg, values, ro[1], j1 - j0, sdv, D)
+        _gather_rows(vg, values, ro[1], j1 - j0, sdv, params[P_DV])
         keys, values = readonly(kg), readonly(vg)
     _segments(extras, geo, tuning, item, tile, heads, hh, bufs, no_p3, (keys, ro[0], kvcode),
               (values, ro[1], kvcode), next_keys)
@@ -140,10 +141,10 @@ def _segments(extras, geo, tuning, item, tile, heads, hh, bufs, no_p3, keys, val
     """The tile step (:mod:`.tile`) of :func:`_tile`'s tile with the streaming products: keys,
     values = (rows' array, element offsets, storage code) of contiguous rows."""
     params = geo.params
-    D, ld = params[P_D], tuning.ld
+    D, Dv, ld = params[P_D], params[P_DV], tuning.ld
     q2, acc, state, fold = head(heads, hh, tile[1], D, ld)
     kernel = StreamProducts(q2, keys, values, next_keys, bufs.sb, bufs.rs, fold,
-                            bufs.tb[:D].reshape(1, D), params[P_DEQUANT] != 0, no_p3,
+                            bufs.tb[:Dv].reshape(1, Dv), params[P_DEQUANT] != 0, no_p3,
                             bufs.kx[:0])
     _stream_step(kernel, None, item, tile, 1, extras, geo, tuning, state, acc, ld)
 

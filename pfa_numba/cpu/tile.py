@@ -30,8 +30,8 @@ from numba import njit
 from ..numerics.band import ROW_MEAN, ROW_SOFTMAX
 from ..numerics.core import (CODE_BF16, CODE_F32, F32_NEG_INF, F32_ONE, F32_ZERO, antiquant,
                              row_total, sink_of, store, widen)
-from ..numerics.kernel_args import (F_SCALE, F_SCALE2, P_CODE, P_COLS, P_D, P_DEQUANT, P_FLAGS,
-                                    P_G, P_KVCODE, P_LSE, P_OCODE, P_SCALE_EXP)
+from ..numerics.kernel_args import (F_SCALE, F_SCALE2, P_CODE, P_COLS, P_D, P_DEQUANT, P_DV,
+                                    P_FLAGS, P_G, P_KVCODE, P_LSE, P_OCODE, P_SCALE_EXP)
 from ._jit import LEAF, LEAF_INLINE
 from ._vector import take_next, wide_vectors
 from .items import W_B, W_G, W_I0, W_SLOT, item_rows, segment
@@ -63,7 +63,7 @@ def tile_loop(load_tile, scores, weighted_sum):
                 s2, p3, keys, split, lazy, scale = scores(kernel, tile, seg)
                 softmax_rows(s2, p3, keys, (r0, r1, ch - cl, cl, inside, split, lazy), item,
                              extras, geo, state, scale)
-                rescale_rows(acc[r0 * ld:], ld, r1 - r0, params[P_D], state.alpha[r0:])
+                rescale_rows(acc[r0 * ld:], ld, r1 - r0, params[P_DV], state.alpha[r0:])
                 weighted_sum(kernel, tile, seg, s2, acc[r0 * ld:], ld, state)
             r0 = r1
 
@@ -129,7 +129,7 @@ def finish(outs, ins, extras, geo, item, i1, acc, ld, state, tb, computed):
     out, lse, flags = outs
     params = geo.params
     m, l, _ = state
-    D, ocode = params[P_D], params[P_OCODE]
+    Dv, ocode = params[P_DV], params[P_OCODE]
     want_lse, want_flags = params[P_LSE] != 0, params[P_FLAGS] != 0
     sinks, post_e = extras.sinks, params[P_SCALE_EXP]
     for rr in range(params[P_G] * (i1 - item[2])):
@@ -137,7 +137,7 @@ def finish(outs, ins, extras, geo, item, i1, acc, ld, state, tb, computed):
                                                                      computed)
         if outcome == ROW_SOFTMAX:
             total, row_lse = row_total(m[rr], l[rr], sink_of(sinks, n), post_e)
-            store_row(out, o_off, osd, acc, rr * ld, total, D, ocode)
+            store_row(out, o_off, osd, acc, rr * ld, total, Dv, ocode)
             if want_lse:
                 lse[l_off] = row_lse
             if want_flags:
@@ -155,19 +155,19 @@ def _mean_row(out, ins, geo, item, place, band, tb):
     params, channel = geo.params, ins.channel
     b, g, _ = item
     lo, hi, divisor = band
-    D, code = params[P_D], params[P_KVCODE]
-    trow = tb[:D]
+    Dv, code = params[P_DV], params[P_KVCODE]
+    trow = tb[:Dv]
     trow[:] = F32_ZERO
     for j in range(lo, hi + 1):
         prefix, off, sd, scale, offset = kv_value_row(ins, geo, b, g, j)
         vs = ins.vp if prefix else ins.v
-        for d in range(D):
+        for d in range(Dv):
             x = widen(vs[off + d * sd], code)
             if params[P_DEQUANT] != 0:
-                x = antiquant(x, channel[VALUE, g * D + d], channel[VALUE + 1, g * D + d], scale,
-                              offset)
+                x = antiquant(x, channel[VALUE, g * Dv + d], channel[VALUE + 1, g * Dv + d],
+                              scale, offset)
             trow[d] += x
-    for d in range(D):
+    for d in range(Dv):
         store(out, place[0] + d * place[1], trow[d] / divisor, params[P_OCODE])
 
 
@@ -202,7 +202,7 @@ def merge(t, args):
     while x < groups.shape[0]:
         b, g, i0 = groups[x, G_B], groups[x, G_G], groups[x, G_I0]
         i1, R, _, _ = item_rows(params, geo.lens, b, i0)
-        merge_rows(parts, groups[x, G_SLOT], groups[x, G_PIECES], R, params[P_D], ld, acc,
+        merge_rows(parts, groups[x, G_SLOT], groups[x, G_PIECES], R, params[P_DV], ld, acc,
                    state, params[P_SCALE_EXP])
         finish(outs, ins, extras, geo, (b, g, i0), i1, acc, ld, state, tb, True)
         x = take_next(items.taken)

@@ -165,23 +165,25 @@ def _register_blocks():
 #: every CPU kernel, in dispatch's order of preference (the forward's, then the backward's)
 KERNELS = (
     Int8("int8", "int8 query, key and value: int8 products on BLAS, the softmax quantized "
-         "against its row max", dtypes=("int8",), caches=(), extensions=()),
+         "against its row max", dtypes=("int8",), caches=(), extensions=(),
+         own_value_head_dim=True),
     SplitKv("split-kv", "the float32 tiles over pieces of the kv range, run side by side and "
             "merged by the online-softmax rule: calls with fewer runs of work than threads",
-            dtypes=FLOATS),
+            dtypes=FLOATS, own_value_head_dim=True),
     Streaming("streaming", "items of few query rows (decode: a kv head's G heads at one "
-              "position) read each K / V row once, as it streams", dtypes=FLOATS),
+              "position) read each K / V row once, as it streams", dtypes=FLOATS,
+              own_value_head_dim=True),
     Amx("amx", "float16 / bfloat16 tile products on AMX tiles", dtypes=HALVES,
         caches=("paged", "prefix"), features=("AMX",), switch="CPU_AMX"),
     FloatTiles("avx512-tiles", "tiles of query rows x kv columns, every float storage widened "
                "to float32, the products on AVX-512 register blocks", dtypes=FLOATS,
-               features=(AVX512,), switch="CPU_AVX512_GEMM"),
+               features=(AVX512,), switch="CPU_AVX512_GEMM", own_value_head_dim=True),
     FloatTiles("blas-tiles", "tiles of query rows x kv columns, every float storage widened to "
-               "float32, the products on BLAS sgemm", dtypes=FLOATS),
+               "float32, the products on BLAS sgemm", dtypes=FLOATS, own_value_head_dim=True),
     BackwardHeads("backward-heads", "gradients in one pass over whole (batch, kv head)s, dQ "
                   "added by each; products on BLAS sgemm", dtypes=FLOATS, layouts=("BNSD",),
-                  caches=()),
+                  caches=(), own_value_head_dim=True),
     Backward("backward-tiles", "gradients in a kv pass (dK, dV) and a query pass (dQ) over "
              "(query tile, kv tile) pairs; products on BLAS sgemm", dtypes=FLOATS,
-             layouts=("BNSD",), caches=()),
+             layouts=("BNSD",), caches=(), own_value_head_dim=True),
 )

@@ -78,18 +78,19 @@ def applies(call, qdtype, kdtype):
     return True
 
 
-def plan(call, qdtype, B, Nkv, D, extent, paged, pool_blocks, block_size, prefixed):
-    """The (key, value) :class:`Planes` of a call that :func:`applies` to. Raises the errors of
-    docs/fia.md, 'KV antiquant'."""
-    shape = dict(B=B, Nkv=Nkv, D=D, extent=extent, blocks=pool_blocks, block_size=block_size,
-                 paged=paged)
+def plan(call, qdtype, B, Nkv, dims, extent, paged, pool_blocks, block_size, prefixed):
+    """The (key, value) :class:`Planes` of a call that :func:`applies` to; ``dims``: the head
+    dims (D, Dv) of key and value. Raises the errors of docs/fia.md, 'KV antiquant'."""
+    D, Dv = dims
+    shape = dict(B=B, Nkv=Nkv, D=D, Dv=Dv, extent=extent, blocks=pool_blocks,
+                 block_size=block_size, paged=paged)
     # the separate arguments, where any is given, win: the merged ones are not read
     pairs = (_separate if any_given(call, SEPARATE_ARGS) else _merged)(call, qdtype, shape)
     for (kind, _, _), name in zip(pairs, ("key", "value")):
         if kind in TOKEN_KINDS and prefixed:
             raise RuntimeError(f"a per-token {name} antiquant mode does not go with a shared "
                                f"prefix")
-    return tuple(_planes(kind, s, o, Nkv, D) for kind, s, o in pairs)
+    return tuple(_planes(kind, s, o, Nkv, d) for (kind, s, o), d in zip(pairs, dims))
 
 
 def _array(name, x):
@@ -117,6 +118,11 @@ def _merged(call, qdtype, shape):
     if s.shape == (2,):
         return [("tensor", s[i:i + 1], None if o is None else o[i:i + 1]) for i in (0, 1)]
     ok = s.shape in ((2, shape["Nkv"], 1, shape["D"]), (2, shape["Nkv"], shape["D"]), (2, hkv))
+    if ok and shape["Dv"] != shape["D"]:
+        raise RuntimeError(f"antiquant_scale per channel holds key's and value's channels in one "
+                           f"array: it takes value's head dim Dv = D, got D = {shape['D']} and "
+                           f"Dv = {shape['Dv']} (pass key_antiquant_scale and "
+                           f"value_antiquant_scale)")
     if not ok:
         raise RuntimeError(f"antiquant_scale for antiquant_mode 0 must be (2,) or per channel "
                            f"(2, Nkv, 1, D), (2, Nkv, D), (2, Hkv) with Nkv = {shape['Nkv']}, "
@@ -144,7 +150,8 @@ def _separate(call, qdtype, shape):
         raise RuntimeError("key_antiquant_offset and value_antiquant_offset come together")
     _pair_rules("key_antiquant_scale", ks, "key_antiquant_offset", ko)
     _pair_rules("value_antiquant_scale", vs, "value_antiquant_offset", vo)
-    if kmode == vmode:
+    if kmode == vmode and (shape["D"] == shape["Dv"] or ks.shape == (1,)
+                           or SEPARATE[kmode] is not None):
         checks.check_same("shape", "key_antiquant_scale", ks, "value_antiquant_scale", vs)
     return [_separate_one(name, mode, s, o, qdtype, shape)
             for name, mode, s, o in (("key", kmode, ks, ko), ("value", vmode, vs, vo))]
@@ -152,7 +159,7 @@ def _separate(call, qdtype, shape):
 
 def _separate_one(name, mode, s, o, qdtype, shape):
     arg = f"{name}_antiquant_scale"
-    B, Nkv, D = shape["B"], shape["Nkv"], shape["D"]
+    B, Nkv, D = shape["B"], shape["Nkv"], shape["D" if name == "key" else "Dv"]
     kind = SEPARATE[mode] or ("tensor" if s.shape == (1,) else "channel")
     want = {
         "tensor": [(1,)],

@@ -198,6 +198,15 @@ def check_same(attribute, a_name, a, b_name, b):
         raise error(f"{a_name} and {b_name} {attribute}s differ: {show(x)} and {show(y)}")
 
 
+def check_key_value_shapes(k_name, k, v_name, v):
+    """A key and its value have one shape but for the last axis (value's head dim Dv, an
+    extension, may differ from key's D; BSH: the hidden size Nkv * Dv): else RuntimeError."""
+    if k.ndim != v.ndim or k.shape[:-1] != v.shape[:-1]:
+        raise RuntimeError(f"{k_name} and {v_name} shapes differ: {shape_str(k.shape)} and "
+                           f"{shape_str(v.shape)} (they may differ in the last axis only: "
+                           f"value's head dim)")
+
+
 def check_band_signs(pre_tokens, next_tokens, where, int8_out=False):
     """Sign rules of contract 'The band', applied only where pre/next are used (``where`` says
     which)."""

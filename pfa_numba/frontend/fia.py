@@ -186,7 +186,7 @@ def _validate(call, device):
         _check_pools(query, key, value, table, block_size, layout)
     P = 0
     if prefixed:
-        P = _prefix(call, layout, key, prefix_k, prefix_v)
+        P = _prefix(call, layout, (key, value), prefix_k, prefix_v)
     if decode and mask is not None:
         mask = _decode_mask(mask, query.shape[0], _kv_extent(key, layout, table, block_size, P))
     if band_ignored and not decode:         # ints, but not read (docs/fia.md, 'Left padding')
@@ -229,8 +229,8 @@ def _validate(call, device):
         klen = checks.check_seq_lengths("actual_seq_lengths_kv", call.actual_seq_lengths_kv, B, own)
         valid = dataclasses.replace(valid, klen=klen + P)
         pk, pv = (to_bnsd(x, layout, valid.Nkv)[:, :, :P] for x in (prefix_k, prefix_v))
-    planes = AQ.plan(call, query.dtype, B, valid.Nkv, valid.D, k4.shape[2], False, 0, 0,
-                     bool(P)) if dequant else None
+    planes = AQ.plan(call, query.dtype, B, valid.Nkv, (valid.D, valid.Dv), k4.shape[2], False,
+                     0, 0, bool(P)) if dequant else None
     kv = KvCache(k4, v4, planes, None, 0, pk, pv, P, np.maximum(k_off, 0))
     return ValidFia(valid, kv, np.maximum(q_off, 0), decode, lse_flag)
 
@@ -246,17 +246,16 @@ def _gathered(key_list, value_list, layout, batch):
         raise RuntimeError(f"key and value lists need one tensor a batch (B = {batch}), got "
                            f"{len(key_list)} and {len(value_list)}")
     axis = checks.SEQ_AXIS[layout]
-    first = key_list[0]
     for i, (k, v) in enumerate(zip(key_list, value_list)):
-        for name, x in ((f"key[{i}]", k), (f"value[{i}]", v)):
-            _batch_one_like(name, x, "key[0]", first, layout)
-        checks.check_same("shape", f"key[{i}]", k, f"value[{i}]", v)
+        _batch_one_like(f"key[{i}]", k, "key[0]", key_list[0], layout)
+        _batch_one_like(f"value[{i}]", v, "value[0]", value_list[0], layout)
+        checks.check_key_value_shapes(f"key[{i}]", k, f"value[{i}]", v)
     lens = [k.shape[axis] for k in key_list]
-    shape = list(first.shape)
-    shape[0], shape[axis] = batch, max(lens)
     gathered = []
     for parts in (key_list, value_list):
-        x = np.zeros(shape, first.dtype)
+        shape = list(parts[0].shape)
+        shape[0], shape[axis] = batch, max(lens)
+        x = np.zeros(shape, parts[0].dtype)
         for b, part in enumerate(parts):
             index = [slice(None)] * x.ndim
             index[0], index[axis] = b, slice(0, lens[b])
@@ -362,15 +361,17 @@ def _exclusions(query, layout, table, padding, listed, prefixed, dequant):
                                f"{checks.shape_str(query.shape)}")
 
 
-def _prefix(call, layout, key, prefix_k, prefix_v):
-    """Check the shared prefix; returns its length P."""
+def _prefix(call, layout, kv, prefix_k, prefix_v):
+    """Check the shared prefix beside kv = (key, value); returns its length P."""
     if prefix_k is None or prefix_v is None:
         given = "key_shared_prefix" if prefix_k is not None else "value_shared_prefix"
         raise RuntimeError(f"key_shared_prefix and value_shared_prefix come together, got "
                            f"only {given}")
-    for name, x in (("key_shared_prefix", prefix_k), ("value_shared_prefix", prefix_v)):
-        _batch_one_like(name, x, "key", key, layout)
-    checks.check_same("shape", "key_shared_prefix", prefix_k, "value_shared_prefix", prefix_v)
+    for name, x, ref_name, ref in (("key_shared_prefix", prefix_k, "key", kv[0]),
+                                   ("value_shared_prefix", prefix_v, "value", kv[1])):
+        _batch_one_like(name, x, ref_name, ref, layout)
+    checks.check_key_value_shapes("key_shared_prefix", prefix_k, "value_shared_prefix",
+                                  prefix_v)
     sp = prefix_k.shape[checks.SEQ_AXIS[layout]]
     if call.actual_shared_prefix_len is None:
         return sp
@@ -428,7 +429,7 @@ def _check_pools(query, key, value, table, block_size, layout):
     if table.ndim != 2 or table.shape[0] != B:
         raise RuntimeError(f"block_table must be (B, max_blocks) with B = {B}, got shape "
                            f"{checks.shape_str(table.shape)}")
-    checks.check_same("shape", "key pool", key, "value pool", value)
+    checks.check_key_value_shapes("key pool", key, "value pool", value)
     if key.ndim == 4 and layout not in ("BNSD", "BNSD_BSND"):
         raise RuntimeError(f"a 4-D block pool (num_blocks, Nkv, block_size, D) needs "
                            f"input_layout BNSD or BNSD_BSND, got {layout!r} with pool shape "
@@ -459,8 +460,11 @@ def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
     checks.require(call.actual_seq_lengths_kv, ValueError,
                    "paged KV (block_table) needs actual_seq_lengths_kv")
     smax = _kv_extent(key, layout, table, block_size, 0)
-    stand = _pool_stand_in(key, layout, B, smax, query, query.dtype if dequant else key.dtype)
-    valid = _pfa_checked(pfa_call.with_arrays({"key": stand, "value": stand}))
+    dtype = query.dtype if dequant else key.dtype
+    nkv = key.shape[2] // query.shape[-1] if key.ndim == 3 and query.shape[-1] else 0
+    valid = _pfa_checked(pfa_call.with_arrays(
+        {name: _pool_stand_in(pool, layout, B, smax, nkv, dtype)
+         for name, pool in (("key", key), ("value", value))}))
     used = -(-valid.klen // block_size)
     nb = key.shape[0]
     for b in range(B):
@@ -470,26 +474,25 @@ def _paged(call, pfa_call, query, key, value, table, block_size, layout, decode,
             raise ValueError(f"block_table[{b}] names block {bad}, outside [0, {nb}) (the "
                              f"pool has {nb} blocks)")
     pools = [x if x.ndim == 4 else
-             x.reshape(nb, block_size, valid.Nkv, valid.D).transpose(0, 2, 1, 3)
-             for x in (key, value)]
+             x.reshape(nb, block_size, valid.Nkv, d).transpose(0, 2, 1, 3)
+             for x, d in ((key, valid.D), (value, valid.Dv))]
     zeros = np.zeros(B, np.int64)
-    planes = AQ.plan(call, query.dtype, B, valid.Nkv, valid.D, smax, True, nb, block_size,
-                     False) if dequant else None
+    planes = AQ.plan(call, query.dtype, B, valid.Nkv, (valid.D, valid.Dv), smax, True, nb,
+                     block_size, False) if dequant else None
     kv = KvCache(pools[0], pools[1], planes, table.astype(np.int64), block_size, None, None, 0,
                  zeros, rows_hold_heads=key.ndim == 3)
     return ValidFia(valid, kv, zeros.copy(), decode, lse_flag)
 
 
-def _pool_stand_in(pool, layout, B, smax, query, dtype):
-    """A zero-strided (B, Smax, ...) key of ``dtype`` in ``layout`` with the pool's heads, for
-    the checks."""
+def _pool_stand_in(pool, layout, B, smax, nkv, dtype):
+    """A zero-strided (B, Smax, ...) key or value of ``dtype`` in ``layout`` with the pool's
+    heads (a 3-D pool's rows hold ``nkv`` heads side by side), for the checks."""
     if pool.ndim == 3:
         hkv = pool.shape[2]
         shape = (B, smax, hkv) if layout == "BSH" else None
         if shape is None:
-            n_d = query.shape[-1]
-            nkv = hkv // n_d if n_d else 0
-            shape = (B, smax, nkv, n_d) if layout == "BSND" else (B, nkv, smax, n_d)
+            d = hkv // nkv if nkv else 0
+            shape = (B, smax, nkv, d) if layout == "BSND" else (B, nkv, smax, d)
     else:
         shape = (B, pool.shape[1], smax, pool.shape[3])
     return np.broadcast_to(np.zeros((), dtype), shape)

@@ -58,6 +58,7 @@ class ValidCall:
     Nkv: int
     G: int
     D: int
+    Dv: int                          # value's head dim (an extension: D for Ascend's calls)
     B: int
     Sq: int
     Skv: int
@@ -121,7 +122,7 @@ def validate(call, stage=None, ascend_head_dims=True):
     for name, x in (("query", query), ("key", key), ("value", value)):
         check_rank(name, x, layout)
 
-    n, nkv, d = _heads_and_dims(layout, query, key, value, num_heads, num_key_value_heads)
+    n, nkv, d, dv = _heads_and_dims(layout, query, key, value, num_heads, num_key_value_heads)
     qparams = None
     if is_quant:
         if layout == "TND":
@@ -129,7 +130,7 @@ def validate(call, stage=None, ascend_head_dims=True):
                      if x is not None] or [f"an int8 query of shape {shape_str(query.shape)}"]
             raise RuntimeError(f"input_layout 'TND' supports no quantization, got "
                                f"{', '.join(given)}")
-        qparams = quant_params(dtype, quant, n, d)
+        qparams = quant_params(dtype, quant, n, dv)
     _check_limit("num_heads", n, MAX_HEADS)
     if n % nkv:
         raise RuntimeError(f"num_heads ({n}) must be divisible by num_key_value_heads ({nkv})")
@@ -140,6 +141,11 @@ def validate(call, stage=None, ascend_head_dims=True):
                            f"{shape_str(query.shape)})")
     _check_limit("head dim D", d, MAX_HEAD_DIM, "",
                  f" (query shape {shape_str(query.shape)})")
+    if dv == 0:
+        raise RuntimeError(f"value's head dim Dv must be > 0, got 0 (value shape "
+                           f"{shape_str(value.shape)})")
+    _check_limit("value's head dim Dv", dv, MAX_HEAD_DIM, "",
+                 f" (value shape {shape_str(value.shape)})")
     if ascend_head_dims and is_bf16(dtype) and d % 16:
         raise RuntimeError(f"bfloat16 needs head dim D % 16 == 0, got D = {d} (query shape "
                            f"{shape_str(query.shape)})")
@@ -171,7 +177,7 @@ def validate(call, stage=None, ascend_head_dims=True):
             check_band_signs(pre_tokens, next_tokens, "sparse_mode 4",
                              int8_out=qparams is not None and qparams.out_dtype == I8)
     pse = None if pse_shift is None else pse_window(pse_shift, dtype, batch, n, sq, skv)
-    return ValidCall(layout=layout, dtype=dtype, N=n, Nkv=nkv, G=g, D=d, B=batch, Sq=sq,
+    return ValidCall(layout=layout, dtype=dtype, N=n, Nkv=nkv, G=g, D=d, Dv=dv, B=batch, Sq=sq,
                      Skv=skv, query=query, key=key, value=value, qlen=qlen, klen=klen,
                      q_start=q_start, kv_start=kv_start, sparse_mode=sparse_mode,
                      pre_tokens=pre_tokens, next_tokens=next_tokens,
@@ -230,7 +236,8 @@ def _padded_lengths(call, layout, query, key, value):
 
 
 def _heads_and_dims(layout, query, key, value, num_heads, num_kv_heads):
-    """(N, Nkv, D) from the shapes, checking the head rules of contract 'Layouts' and 'Errors'."""
+    """(N, Nkv, D, Dv) from the shapes, checking the head rules of contract 'Layouts' and
+    'Errors': query and key have head dim D, value its own head dim Dv."""
     n = num_heads
     nkv = num_kv_heads if num_kv_heads > 0 else n
     if layout == "BSH":
@@ -239,20 +246,19 @@ def _heads_and_dims(layout, query, key, value, num_heads, num_kv_heads):
             raise RuntimeError(f"the query hidden size H ({h}) must be divisible by num_heads "
                                f"({n}); query shape {shape_str(query.shape)}")
         d = h // n
+        if num_kv_heads == 0 and hk != h:
+            raise RuntimeError(f"key hidden size ({hk}) must equal the query hidden size "
+                               f"({h}): num_key_value_heads = 0 means as many kv heads as "
+                               f"num_heads ({n}); for grouped-query attention pass "
+                               f"num_key_value_heads; key shape {shape_str(key.shape)}")
         for name, hx in (("key", hk), ("value", hv)):
-            if num_kv_heads == 0 and hx != h:
-                raise RuntimeError(f"{name} hidden size ({hx}) must equal the query hidden size "
-                                   f"({h}): num_key_value_heads = 0 means as many kv heads as "
-                                   f"num_heads ({n}); for grouped-query attention pass "
-                                   f"num_key_value_heads; {name} shape "
-                                   f"{shape_str((key if name == 'key' else value).shape)}")
             if hx % nkv:
                 raise RuntimeError(f"{name} hidden size Hkv ({hx}) must be divisible by "
                                    f"num_key_value_heads ({nkv})")
-            if hx // nkv != d:
-                raise RuntimeError(f"head dim D differs between query ({d}) and {name} "
-                                   f"({hx // nkv} = {hx} / {nkv} heads)")
-        return n, nkv, d
+        if hk // nkv != d:
+            raise RuntimeError(f"head dim D differs between query ({d}) and key "
+                               f"({hk // nkv} = {hk} / {nkv} heads)")
+        return n, nkv, d, hv // nkv
     if layout == "TND":
         head_axis = 1
     elif layout == "BSND":
@@ -270,8 +276,7 @@ def _heads_and_dims(layout, query, key, value, num_heads, num_kv_heads):
             raise RuntimeError(f"{name} has {x.shape[head_axis]} heads in its shape "
                                f"{shape_str(x.shape)} but {given}")
     d = query.shape[-1]
-    for name, x in (("key", key), ("value", value)):
-        if x.shape[-1] != d:
-            raise RuntimeError(f"head dim D differs between query ({d}) and {name} "
-                               f"({x.shape[-1]}); {name} shape {shape_str(x.shape)}")
-    return n, nkv, d
+    if key.shape[-1] != d:
+        raise RuntimeError(f"head dim D differs between query ({d}) and key "
+                           f"({key.shape[-1]}); key shape {shape_str(key.shape)}")
+    return n, nkv, d, value.shape[-1]

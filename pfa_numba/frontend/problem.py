@@ -28,7 +28,8 @@ class Problem:
     G: int
     Sq: int
     Skv: int
-    D: int
+    D: int                   # query and key's head dim
+    Dv: int                  # value's (and the output's) head dim
     dtype: np.dtype          # query/key/value dtype
     out_dtype: np.dtype
     code: int                # storage code of query/key/value (CODE_*)
@@ -66,12 +67,12 @@ class Problem:
     @property
     def out_shape(self):
         if self.layout == "TND":
-            return (self.q.shape[0], self.N, self.D)
+            return (self.q.shape[0], self.N, self.Dv)
         if self.layout == "BSH":
-            return (self.B, self.Sq, self.N * self.D)
+            return (self.B, self.Sq, self.N * self.Dv)
         if self.layout in ("BSND", "BNSD_BSND"):
-            return (self.B, self.Sq, self.N, self.D)
-        return (self.B, self.N, self.Sq, self.D)
+            return (self.B, self.Sq, self.N, self.Dv)
+        return (self.B, self.N, self.Sq, self.Dv)
 
     @property
     def kv_rows_hold_heads(self):
@@ -90,11 +91,11 @@ class Problem:
         return (self.B, self.N, self.Sq, 1)
 
     def out_view(self, out):
-        """The output array (in its final layout) seen as (B, N, Sq, D) / (T, N, D)."""
+        """The output array (in its final layout) seen as (B, N, Sq, Dv) / (T, N, Dv)."""
         if self.layout == "TND":
             return out
         if self.layout == "BSH":
-            out = out.reshape(self.B, self.Sq, self.N, self.D)
+            out = out.reshape(self.B, self.Sq, self.N, self.Dv)
         if self.layout in ("BSH", "BSND", "BNSD_BSND"):
             return out.transpose(0, 2, 1, 3)
         return out
@@ -132,6 +133,7 @@ def plan(valid, cache=None, q_off=None):
     pre_e, next_e = band_edges(c.sparse_mode, c.has_mask, c.pre_tokens, c.next_tokens, c.qlen,
                                c.klen)
     return Problem(layout=c.layout, B=c.B, N=c.N, Nkv=c.Nkv, G=c.G, Sq=c.Sq, Skv=c.Skv, D=c.D,
+                   Dv=c.Dv,
                    dtype=c.dtype, out_dtype=c.dtype if c.quant is None else c.quant.out_dtype,
                    code=storage_code(c.dtype), q=q4, k=k4, v=v4, q_start=c.q_start,
                    kv_start=c.kv_start, qlen=c.qlen, klen=c.klen, pre_e=pre_e, next_e=next_e,

@@ -30,9 +30,10 @@ L_QLEN, L_KLEN, L_PRE, L_NEXT, L_ROWS = range(5)
 # P_BLOCK: the paged pool's block size, 0 for contiguous key/value; P_PREFIX: the shared
 # prefix's length P, whose rows come before every batch's own; P_KVCODE: the storage code of
 # key/value; P_DEQUANT: 1 when int8 key/value are dequantized as they load; P_KTOK / P_VTOK:
-# their token planes, 0 none, 1 by row, 2 by paged slot)
+# their token planes, 0 none, 1 by row, 2 by paged slot; P_D: query and key's head dim,
+# P_DV: value's and the output's)
 (P_N, P_G, P_D, P_CODE, P_MASK, P_PSE, P_IP, P_LSE, P_ROWS, P_COLS, P_OCODE, P_FLAGS,
- P_SCALE_EXP, P_BLOCK, P_PREFIX, P_KVCODE, P_DEQUANT, P_KTOK, P_VTOK) = range(19)
+ P_SCALE_EXP, P_BLOCK, P_PREFIX, P_KVCODE, P_DEQUANT, P_KTOK, P_VTOK, P_DV) = range(20)
 # the fparams vector (float32): scale_value as factors (see scale_factors), the int8 scales,
 # the softcap (0: none), then where the call has sink logits one a query head (F_SINKS + n:
 # head n's; the vector ends at F_SINKS without them)
@@ -272,6 +273,16 @@ class KernelArgs:
     offset2: np.ndarray
 
 
+def _channel_planes(aq):
+    """The (4, Nkv * max(D, Dv)) float32 channel planes of an int8 cache's key and value:
+    key scales, key offsets, value scales, value offsets (a row past its own channels: 0)."""
+    width = max(planes.channel.shape[1] for planes in aq)
+    channel = np.zeros((4, width), np.float32)
+    for i, planes in enumerate(aq):
+        channel[2 * i:2 * i + 2, :planes.channel.shape[1]] = planes.channel
+    return channel
+
+
 def kernel_args(p, out, lse, flags=False, rows=0, cols=0):
     """The :class:`KernelArgs` of planned problem ``p`` writing ``out`` (in the output layout;
     its dtype gives the output code) and ``lse``. ``flags`` (mark the rows computed, for a
@@ -282,8 +293,7 @@ def kernel_args(p, out, lse, flags=False, rows=0, cols=0):
     paged = cache is not None and cache.block_table is not None
     table = cache.block_table if paged else np.zeros((1, 1), np.int64)
     aq = cache.antiquant if cache is not None else None
-    channel = np.zeros((4, 1), np.float32) if aq is None else \
-        np.concatenate([aq[0].channel, aq[1].channel]).astype(np.float32)
+    channel = np.zeros((4, 1), np.float32) if aq is None else _channel_planes(aq)
     tok = [0, 0] if aq is None else [0 if x.token_scale is None else (2 if x.paged else 1)
                                      for x in aq]
     rows_b = np.full(p.B, p.Sq, np.int64) if not p.packed else p.qlen
@@ -294,7 +304,7 @@ def kernel_args(p, out, lse, flags=False, rows=0, cols=0):
     params = np.array([p.N, p.G, p.D, p.code, p.mask_kind, p.pse is not None, p.inner_precise,
                        p.want_lse, rows, cols, output_code(out.dtype), flags, post,
                        cache.block_size if paged else 0, cache.P if cache is not None else 0,
-                       storage_code(p.k.dtype), aq is not None, tok[0], tok[1]],
+                       storage_code(p.k.dtype), aq is not None, tok[0], tok[1], p.Dv],
                       np.int64)
     fparams = np.zeros(F_SINKS + (0 if p.sinks is None else p.N), np.float32)
     fparams[F_SCALE], fparams[F_SCALE2], fparams[F_SOFTCAP] = s1, s2, p.softcap

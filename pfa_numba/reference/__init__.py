@@ -448,9 +448,10 @@ def _attention_bnsd(q, k, v, attn_mask, q_lens, kv_lens, pse_shift, deq_scale1, 
         q, k, v = (x.astype(np.float64) for x in (q, k, v))
     if int8_in or int8_out:
         compute_dtype = None                      # quantized paths are exact models already
+    Dv = v.shape[-1]                              # the value head dim (an extension: D's)
     if int8_out:
-        scale2 = _per_channel(quant_scale2, N, D, 1.0)
-        offset2 = _per_channel(quant_offset2, N, D, 0.0)
+        scale2 = _per_channel(quant_scale2, N, Dv, 1.0)
+        offset2 = _per_channel(quant_offset2, N, Dv, 0.0)
 
     has_mask = attn_mask is not None
     mask_arr = np.asarray(attn_mask) if has_mask else None
@@ -459,7 +460,7 @@ def _attention_bnsd(q, k, v, attn_mask, q_lens, kv_lens, pse_shift, deq_scale1, 
     if additive and int8_in:
         raise ValueError("a float16 attn_mask needs a float16 query")
 
-    out = np.zeros((B, N, Sq, D))
+    out = np.zeros((B, N, Sq, Dv))
     lse = np.full((B, N, Sq), -np.inf)
     for b in range(B):
         qL, kL = q_lens[b], kv_lens[b]
@@ -570,7 +571,7 @@ def prompt_flash_attention(
         N = int(num_heads)
         if input_layout == "BSH":
             D = query.shape[2] // N
-            Nkv = key.shape[2] // D if D else N
+            Nkv = key.shape[2] // D if D else (int(num_key_value_heads) or N)
         else:
             Nkv = int(num_key_value_heads) or N
         q = as_bnsd(query, input_layout, N)
@@ -596,7 +597,7 @@ def _prompt_flash_attention_tnd(query, key, value, attn_mask, ends_q, ends_kv, p
     bounds_kv = _tnd_bounds(ends_kv, key.shape[0], "actual_seq_lengths_kv")
     if len(bounds_q) != len(bounds_kv):
         raise ValueError("actual_seq_lengths and actual_seq_lengths_kv differ in length")
-    out = np.zeros((T, N, D))
+    out = np.zeros((T, N, value.shape[-1]))
     lse = np.full((T, N, 1), -np.inf)
     for (q0, q1), (k0, k1) in zip(bounds_q, bounds_kv):
         # (L, N, D) -> (1, N, L, D)

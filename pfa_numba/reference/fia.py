@@ -74,7 +74,7 @@ def fused_infer_attention_score(
     else:
         mode = 1 if (sparse_mode == 0 and atten_mask is not None and padded) else sparse_mode
     pfa.update(sparse_mode=mode)
-    out = np.zeros((B, N, Sq, D))
+    out = np.zeros((B, N, Sq, kv.Dv))
     lse = np.full((B, N, Sq, 1), -np.inf)
     for b in range(B):
         q0, k0, qL, kL = q0s[b], k0s[b], q_lens[b], kv_lens[b]
@@ -147,11 +147,12 @@ class _KvCaches:
             self.block_size = int(block_size)
             pool = np.asarray(key)
             self.Nkv = pool.shape[1] if pool.ndim == 4 else pool.shape[2] // D
-            self.pools = tuple(self._pool(np.asarray(x), D) for x in (key, value))
+            self.pools = tuple(self._pool(np.asarray(x)) for x in (key, value))
             self.extent = self.table.shape[1] * self.block_size
         elif self.listed:
-            self.elems = [tuple(as_bnsd(np.asarray(x), layout, self._heads(x, N, Nkv, D))[0]
-                                for x in pair) for pair in zip(key, value)]
+            self.elems = [tuple(as_bnsd(np.asarray(x), layout,
+                                        self._heads(pair[0], N, Nkv, D))[0] for x in pair)
+                          for pair in zip(key, value)]
             self.Nkv = self.elems[0][0].shape[0]
             self.extent = max(k.shape[1] for k, _ in self.elems)
         else:
@@ -171,12 +172,19 @@ class _KvCaches:
             return np.asarray(x).shape[2] // D
         return Nkv or N
 
-    def _pool(self, pool, D):
-        """A pool as (num_blocks, Nkv, block_size, D)."""
+    def _pool(self, pool):
+        """A pool as (num_blocks, Nkv, block_size, its head dim)."""
         if pool.ndim == 4:
             return pool
-        nb, bs, _ = pool.shape
-        return pool.reshape(nb, bs, self.Nkv, D).transpose(0, 2, 1, 3)
+        nb, bs, hkv = pool.shape
+        return pool.reshape(nb, bs, self.Nkv, hkv // self.Nkv).transpose(0, 2, 1, 3)
+
+    @property
+    def Dv(self):
+        """Value's head dim."""
+        if self.paged:
+            return self.pools[1].shape[3]
+        return self.elems[0][1].shape[-1] if self.listed else self.v.shape[-1]
 
     def lengths(self, actual):
         B = self.table.shape[0] if self.paged else (len(self.elems) if self.listed
