@@ -16,10 +16,11 @@ silently ignored.
 What a model then gets is what ``attn_implementation="sdpa"`` gives: causal prefill, left and
 right padding, KV-cache decoding in ``generate()``, grouped-query attention (the kv heads are
 read once per group, never repeated) and sliding windows (the band of the mask; the kernels
-skip the kv tiles outside it), in float32, float16 and bfloat16; in grad mode too (training
-and fine-tuning on the CPU: the backward is pfa_numba's, :mod:`pfa_numba.cpu.backward`). A
-model on CUDA tensors runs on the CUDA kernels (the forward; a backward there raises
-NotImplementedError).
+skip the kv tiles outside it), in float32, float16 and bfloat16 at any head dim, with
+multi-head latent attention's value head dim of its own (DeepSeek-V3, MiniCPM3); in grad
+mode too (training and fine-tuning on the CPU: the backward is pfa_numba's,
+:mod:`pfa_numba.cpu.backward`). A model on CUDA tensors runs on the CUDA kernels (the
+forward; a backward there raises NotImplementedError).
 """
 import torch
 from transformers import AttentionInterface
