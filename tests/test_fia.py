@@ -269,15 +269,20 @@ def test_int8_kv_cache_dequantized_as_it_loads(tiles, form, sq, dtype):
     _check((q, k, v), kw, dtype)
 
 
+#: learnable_sink: one logit a query head, large enough to take much of each row's weight
+SINKS = np.linspace(-2.0, 4.0, N).astype(np.float32)
+
+
+@pytest.mark.parametrize("sinks", [None, SINKS.astype(F16)], ids=["", "learnable-sink"])
 @pytest.mark.parametrize("form", ["paged per-token", "paged per-token-head", "per-head"])
-def test_int8_paged_cache(tiles, form):
+def test_int8_paged_cache(tiles, form, sinks):
     rng = np.random.default_rng(11)
     nb, bs = 12, 8
     table = rng.permutation(nb)[:B * 4].reshape(B, 4).astype(np.int32)
     k, v = _int8(rng, (nb, NKV, bs, D)), _int8(rng, (nb, NKV, bs, D))
     q = _x(rng, (B, N, 1, D), F16)
     _check((q, k, v), _kw(block_table=table, block_size=bs, actual_seq_lengths_kv=[32, 9, 17],
-                          **_antiquant_args(rng, form, 32, nb, bs)), F16)
+                          learnable_sink=sinks, **_antiquant_args(rng, form, 32, nb, bs)), F16)
 
 
 def test_int8_kv_with_a_shared_prefix():
@@ -287,10 +292,6 @@ def test_int8_kv_with_a_shared_prefix():
     pk, pv = _int8(rng, (1, NKV, 6, D)), _int8(rng, (1, NKV, 6, D))
     _check((q, k, v), _kw(key_shared_prefix=pk, value_shared_prefix=pv,
                           **_antiquant_args(rng, "merged per-channel", 20)), F16)
-
-
-#: learnable_sink: one logit a query head, large enough to take much of each row's weight
-SINKS = np.linspace(-2.0, 4.0, N).astype(np.float32)
 
 
 @pytest.mark.parametrize("sq, mode", [(1, 0), (21, 3)], ids=["decode", "prefill-causal"])
@@ -307,18 +308,6 @@ def test_learnable_sink_on_a_contiguous_cache(tiles, sq, mode, dtype):
     plain, _ = fia(q, k, v, **dict(kw, learnable_sink=None))
     assert not np.array_equal(out, plain)
     assert not out[2].any() and np.isneginf(lse[2]).all()
-
-
-@pytest.mark.parametrize("form", ["paged per-token", "per-head"])
-def test_learnable_sink_on_a_paged_int8_cache(tiles, form):
-    rng = np.random.default_rng(13)
-    nb, bs = 12, 8
-    table = rng.permutation(nb)[:B * 4].reshape(B, 4).astype(np.int32)
-    k, v = _int8(rng, (nb, NKV, bs, D)), _int8(rng, (nb, NKV, bs, D))
-    q = _x(rng, (B, N, 1, D), F16)
-    _check((q, k, v), _kw(block_table=table, block_size=bs, actual_seq_lengths_kv=[32, 9, 17],
-                          learnable_sink=SINKS.astype(F16),
-                          **_antiquant_args(rng, form, 32, nb, bs)), F16)
 
 
 def test_learnable_sink_refusals_and_plans():

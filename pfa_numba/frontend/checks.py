@@ -144,8 +144,9 @@ class Arguments:
     TENSORS = ()
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            refuse_masked(field.name, getattr(self, field.name))
+        for name, x in vars(self).items():          # every argument: a call's hot path
+            if type(x) not in _NEVER_MASKED:
+                refuse_masked(name, x)
 
     def tensors(self):
         """{name: array or None} of the tensor arguments."""
@@ -293,6 +294,9 @@ def refuse_masked(name, x):
         raise TypeError(f"{name} must be a plain NumPy array, got a masked array "
                         f"(np.ma.MaskedArray of shape {shape_str(x.shape)}); {hint}")
 
+
+#: the types of most arguments, which hold no mask (checked by type, not by isinstance)
+_NEVER_MASKED = frozenset({type(None), bool, int, float, str, np.ndarray})
 
 #: the arguments whose masked positions an attention mask can drop instead
 MASKABLE = ("query", "key", "value", "pse_shift")
